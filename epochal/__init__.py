@@ -1,0 +1,54 @@
+"""Epochal: distributed data-parallel training of PyTorch models with a separate control plane.
+
+A coordinator (:mod:`epochal.coordinator`, no torch) holds the rendezvous and decides every
+per-epoch question once for all ranks; workers (:mod:`epochal.worker`) embed in the training code
+and move tensors among themselves over ``torch.distributed``; :mod:`epochal.protocol` is what they
+say to each other. The worker API is imported lazily so ``import epochal`` (and the CLI) does not
+pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from epochal.errors import (
+    ConfigError,
+    CoordinatorUnreachable,
+    EpochalError,
+    JoinRefused,
+    MalformedMessage,
+    RunAborted,
+)
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from epochal.worker import EpochContext, LossSum, RunResult, Session, fit, join, train
+
+_WORKER_NAMES = {"EpochContext", "LossSum", "RunResult", "Session", "fit", "join", "train"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_NAMES:
+        import epochal.worker
+
+        return getattr(epochal.worker, name)
+    raise AttributeError(f"module 'epochal' has no attribute {name!r}")
+
+
+__all__ = [
+    "ConfigError",
+    "CoordinatorUnreachable",
+    "EpochContext",
+    "EpochalError",
+    "JoinRefused",
+    "LossSum",
+    "MalformedMessage",
+    "RunAborted",
+    "RunResult",
+    "Session",
+    "__version__",
+    "fit",
+    "join",
+    "train",
+]

@@ -1,0 +1,5 @@
+"""``python -m epochal``: the same command line as the ``epochal`` script."""
+
+from epochal.cli import main
+
+raise SystemExit(main())

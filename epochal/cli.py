@@ -1,0 +1,166 @@
+"""The ``epochal`` command line (also ``python -m epochal``).
+
+- ``epochal coordinator``: the coordinator as a service for workers on any machine;
+- ``epochal run``: a coordinator plus N local workers running a training script.
+
+Exit status: 0 the run finished, 1 it was aborted (the reason is printed), 2 bad usage.
+Neither command imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from epochal import __version__
+from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
+from epochal.coordinator.service import new_run_id
+from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
+from epochal.errors import ConfigError, RunAborted
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run policy")
+    g.add_argument("--epochs", type=_positive_int, default=10, metavar="E",
+                   help="epochs to train (default: 10)")
+    g.add_argument("--batch-policy", choices=BATCH_POLICIES, default="error",
+                   help="unequal batch counts across ranks: abort naming each rank's count "
+                        "(error, the default) or run the minimum (truncate)")
+    g.add_argument("--smoothing", type=float, default=1.0, metavar="A",
+                   help="validation-loss smoothing factor in (0, 1]: s = A*loss + (1-A)*s_prev "
+                        "(default: 1.0, no smoothing)")
+    g.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                   help="directory for run.json, epochs.jsonl and result.json "
+                        "(default: runs/RUN_ID)")
+    g.add_argument("--job", default="epochal",
+                   help="job name; workers naming another job are refused (default: epochal)")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="data-plane backend (default: auto = nccl when every worker has CUDA, "
+                        "else gloo)")
+    t = p.add_argument_group("timeouts (seconds)")
+    t.add_argument("--rendezvous-timeout", type=_seconds, default=300.0, metavar="S",
+                   help="time for every worker to join (default: 300)")
+    t.add_argument("--heartbeat-timeout", type=_seconds, default=15.0, metavar="S",
+                   help="silence after which a worker is declared lost (default: 15)")
+
+
+def _config(
+    args: argparse.Namespace, world_size: int, token: str, run_id: str
+) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        world_size=world_size,
+        epochs=args.epochs,
+        job=args.job,
+        token=token,
+        batch_policy=args.batch_policy,
+        smoothing=args.smoothing,
+        backend=args.backend,
+        run_dir=args.run_dir if args.run_dir is not None else Path("runs") / run_id,
+        rendezvous_timeout=args.rendezvous_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epochal",
+        description="Distributed data-parallel training of PyTorch models with a separate "
+                    "control plane.",
+        epilog=f"Workers on other machines attach with {COORDINATOR_ENV}=tcp://HOST:PORT "
+               "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage.",
+    )
+    parser.add_argument("--version", action="version", version=f"epochal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    c = sub.add_parser(
+        "coordinator",
+        help="run the coordinator service for workers started elsewhere",
+        description="Run the coordinator for one job: wait for --world-size workers, run the "
+                    "epochs, exit 0 when the run finishes or 1 when it is aborted. Prints the "
+                    "address it bound on stdout (so port 0 works).",
+    )
+    c.add_argument("--bind", default="tcp://127.0.0.1:0", metavar="ADDR",
+                   help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:0, loopback on a "
+                        "free port; use tcp://0.0.0.0:PORT for workers on other machines)")
+    c.add_argument("--world-size", type=_positive_int, required=True, metavar="N",
+                   help="number of workers in the run")
+    _add_run_options(c)
+
+    r = sub.add_parser(
+        "run",
+        help="run a training script on N local workers under an in-process coordinator",
+        description="Start a coordinator on loopback and N worker processes running SCRIPT, "
+                    "with every output line prefixed by its rank.",
+    )
+    r.add_argument("--nproc", type=_positive_int, required=True, metavar="N",
+                   help="number of worker processes")
+    r.add_argument("-m", dest="module", action="store_true",
+                   help="SCRIPT is a module name to run as `python -m SCRIPT`")
+    _add_run_options(r)
+    r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments passed to SCRIPT")
+    return parser
+
+
+async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
+    from epochal.coordinator import Coordinator
+
+    config = _config(args, args.world_size, token, run_id)
+    coordinator = Coordinator(config, bind=args.bind, run_id=run_id)
+    endpoint = await coordinator.start()
+    print(f"epochal coordinator listening on {endpoint}", flush=True)
+    print(f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT", file=sys.stderr,
+          flush=True)
+    try:
+        await coordinator.run()
+    except RunAborted:
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    run_id = new_run_id()
+    try:
+        if args.command == "coordinator":
+            return asyncio.run(_serve(args, token, run_id))
+        from epochal.launcher import launch, script_command
+
+        command = script_command(args.script, args.script_args, module=args.module)
+        config = _config(args, args.nproc, token, run_id)
+        return asyncio.run(launch(config, args.nproc, command, run_id=run_id))
+    except (ConfigError, FileNotFoundError) as exc:
+        parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
+    except OSError as exc:
+        parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130

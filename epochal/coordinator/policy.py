@@ -1,0 +1,201 @@
+"""The per-epoch decisions, as pure functions and one small state class.
+
+Nothing here does I/O or reads a clock: the service passes the inputs in and sends what comes out,
+so every rule is tested with plain tables (``tests/coordinator/test_policy.py``).
+
+- :func:`plan_epoch` checks every rank's batch counts before any collective runs;
+- :func:`aggregate` turns per-rank loss sums into sample-weighted global losses;
+- :class:`LoopState` smooths the monitored loss, tracks the best epoch and decides when to stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from epochal.coordinator.config import BatchPolicy
+
+
+class PolicyViolation(Exception):
+    """The inputs break a rule; the message says which rank, what, and how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    """What one rank announced for an epoch (``valid`` None: no validation loader)."""
+
+    train: int
+    valid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """How many batches every rank runs this epoch (``valid_batches`` 0: no validation)."""
+
+    train_batches: int
+    valid_batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class LossSums:
+    """One rank's reported loss sums for an epoch."""
+
+    train_sum: float
+    train_count: int
+    valid_sum: float
+    valid_count: int
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``. Keeps 1,000-rank messages short."""
+    ordered = sorted(ranks)
+    spans: list[str] = []
+    start = prev = ordered[0]
+    for r in [*ordered[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("ranks " if len(ordered) > 1 else "rank ") + ",".join(spans)
+
+
+def _by_count(counts: Mapping[int, int | None]) -> str:
+    groups: dict[int | None, list[int]] = defaultdict(list)
+    for rank, n in counts.items():
+        groups[n].append(rank)
+    # the minority first: that is the rank the user most likely needs to look at
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
+    parts = []
+    for n, ranks in ordered:
+        verb = "has" if len(ranks) == 1 else "have"
+        parts.append(f"{format_ranks(ranks)} {verb} {'no' if n is None else n}")
+    return ", ".join(parts)
+
+
+def plan_epoch(counts: Mapping[int, BatchCounts], policy: BatchPolicy) -> EpochPlan:
+    """Check every rank's batch counts and return what all ranks run, or raise PolicyViolation.
+
+    An empty train loader is refused under every policy (it would leave the other ranks waiting in a
+    collective); so is a validation loader that exists but is empty, and a validation loader that
+    some ranks have and others lack. Unequal counts abort under ``error`` and run the minimum under
+    ``truncate``.
+    """
+    empty_train = [r for r, c in counts.items() if c.train == 0]
+    if empty_train:
+        raise PolicyViolation(
+            f"{format_ranks(empty_train)} {'has' if len(empty_train) == 1 else 'have'} an empty "
+            "train loader (0 batches): give every rank at least one batch (a smaller batch size "
+            "or fewer ranks)"
+        )
+    empty_valid = [r for r, c in counts.items() if c.valid == 0]
+    if empty_valid:
+        raise PolicyViolation(
+            f"{format_ranks(empty_valid)} {'has' if len(empty_valid) == 1 else 'have'} an empty "
+            "validation loader (0 batches): give every rank at least one validation batch, or "
+            "pass no validation loader"
+        )
+    without_valid = [r for r, c in counts.items() if c.valid is None]
+    if without_valid and len(without_valid) != len(counts):
+        with_valid = [r for r in counts if r not in without_valid]
+        raise PolicyViolation(
+            f"{format_ranks(without_valid)} {'has' if len(without_valid) == 1 else 'have'} no "
+            f"validation loader but {format_ranks(with_valid)} "
+            f"{'does' if len(with_valid) == 1 else 'do'}: give every rank a validation loader, "
+            "or none"
+        )
+    train = {r: c.train for r, c in counts.items()}
+    valid = {r: c.valid for r, c in counts.items()}
+    train_equal = len(set(train.values())) == 1
+    valid_equal = len(set(valid.values())) == 1
+    if policy == "error" and not (train_equal and valid_equal):
+        kind = "train" if not train_equal else "validation"
+        table = _by_count(train if not train_equal else valid)
+        raise PolicyViolation(
+            f"{table} {kind} batches: make every rank's loader yield the same number of "
+            "batches, or run with --batch-policy truncate"
+        )
+    valid_batches = 0 if without_valid else min(v for v in valid.values() if v is not None)
+    return EpochPlan(train_batches=min(train.values()), valid_batches=valid_batches)
+
+
+def aggregate(reports: Mapping[int, LossSums]) -> tuple[float, float | None]:
+    """Sample-weighted global (train, validation) loss; validation None when no rank validated.
+
+    Raises PolicyViolation for a non-finite loss or a train loss over zero samples.
+    """
+    for rank, r in reports.items():
+        if not (math.isfinite(r.train_sum) and math.isfinite(r.valid_sum)):
+            raise PolicyViolation(
+                f"rank {rank} reported a non-finite loss (train sum {r.train_sum}, validation sum "
+                f"{r.valid_sum}): training diverged; lower the learning rate or check the data"
+            )
+    train_count = sum(r.train_count for r in reports.values())
+    if train_count == 0:
+        raise PolicyViolation(
+            "the ranks reported 0 training samples in total: a loss needs at least one sample"
+        )
+    train = math.fsum(r.train_sum for r in reports.values()) / train_count
+    valid_count = sum(r.valid_count for r in reports.values())
+    if valid_count == 0:
+        return train, None
+    return train, math.fsum(r.valid_sum for r in reports.values()) / valid_count
+
+
+@dataclass(frozen=True, slots=True)
+class EpochOutcome:
+    """What the coordinator decided about one epoch."""
+
+    epoch: int
+    train_loss: float
+    valid_loss: float | None
+    smoothed_loss: float | None
+    best_epoch: int | None
+    best_loss: float | None
+    is_best: bool
+    stop: bool
+
+
+@dataclass(slots=True)
+class LoopState:
+    """lamp's epoch loop state: smoothed loss, best epoch, stop.
+
+    The monitored loss is the validation loss when the run validates, else the train loss.
+    Smoothing is lamp's ``s = a*raw + (1-a)*s_prev``, seeded with the first value; epochs without a
+    monitored value leave the state as it is (lamp resets it; we keep it). The best epoch is the one
+    with the strictly lowest smoothed loss (ties keep the earlier epoch).
+    """
+
+    epochs: int
+    smoothing: float = 1.0
+    smoothed: float | None = None
+    best_epoch: int | None = None
+    best_loss: float | None = None
+    history: list[EpochOutcome] = field(default_factory=list)
+
+    def update(
+        self, epoch: int, train_loss: float, valid_loss: float | None, *, validates: bool
+    ) -> EpochOutcome:
+        """Record ``epoch``'s global losses and return the decision for it."""
+        observed = valid_loss if validates else train_loss
+        is_best = False
+        if observed is not None:
+            a = self.smoothing
+            self.smoothed = observed if self.smoothed is None else a * observed + (1 - a) * self.smoothed
+            if self.best_loss is None or self.smoothed < self.best_loss:
+                self.best_epoch, self.best_loss, is_best = epoch, self.smoothed, True
+        outcome = EpochOutcome(
+            epoch=epoch,
+            train_loss=train_loss,
+            valid_loss=valid_loss,
+            smoothed_loss=self.smoothed if observed is not None else None,
+            best_epoch=self.best_epoch,
+            best_loss=self.best_loss,
+            is_best=is_best,
+            stop=epoch + 1 >= self.epochs,
+        )
+        self.history.append(outcome)
+        return outcome

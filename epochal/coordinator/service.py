@@ -1,0 +1,529 @@
+"""The coordinator service: one ZeroMQ ROUTER socket and one asyncio task that moves messages.
+
+It receives a frame, decodes it, hands it to the pure logic (:mod:`.rendezvous`, :mod:`.policy`,
+:mod:`.liveness`) and sends what that decided. Every decision all ranks must share is taken here,
+once. The service never imports torch.
+
+Phases, in order: rendezvous -> store (rank 0 opens the data-plane store) -> ready (every rank
+announces its batches, answered by Go) -> running (every rank reports losses, answered by
+Decision) -> back to ready, or finishing (Finish sent, waiting for every Done) -> ended.
+An abort from any phase sends Abort to every worker and ends the run with RunAborted.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from epochal.coordinator import liveness
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.journal import Journal
+from epochal.coordinator.policy import (
+    BatchCounts,
+    EpochOutcome,
+    EpochPlan,
+    LoopState,
+    LossSums,
+    PolicyViolation,
+    plan_epoch,
+)
+from epochal.coordinator.policy import aggregate as aggregate_losses
+from epochal.coordinator.rendezvous import Admitted, Fatal, Member, Refused, Rendezvous
+from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
+from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    Abort,
+    CoordinatorMessage,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Finish,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    Message,
+    OpenStore,
+    Reject,
+    StoreReady,
+    Welcome,
+    clip,
+    decode,
+    encode,
+)
+
+LINGER_MS = 2000
+"""How long closing the socket may wait to flush the last Abort or Finish."""
+
+
+class Phase(enum.Enum):
+    RENDEZVOUS = "rendezvous"
+    STORE = "store"
+    READY = "ready"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """How a finished run went, as the coordinator saw it."""
+
+    run_id: str
+    best_epoch: int | None
+    best_loss: float | None
+    epochs_run: int
+    history: list[EpochOutcome] = field(default_factory=list)
+
+
+def _format_loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def format_epoch_line(outcome: EpochOutcome, epochs: int, lr_factor: float, seconds: float) -> str:
+    """The one line per epoch a person follows a run by."""
+    best = (
+        "-" if outcome.best_epoch is None
+        else f"{outcome.best_epoch} ({_format_loss(outcome.best_loss)})"
+    )
+    marker = " *" if outcome.is_best else ""
+    return (
+        f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]  "
+        f"train {_format_loss(outcome.train_loss)}  valid {_format_loss(outcome.valid_loss)}  "
+        f"smoothed {_format_loss(outcome.smoothed_loss)}  lr x{lr_factor:g}  best {best}  "
+        f"{seconds:.2f}s{marker}"
+    )
+
+
+def new_run_id() -> str:
+    """A fresh, short, unique run id."""
+    return uuid.uuid4().hex[:12]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Coordinator:
+    """Runs one training job's control plane.
+
+    ``await start()`` binds and returns the endpoint (port 0 is resolved), ``await run()`` serves
+    until the run finishes (returns a RunSummary) or is aborted (raises RunAborted).
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        log: Callable[[str], None] = _stderr,
+        context: zmq.asyncio.Context | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.config = config
+        self.bind_address = bind
+        self.endpoint: str | None = None
+        self.run_id = run_id or new_run_id()
+        self.phase = Phase.RENDEZVOUS
+        self._log = log
+        self._context = context or zmq.asyncio.Context.instance()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._rendezvous = Rendezvous(config)
+        self._last_seen: dict[bytes, float] = {}
+        self._ranks: dict[bytes, int] = {}
+        self._members_by_rank: list[Member] = []
+        self._backend = "gloo"
+        self._store: StoreReady | None = None
+        self._epoch = 0
+        self._ready: dict[int, BatchCounts] = {}
+        self._reports: dict[int, LossSums] = {}
+        self._done: set[int] = set()
+        self._plan: EpochPlan | None = None
+        self._validates = False
+        self._lr_factor = 1.0
+        self._loop = LoopState(epochs=config.epochs, smoothing=config.smoothing)
+        self._phase_started = 0.0
+        self._epoch_started = 0.0
+        self._requested_abort: str | None = None
+        self._outcome: RunSummary | RunAborted | None = None
+        self._journal: Journal | None = None
+        self.dropped_frames = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        """Bind the ROUTER socket and return the endpoint it listens on."""
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            sock.bind(self.bind_address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
+        self._socket = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._phase_started = time.monotonic()
+        if self.config.run_dir is not None:
+            self._journal = Journal(self.config.run_dir)
+            self._journal.start(
+                {
+                    "run_id": self.run_id,
+                    "endpoint": self.endpoint,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "started": time.time(),
+                    "config": {k: str(v) if k == "run_dir" else v
+                               for k, v in asdict(self.config).items() if k != "token"},
+                }
+            )
+        return self.endpoint
+
+    def abort(self, reason: str) -> None:
+        """Ask the running service to abort the run (from the same event loop)."""
+        if self._requested_abort is None:
+            self._requested_abort = reason
+
+    async def run(self) -> RunSummary:
+        """Serve until the run ends; return its summary or raise RunAborted."""
+        if self._socket is None:
+            await self.start()
+        sock = self._socket
+        assert sock is not None
+        tick = min(0.1, self.config.heartbeat_interval / 2)
+        next_heartbeat = time.monotonic()
+        try:
+            while self._outcome is None:
+                if await sock.poll(timeout=int(tick * 1000), flags=zmq.POLLIN):
+                    while self._outcome is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        frames = await sock.recv_multipart()
+                        await self._receive(frames)
+                now = time.monotonic()
+                if self._requested_abort is not None and self._outcome is None:
+                    await self._abort(self._requested_abort)
+                    break
+                if now >= next_heartbeat:
+                    next_heartbeat = now + self.config.heartbeat_interval
+                    await self._broadcast_heartbeat()
+                await self._check_clock(now)
+        finally:
+            self.phase = Phase.ENDED
+            if self._journal is not None:
+                self._journal.close()
+            sock.close(linger=LINGER_MS)
+            self._socket = None
+        if isinstance(self._outcome, RunAborted):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    # ------------------------------------------------------------------ sending
+
+    async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
+        assert self._socket is not None
+        await self._socket.send_multipart([peer, encode(message)])
+
+    async def _send_all(self, message: CoordinatorMessage) -> None:
+        data = encode(message)
+        assert self._socket is not None
+        for member in self._members_by_rank or list(self._rendezvous.members.values()):
+            await self._socket.send_multipart([member.peer, data])
+
+    async def _broadcast_heartbeat(self) -> None:
+        await self._send_all(Heartbeat())
+
+    # ------------------------------------------------------------------ receiving
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.dropped_frames += 1
+            return
+        peer, data = frames
+        try:
+            message = decode(data)
+        except ProtocolVersionMismatch as exc:
+            await self._send(peer, Reject(reason=clip(str(exc))))
+            return
+        except MalformedMessage as exc:
+            self.dropped_frames += 1
+            rank = self._ranks.get(peer)
+            if rank is not None:
+                await self._abort(f"rank {rank} sent a malformed message: {exc}")
+            else:
+                await self._send(peer, Reject(reason=clip(f"malformed message: {exc}")))
+            return
+        if peer in self._last_seen or peer in self._ranks:
+            self._last_seen[peer] = time.monotonic()
+        await self._handle(peer, message)
+
+    async def _handle(self, peer: bytes, message: Message) -> None:
+        if isinstance(message, Hello):
+            await self._on_hello(peer, message)
+            return
+        rank = self._ranks.get(peer)
+        if rank is None:
+            if peer in self._rendezvous.members:
+                if isinstance(message, Heartbeat):
+                    return
+                if isinstance(message, Failed):
+                    member = self._rendezvous.members[peer]
+                    self._log(f"{member.describe()} failed before the run started: {message.reason}")
+                    self._rendezvous.leave(peer)
+                    self._last_seen.pop(peer, None)
+                    return
+            if not isinstance(message, Heartbeat):
+                await self._send(peer, Reject(reason="not a member of this run: send hello first"))
+            return
+        match message:
+            case Heartbeat():
+                pass
+            case StoreReady() if self.phase is Phase.STORE and rank == 0:
+                self._store = message
+                await self._welcome_all()
+            case EpochReady() if self.phase is Phase.READY and message.epoch == self._epoch:
+                self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                if len(self._ready) == self.config.world_size:
+                    await self._start_epoch()
+            case EpochReport() if self.phase is Phase.RUNNING and message.epoch == self._epoch:
+                self._reports[rank] = LossSums(
+                    message.train_loss_sum, message.train_count,
+                    message.valid_loss_sum, message.valid_count,
+                )
+                if len(self._reports) == self.config.world_size:
+                    await self._decide()
+            case Done() if self.phase is Phase.FINISHING:
+                self._done.add(rank)
+                if len(self._done) == self.config.world_size:
+                    self._end()
+            case Failed():
+                member = self._members_by_rank[rank]
+                await self._abort(f"rank {rank} ({member.describe()}) failed: {message.reason}")
+            case _:
+                await self._abort(
+                    f"rank {rank} sent {type(message).__name__} while the coordinator was in "
+                    f"phase {self.phase.value} of epoch {self._epoch}: the worker and coordinator "
+                    "are out of step (a bug, or mixed epochal versions)"
+                )
+
+    async def _on_hello(self, peer: bytes, hello: Hello) -> None:
+        verdict = self._rendezvous.offer(peer, hello)
+        match verdict:
+            case Refused(reason=reason):
+                self._log(f"refused worker {hello.worker_id} from {hello.host}: {reason}")
+                await self._send(peer, Reject(reason=clip(reason)))
+            case Fatal(reason=reason):
+                await self._send(peer, Abort(reason=clip(reason)))
+                await self._abort(reason)
+            case Admitted(again=again):
+                self._last_seen[peer] = time.monotonic()
+                joined = len(self._rendezvous.members)
+                if again and peer in self._ranks:
+                    if self._store is not None:
+                        await self._send(peer, self._welcome_for(peer))
+                    return
+                await self._send(peer, Joined(joined=joined, world_size=self.config.world_size))
+                if again:
+                    return
+                self._log(
+                    f"worker {hello.worker_id} joined from {hello.host} "
+                    f"({joined}/{self.config.world_size})"
+                )
+                if self._rendezvous.complete:
+                    await self._open_store()
+
+    # ------------------------------------------------------------------ phases
+
+    async def _open_store(self) -> None:
+        self._ranks, self._backend = self._rendezvous.assign()
+        members = self._rendezvous.members
+        by_rank: list[Member | None] = [None] * self.config.world_size
+        for peer, rank in self._ranks.items():
+            by_rank[rank] = members[peer]
+        self._members_by_rank = [m for m in by_rank if m is not None]
+        self._set_phase(Phase.STORE)
+        await self._send(self._members_by_rank[0].peer, OpenStore(run_id=self.run_id))
+
+    def _welcome_for(self, peer: bytes) -> Welcome:
+        assert self._store is not None
+        return Welcome(
+            rank=self._ranks[peer],
+            world_size=self.config.world_size,
+            run_id=self.run_id,
+            backend=self._backend,
+            store_host=self._store.host,
+            store_port=self._store.port,
+            start_epoch=0,
+            epochs=self.config.epochs,
+        )
+
+    async def _welcome_all(self) -> None:
+        for member in self._members_by_rank:
+            await self._send(member.peer, self._welcome_for(member.peer))
+        self._log(
+            f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
+            f"data-plane store at {self._store.host}:{self._store.port}"  # type: ignore[union-attr]
+        )
+        self._set_phase(Phase.READY)
+
+    async def _start_epoch(self) -> None:
+        try:
+            plan = plan_epoch(self._ready, self.config.batch_policy)
+        except PolicyViolation as exc:
+            await self._abort(f"epoch {self._epoch}: {exc}")
+            return
+        if self._epoch == 0:
+            self._validates = plan.valid_batches > 0
+        self._plan = plan
+        self._ready.clear()
+        self._set_phase(Phase.RUNNING)
+        self._epoch_started = time.monotonic()
+        await self._send_all(
+            Go(
+                epoch=self._epoch,
+                train_batches=plan.train_batches,
+                valid_batches=plan.valid_batches,
+                lr_factor=self._lr_factor,
+            )
+        )
+
+    async def _decide(self) -> None:
+        try:
+            train_loss, valid_loss = aggregate_losses(self._reports)
+        except PolicyViolation as exc:
+            await self._abort(f"epoch {self._epoch}: {exc}")
+            return
+        self._reports.clear()
+        outcome = self._loop.update(
+            self._epoch, train_loss, valid_loss, validates=self._validates
+        )
+        seconds = time.monotonic() - self._epoch_started
+        if self._journal is not None:
+            plan = self._plan
+            assert plan is not None
+            self._journal.epoch(
+                {
+                    **asdict(outcome),
+                    "lr_factor": self._lr_factor,
+                    "train_batches": plan.train_batches,
+                    "valid_batches": plan.valid_batches,
+                    "seconds": round(seconds, 6),
+                    "time": time.time(),
+                }
+            )
+        await self._send_all(
+            Decision(
+                epoch=outcome.epoch,
+                train_loss=outcome.train_loss,
+                valid_loss=outcome.valid_loss,
+                smoothed_loss=outcome.smoothed_loss,
+                best_epoch=outcome.best_epoch,
+                is_best=outcome.is_best,
+                stop=outcome.stop,
+            )
+        )
+        self._log(format_epoch_line(outcome, self.config.epochs, self._lr_factor, seconds))
+        if outcome.stop:
+            await self._finish()
+        else:
+            self._epoch += 1
+            self._set_phase(Phase.READY)
+
+    async def _finish(self) -> None:
+        loop = self._loop
+        await self._send_all(
+            Finish(
+                best_epoch=loop.best_epoch,
+                best_loss=loop.best_loss,
+                epochs_run=len(loop.history),
+            )
+        )
+        self._log(
+            f"run {self.run_id} finished after {len(loop.history)} epochs: best epoch "
+            f"{loop.best_epoch} (smoothed loss {_format_loss(loop.best_loss)})"
+        )
+        self._set_phase(Phase.FINISHING)
+
+    def _end(self) -> None:
+        loop = self._loop
+        summary = RunSummary(
+            run_id=self.run_id,
+            best_epoch=loop.best_epoch,
+            best_loss=loop.best_loss,
+            epochs_run=len(loop.history),
+            history=list(loop.history),
+        )
+        if self._journal is not None:
+            self._journal.result(
+                {"status": "finished", "run_id": self.run_id, "best_epoch": loop.best_epoch,
+                 "best_loss": loop.best_loss, "epochs_run": len(loop.history)}
+            )
+        self._outcome = summary
+
+    async def _abort(self, reason: str) -> None:
+        if self._outcome is not None:
+            return
+        self._log(f"run aborted: {reason}")
+        await self._send_all(Abort(reason=clip(reason)))
+        if self._journal is not None:
+            self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
+        self._outcome = RunAborted(reason)
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        self._phase_started = time.monotonic()
+
+    # ------------------------------------------------------------------ the clock
+
+    async def _check_clock(self, now: float) -> None:
+        if self._outcome is not None:
+            return
+        cfg = self.config
+        waited = now - self._phase_started
+        if self.phase is Phase.RENDEZVOUS:
+            for peer in liveness.lost(now, self._last_seen, cfg.heartbeat_timeout):
+                member = self._rendezvous.members.get(peer)
+                if member is not None:
+                    self._log(f"{member.describe()} went silent during rendezvous; dropped")
+                    self._rendezvous.leave(peer)
+                self._last_seen.pop(peer, None)
+            if waited > cfg.rendezvous_timeout:
+                joined = len(self._rendezvous.members)
+                await self._abort(
+                    f"only {joined} of {cfg.world_size} workers joined within "
+                    f"{cfg.rendezvous_timeout:g} s: start the missing workers, or lower "
+                    "--world-size"
+                )
+            return
+        if self.phase is Phase.STORE and waited > cfg.store_timeout:
+            await self._abort(
+                f"rank 0 ({self._members_by_rank[0].describe()}) did not open the data-plane "
+                f"store within {cfg.store_timeout:g} s"
+            )
+            return
+        ranked = {peer: self._last_seen.get(peer, now) for peer in self._ranks}
+        silent = liveness.lost(now, ranked, cfg.heartbeat_timeout)
+        if silent:
+            rank = self._ranks[silent[0]]
+            member = self._members_by_rank[rank]
+            await self._abort(
+                f"rank {rank} ({member.describe()}) sent nothing for "
+                f"{now - ranked[silent[0]]:.1f} s: it died, hung or lost its network"
+            )
+            return
+        if self.phase is Phase.FINISHING and waited > cfg.finish_timeout:
+            missing = sorted(set(range(cfg.world_size)) - self._done)
+            self._log(f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s")
+            self._end()

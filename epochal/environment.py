@@ -1,0 +1,33 @@
+"""Names of the environment variables epochal reads, in one place.
+
+An explicit argument always wins over the variable. The launcher (``epochal run``) sets these for
+the workers it starts; a worker on another machine is pointed at its coordinator with
+``EPOCHAL_COORDINATOR=tcp://HOST:PORT``.
+"""
+
+COORDINATOR_ENV = "EPOCHAL_COORDINATOR"
+"""Endpoint of the coordinator, e.g. ``tcp://10.0.0.5:29400``."""
+
+JOB_ENV = "EPOCHAL_JOB"
+"""Job name; must equal the coordinator's ``--job``."""
+
+TOKEN_ENV = "EPOCHAL_TOKEN"
+"""Shared secret the coordinator may require in every hello."""
+
+WORKER_ID_ENV = "EPOCHAL_WORKER_ID"
+"""Unique id of this worker process (default: ``HOST/PID``)."""
+
+RANK_ENV = "EPOCHAL_RANK"
+"""Rank this worker asks for; the coordinator assigns any free rank when unset."""
+
+LOCAL_RANK_ENV = "EPOCHAL_LOCAL_RANK"
+"""Index of this worker on its machine: picks ``cuda:LOCAL_RANK`` on GPU machines."""
+
+HOST_ENV = "EPOCHAL_HOST"
+"""Address other workers reach this machine at (rank 0 advertises its data-plane store there)."""
+
+CONNECT_TIMEOUT_ENV = "EPOCHAL_CONNECT_TIMEOUT"
+"""Seconds a worker keeps trying to reach its coordinator before giving up."""
+
+PROGRESS_ENV = "EPOCHAL_PROGRESS"
+"""``1`` forces the in-epoch progress bar on, ``0`` off; default: on when stderr is a terminal."""

@@ -1,0 +1,63 @@
+"""The control-plane protocol: message types, their msgpack codec, version and limits.
+
+Pure data: no I/O, no torch, no zmq. Both the coordinator and the worker import it.
+"""
+
+from epochal.protocol.codec import decode, encode
+from epochal.protocol.messages import (
+    DEFAULT_JOB,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    CoordinatorMessage,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Finish,
+    Fingerprint,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    Message,
+    OpenStore,
+    ParamSpec,
+    Reject,
+    StoreReady,
+    Welcome,
+    WorkerMessage,
+    check_job_name,
+    clip,
+)
+
+__all__ = [
+    "DEFAULT_JOB",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "CoordinatorMessage",
+    "Decision",
+    "Done",
+    "EpochReady",
+    "EpochReport",
+    "Failed",
+    "Finish",
+    "Fingerprint",
+    "Go",
+    "Heartbeat",
+    "Hello",
+    "Joined",
+    "Message",
+    "OpenStore",
+    "ParamSpec",
+    "Reject",
+    "StoreReady",
+    "Welcome",
+    "WorkerMessage",
+    "check_job_name",
+    "clip",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,231 @@
+"""The worker's control client: a ZeroMQ DEALER on its own daemon thread with its own asyncio loop.
+
+The training code's main thread calls :meth:`ControlClient.send` and :meth:`ControlClient.receive`;
+the thread keeps heartbeats flowing while the main thread is busy in a step or a collective, and
+turns an Abort or a vanished coordinator into :class:`~epochal.errors.RunAborted` at the main
+thread's next call (or its next :meth:`check`, made between batches). If the main thread does not
+come back within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the
+thread prints the reason and ends the process with :data:`ABORT_EXIT_CODE`: a bounded abort
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from epochal.errors import EpochalError, MalformedMessage, RunAborted
+from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    Abort,
+    CoordinatorMessage,
+    Heartbeat,
+    WorkerMessage,
+    decode,
+    encode,
+)
+
+ABORT_EXIT_CODE = 75
+"""Exit status of a worker process ended by an abort it could not leave in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Lost:
+    """Synthetic inbox entry: the coordinator went silent."""
+
+    reason: str
+
+
+class ControlClient:
+    """Owns the DEALER socket; safe to call from one user thread while its own thread runs."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: bytes,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 15.0,
+        abort_grace: float = 5.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.abort_grace = abort_grace
+        self._inbox: queue.Queue[CoordinatorMessage | _Lost] = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[WorkerMessage | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._last_heard: float | None = None
+        self._abort_reason: str | None = None
+        self._abort_taken = threading.Event()
+        self._watch_coordinator = False
+
+    # ------------------------------------------------------------------ main-thread API
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="epochal-control", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise EpochalError(f"control client failed to start: {self._error}") from self._error
+
+    def watch_coordinator(self) -> None:
+        """From now on a silent coordinator counts as lost (called once the worker has joined)."""
+        self._last_heard = time.monotonic()
+        self._watch_coordinator = True
+
+    def send(self, message: WorkerMessage) -> None:
+        loop, outbox = self._loop, self._outbox
+        if loop is None or outbox is None or loop.is_closed():
+            raise EpochalError("the control client is closed")
+        loop.call_soon_threadsafe(outbox.put_nowait, message)
+
+    def receive(self, timeout: float | None = None) -> CoordinatorMessage:
+        """The next message from the coordinator (heartbeats excluded).
+
+        Raises TimeoutError when ``timeout`` passes first, RunAborted on an Abort or when the
+        coordinator went silent.
+        """
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no message from the coordinator") from None
+        if isinstance(item, _Lost):
+            self._abort_taken.set()
+            raise RunAborted(item.reason)
+        if isinstance(item, Abort):
+            self._abort_taken.set()
+            raise RunAborted(item.reason)
+        return item
+
+    def check(self) -> None:
+        """Raise RunAborted if an abort has arrived; cheap enough to call between batches."""
+        reason = self._abort_reason
+        if reason is not None:
+            self._abort_taken.set()
+            raise RunAborted(reason)
+
+    def close(self, *, flush: float = 2.0) -> None:
+        """Send what is queued (waiting up to ``flush`` seconds) and stop the thread."""
+        self._abort_taken.set()
+        loop, outbox = self._loop, self._outbox
+        if loop is not None and outbox is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(outbox.put_nowait, None)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=flush + 1.0)
+
+    # ------------------------------------------------------------------ control thread
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # recorded and acted on by the main thread, never lost
+            self._error = exc
+            self._started.set()
+            self._fail(f"the control thread crashed: {type(exc).__name__}: {exc}")
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            ctx.term()
+            raise EpochalError(f"cannot connect to coordinator {self.endpoint!r}: {exc}") from None
+        self._started.set()
+        reader = asyncio.create_task(self._read(sock))
+        ticker = asyncio.create_task(self._tick())
+        try:
+            while True:
+                message = await self._outbox.get()
+                if message is None:
+                    break
+                await sock.send(encode(message))
+        finally:
+            reader.cancel()
+            ticker.cancel()
+            await asyncio.gather(reader, ticker, return_exceptions=True)
+            sock.close(linger=2000)
+            ctx.term()
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            if not await sock.poll(timeout=200, flags=zmq.POLLIN):
+                continue
+            data = await sock.recv()
+            self._last_heard = time.monotonic()
+            try:
+                message = decode(data)
+            except MalformedMessage as exc:
+                self._fail(f"the coordinator sent a malformed message: {exc}")
+                continue
+            if isinstance(message, Heartbeat):
+                continue
+            if isinstance(message, Abort):
+                self._begin_abort(message.reason)
+            self._inbox.put(message)  # type: ignore[arg-type]
+
+    async def _tick(self) -> None:
+        assert self._outbox is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self._outbox.put_nowait(Heartbeat())
+            heard = self._last_heard
+            if (
+                self._watch_coordinator
+                and heard is not None
+                and time.monotonic() - heard > self.heartbeat_timeout
+                and self._abort_reason is None
+            ):
+                self._fail(
+                    f"the coordinator at {self.endpoint} sent nothing for "
+                    f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
+                )
+
+    def _fail(self, reason: str) -> None:
+        self._begin_abort(reason)
+        self._inbox.put(_Lost(reason))
+
+    def _begin_abort(self, reason: str) -> None:
+        if self._abort_reason is not None:
+            return
+        self._abort_reason = reason
+        threading.Thread(
+            target=self._exit_unless_taken, args=(reason,), name="epochal-abort", daemon=True
+        ).start()
+
+    def _exit_unless_taken(self, reason: str) -> None:
+        if self._abort_taken.wait(self.abort_grace):
+            return
+        print(
+            f"epochal: run aborted: {reason}\n"
+            f"epochal: the training code did not return to epochal within {self.abort_grace:g} s "
+            f"(blocked in a collective?); exiting with status {ABORT_EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(ABORT_EXIT_CODE)

@@ -1,0 +1,457 @@
+"""Joining a run and following the coordinator's epochs: the worker API's lower level.
+
+:func:`join` performs the rendezvous (retrying with backoff until the coordinator answers or the
+connect deadline passes), opens the data-plane process group, and returns a :class:`Session`.
+:meth:`Session.run_epochs` is lamp's ``epochs`` loop with the decisions taken by the coordinator:
+the user supplies a train-epoch function and a validation function; the session announces batch
+counts, waits for Go, runs them, reports the loss sums and follows the Decision.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+from epochal.environment import (
+    CONNECT_TIMEOUT_ENV,
+    COORDINATOR_ENV,
+    HOST_ENV,
+    JOB_ENV,
+    LOCAL_RANK_ENV,
+    RANK_ENV,
+    TOKEN_ENV,
+    WORKER_ID_ENV,
+)
+from epochal.errors import ConfigError, CoordinatorUnreachable, EpochalError, JoinRefused, RunAborted
+from epochal.protocol import (
+    DEFAULT_JOB,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Finish,
+    Go,
+    Hello,
+    Joined,
+    OpenStore,
+    Reject,
+    StoreReady,
+    Welcome,
+    check_job_name,
+    clip,
+)
+from epochal.worker.client import ControlClient
+from epochal.worker.fingerprint import fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class LossSum:
+    """A loss summed over samples (``total``) and how many samples that was (``count``)."""
+
+    total: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class EpochContext:
+    """What the coordinator said about the epoch about to run; identical on every rank."""
+
+    epoch: int
+    train_batches: int
+    valid_batches: int
+    # 0: no validation this epoch
+    lr_factor: float
+    rank: int
+    world_size: int
+    session: Session
+
+    def check(self) -> None:
+        """Raise RunAborted if the run was aborted; call it between batches of a custom loop."""
+        self.session.client.check()
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRecord:
+    """One point of the learning curve."""
+
+    epoch: int
+    train_loss: float
+    valid_loss: float | None
+    smoothed_loss: float | None
+    lr_factor: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """How the run went: the best epoch, its figures, and the whole learning curve."""
+
+    best_epoch: int | None
+    best_loss: float | None
+    # smoothed monitored loss of the best epoch
+    epochs_run: int
+    rank: int
+    world_size: int
+    curve: list[EpochRecord] = field(default_factory=list)
+
+    @property
+    def best(self) -> EpochRecord | None:
+        """The learning-curve record of the best epoch."""
+        return next((r for r in self.curve if r.epoch == self.best_epoch), None)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {raw!r}")
+    return value
+
+
+def _check_endpoint(endpoint: str) -> str:
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("tcp", "ipc", "inproc") or not (parts.netloc or parts.path):
+        raise ConfigError(
+            f"coordinator address {endpoint!r} is not a ZeroMQ endpoint: use tcp://HOST:PORT "
+            f"(pass coordinator=... or set {COORDINATOR_ENV})"
+        )
+    if parts.scheme == "tcp" and (parts.port is None or parts.port == 0):
+        raise ConfigError(
+            f"coordinator address {endpoint!r} has no port: use the address the coordinator "
+            "printed when it started, e.g. tcp://127.0.0.1:29400"
+        )
+    return endpoint
+
+
+def advertised_host(endpoint: str) -> str:
+    """The address of this machine that the coordinator's peers can reach.
+
+    ``EPOCHAL_HOST`` wins; a loopback coordinator means a single-machine run (127.0.0.1);
+    otherwise the local address of the route to the coordinator (no packet is sent).
+    """
+    explicit = os.environ.get(HOST_ENV)
+    if explicit:
+        return explicit
+    host = urlsplit(endpoint).hostname or "127.0.0.1"
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass  # a host name: resolve the route below
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class Session:
+    """One worker's membership in a run: rank, world, the control client and the process group."""
+
+    def __init__(
+        self,
+        client: ControlClient,
+        welcome: Welcome,
+        device: torch.device,
+        store: dist.TCPStore,
+    ) -> None:
+        self.client = client
+        self.rank = welcome.rank
+        self.world_size = welcome.world_size
+        self.run_id = welcome.run_id
+        self.backend = welcome.backend
+        self.start_epoch = welcome.start_epoch
+        self.epochs = welcome.epochs
+        self.device = device
+        self._store = store  # rank 0 hosts it: it must live as long as the process group
+        self._closed = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_epochs(
+        self,
+        train_epoch: Callable[[EpochContext], LossSum],
+        valid_epoch: Callable[[EpochContext], LossSum] | None = None,
+        *,
+        batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
+        on_best: Callable[[int], None] | None = None,
+    ) -> RunResult:
+        """Run epochs until the coordinator says stop, then wait for Finish.
+
+        ``batches`` is ``(train_batches, valid_batches)`` this rank holds (``valid_batches`` None
+        when it has no validation data), or a function of the epoch returning that. The functions
+        receive an :class:`EpochContext` and must run exactly ``ctx.train_batches`` /
+        ``ctx.valid_batches`` batches, returning the summed loss and the sample count.
+        ``on_best(epoch)`` runs when the coordinator declares the epoch the new best.
+        """
+        curve: list[EpochRecord] = []
+        try:
+            epoch = self.start_epoch
+            while True:
+                counts = batches(epoch) if callable(batches) else batches
+                train_batches, valid_batches = counts
+                if valid_epoch is None:
+                    valid_batches = None
+                self.client.send(EpochReady(epoch, train_batches, valid_batches))
+                go = self._expect(Go)
+                ctx = EpochContext(
+                    epoch=go.epoch,
+                    train_batches=go.train_batches,
+                    valid_batches=go.valid_batches,
+                    lr_factor=go.lr_factor,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    session=self,
+                )
+                started = time.monotonic()
+                train = train_epoch(ctx)
+                valid = LossSum(0.0, 0)
+                if valid_epoch is not None and go.valid_batches > 0:
+                    valid = valid_epoch(ctx)
+                self.client.send(
+                    EpochReport(
+                        epoch=epoch,
+                        train_loss_sum=float(train.total),
+                        train_count=int(train.count),
+                        valid_loss_sum=float(valid.total),
+                        valid_count=int(valid.count),
+                    )
+                )
+                decision = self._expect(Decision)
+                curve.append(
+                    EpochRecord(
+                        epoch=decision.epoch,
+                        train_loss=decision.train_loss,
+                        valid_loss=decision.valid_loss,
+                        smoothed_loss=decision.smoothed_loss,
+                        lr_factor=go.lr_factor,
+                        seconds=time.monotonic() - started,
+                    )
+                )
+                if decision.is_best and on_best is not None:
+                    on_best(decision.epoch)
+                if decision.stop:
+                    break
+                epoch += 1
+            finish = self._expect(Finish)
+            self.client.send(Done())
+        except (RunAborted, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        return RunResult(
+            best_epoch=finish.best_epoch,
+            best_loss=finish.best_loss,
+            epochs_run=finish.epochs_run,
+            rank=self.rank,
+            world_size=self.world_size,
+            curve=curve,
+        )
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the coordinator this rank cannot go on, so every other rank stops too."""
+        lines = traceback.format_exception_only(type(exc), exc)
+        self.client.send(Failed(reason=clip("".join(lines).strip())))
+
+    def _expect(self, kind: type[Any]) -> Any:
+        while True:
+            message = self.client.receive()
+            if isinstance(message, kind):
+                return message
+            if isinstance(message, Welcome | Joined):
+                continue  # an answer to a retried hello
+            raise EpochalError(
+                f"expected {kind.__name__} from the coordinator, got {type(message).__name__}: "
+                "the worker and the coordinator are out of step (mixed epochal versions?)"
+            )
+
+    def close(self) -> None:
+        """Leave the process group and stop the control client. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # tearing down after an abort: the peers may be gone already
+                pass
+        self.client.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _device_for(local_rank: int, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def join(
+    model: torch.nn.Module,
+    *,
+    coordinator: str | None = None,
+    job: str | None = None,
+    token: str | None = None,
+    worker_id: str | None = None,
+    rank: int | None = None,
+    device: str | torch.device | None = None,
+    connect_timeout: float | None = None,
+    collective_timeout: float = 600.0,
+    heartbeat_interval: float = 1.0,
+    heartbeat_timeout: float = 15.0,
+    abort_grace: float = 5.0,
+) -> Session:
+    """Join the run the coordinator holds and return this worker's Session.
+
+    Every argument left None comes from its environment variable (see
+    :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default 120 s) bounds
+    the time to reach the coordinator and be admitted; after that the coordinator's own
+    rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
+    """
+    endpoint = coordinator or os.environ.get(COORDINATOR_ENV)
+    if not endpoint:
+        raise ConfigError(
+            f"no coordinator address: pass coordinator='tcp://HOST:PORT' or set {COORDINATOR_ENV}, "
+            "or start the script with `epochal run --nproc N SCRIPT`"
+        )
+    endpoint = _check_endpoint(endpoint)
+    try:
+        job = check_job_name(job or os.environ.get(JOB_ENV) or DEFAULT_JOB)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+    host = socket.gethostname()
+    worker_id = worker_id or os.environ.get(WORKER_ID_ENV) or f"{host}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
+    rank_hint = rank if rank is not None else _env_int(RANK_ENV)
+    local_rank = _env_int(LOCAL_RANK_ENV) or 0
+    deadline_s = connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
+    for name, value in (("collective_timeout", collective_timeout), ("connect_timeout", deadline_s),
+                        ("heartbeat_interval", heartbeat_interval), ("abort_grace", abort_grace)):
+        if not value > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+    if heartbeat_timeout <= heartbeat_interval:
+        raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
+    dev = _device_for(local_rank, device)
+
+    client = ControlClient(
+        endpoint,
+        identity=worker_id.encode()[:255],
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        abort_grace=abort_grace,
+    )
+    client.start()
+    try:
+        hello = Hello(
+            job=job,
+            token=token,
+            worker_id=worker_id,
+            host=host,
+            pid=os.getpid(),
+            rank_hint=rank_hint,
+            device="cuda" if dev.type == "cuda" else "cpu",
+            fingerprint=fingerprint(model),
+        )
+        welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
+        if welcome.backend == "nccl" and dev.type != "cuda":
+            raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
+        dist.init_process_group(
+            backend=welcome.backend,
+            store=dist.PrefixStore(f"epochal/{welcome.run_id}", store),
+            rank=welcome.rank,
+            world_size=welcome.world_size,
+            timeout=timedelta(seconds=collective_timeout),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    except BaseException:
+        client.close(flush=0.5)
+        raise
+    return Session(client, welcome, dev, store)
+
+
+def _rendezvous(
+    client: ControlClient, hello: Hello, endpoint: str, deadline_s: float, store_timeout: float
+) -> tuple[Welcome, dist.TCPStore]:
+    deadline = time.monotonic() + deadline_s
+    backoff = 0.1
+    joined = False
+    store: dist.TCPStore | None = None
+    client.send(hello)
+    while True:
+        try:
+            message = client.receive(timeout=None if joined else backoff)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise CoordinatorUnreachable(
+                    f"no coordinator answered at {endpoint} within {deadline_s:g} s: start it "
+                    f"first (epochal coordinator --bind ...) or check the address "
+                    f"({COORDINATOR_ENV}) and that nothing blocks the port"
+                ) from None
+            backoff = min(backoff * 2, 2.0)
+            client.send(hello)
+            continue
+        match message:
+            case Joined():
+                if not joined:
+                    joined = True
+                    client.watch_coordinator()
+            case Reject(reason=reason):
+                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
+            case OpenStore():
+                if store is None:
+                    host = advertised_host(endpoint)
+                    store = dist.TCPStore(
+                        host, 0, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=store_timeout),
+                    )
+                client.send(StoreReady(host=host, port=store.port))
+            case Welcome():
+                if store is None:
+                    store = dist.TCPStore(
+                        message.store_host, message.store_port, is_master=False,
+                        timeout=timedelta(seconds=store_timeout),
+                    )
+                return message, store
+            case _:
+                raise EpochalError(
+                    f"unexpected {type(message).__name__} from the coordinator during rendezvous"
+                )

@@ -1,0 +1,186 @@
+"""The high-level worker call: train a model data-parallel under a coordinator.
+
+:func:`train` joins the run, wraps the model in DistributedDataParallel (gloo on CPU, NCCL on
+CUDA: DDP's bucketed all-reduce averages gradients, overlapped with backward), runs the epochs the
+coordinator starts, keeps the weights of the best epoch and restores them at the end. It is
+:meth:`Session.run_epochs` with a standard train and validation step filled in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Sized
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from epochal.environment import PROGRESS_ENV
+from epochal.errors import ConfigError
+from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
+
+Loader = Iterable[Any]
+LoaderArg = Loader | Callable[[int, int], Loader]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _progress_enabled(rank: int, progress: bool | None) -> bool:
+    if rank != 0:
+        return False
+    if progress is not None:
+        return progress
+    forced = os.environ.get(PROGRESS_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return sys.stderr.isatty()
+
+
+def _resolve(loader: LoaderArg | None, session: Session, what: str) -> Loader | None:
+    if loader is None:
+        return None
+    if callable(loader) and not isinstance(loader, Sized):
+        loader = loader(session.rank, session.world_size)
+    if not isinstance(loader, Sized):
+        raise ConfigError(
+            f"the {what} loader has no len(): epochal checks every rank's batch count before an "
+            "epoch starts, so give it a sized loader (a DataLoader over a map-style dataset)"
+        )
+    return loader
+
+
+def _set_epoch(loader: Loader, epoch: int) -> None:
+    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        set_epoch = getattr(holder, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise ConfigError(
+            f"each batch must be (inputs, targets), got a {type(batch).__name__}: write a "
+            "collate_fn that returns that pair, or use Session.run_epochs for a custom step"
+        )
+    inputs, targets = batch
+    inputs = inputs.to(device, non_blocking=True) if isinstance(inputs, torch.Tensor) else inputs
+    targets = targets.to(device, non_blocking=True)
+    return inputs, targets, int(targets.shape[0])
+
+
+def fit(
+    session: Session,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: LoaderArg,
+    valid_loader: LoaderArg | None,
+    loss_fn: LossFn,
+    *,
+    progress: bool | None = None,
+    **ddp_options: Any,
+) -> RunResult:
+    """Train ``model`` in an already joined ``session``; see :func:`train`."""
+    train_data = _resolve(train_loader, session, "train")
+    assert train_data is not None
+    valid_data = _resolve(valid_loader, session, "validation")
+    device = session.device
+    model.to(device)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None, **ddp_options
+    )
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    show_progress = _progress_enabled(session.rank, progress)
+    best_state: dict[str, torch.Tensor] | None = None
+
+    def train_epoch(ctx: EpochContext) -> LossSum:
+        for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+            group["lr"] = base * ctx.lr_factor
+        _set_epoch(train_data, ctx.epoch)
+        ddp.train()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        count = 0
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False,
+                       dynamic_ncols=True)
+        for step, batch in enumerate(train_data):
+            if step == ctx.train_batches:
+                break
+            ctx.check()
+            inputs, targets, n = _split(batch, device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach().double() * n
+            count += n
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return LossSum(float(total.item()), count)
+
+    def valid_epoch(ctx: EpochContext) -> LossSum:
+        assert valid_data is not None
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        count = 0
+        with torch.no_grad():
+            for step, batch in enumerate(valid_data):
+                if step == ctx.valid_batches:
+                    break
+                ctx.check()
+                inputs, targets, n = _split(batch, device)
+                total += loss_fn(model(inputs), targets).double() * n
+                count += n
+        return LossSum(float(total.item()), count)
+
+    def keep_best(epoch: int) -> None:
+        nonlocal best_state
+        best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def counts(epoch: int) -> tuple[int, int | None]:
+        return len(train_data), (None if valid_data is None else len(valid_data))  # type: ignore[arg-type]
+
+    result = session.run_epochs(
+        train_epoch,
+        valid_epoch if valid_data is not None else None,
+        batches=counts,
+        on_best=keep_best,
+    )
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return result
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: LoaderArg,
+    valid_loader: LoaderArg | None,
+    loss_fn: LossFn,
+    *,
+    progress: bool | None = None,
+    ddp_options: dict[str, Any] | None = None,
+    **join_options: Any,
+) -> RunResult:
+    """Train ``model`` data-parallel under the coordinator and return how the run went.
+
+    ``train_loader`` / ``valid_loader`` are sized iterables of ``(inputs, targets)`` batches holding
+    this rank's share of the data, or functions ``(rank, world_size) -> loader`` that build it once
+    the rank is known. ``loss_fn(outputs, targets)`` returns the batch's mean loss. The coordinator
+    starts each epoch, sets the learning-rate factor, and picks the best epoch by the smoothed
+    validation loss (the train loss when there is no validation loader); the best weights are
+    loaded into ``model`` before this returns. ``join_options`` go to :func:`epochal.join`
+    (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
+    """
+    session = join(model, **join_options)
+    try:
+        return fit(
+            session, model, optimizer, train_loader, valid_loader, loss_fn,
+            progress=progress, **(ddp_options or {}),
+        )
+    finally:
+        session.close()
