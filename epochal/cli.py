@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,10 +139,19 @@ async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
     print(f"epochal coordinator listening on {endpoint}", flush=True)
     print(f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT", file=sys.stderr,
           flush=True)
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        coordinator.abort(f"the coordinator received {signal.Signals(signum).name}")
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
     try:
         await coordinator.run()
     except RunAborted:
-        return 1
+        return 128 + received[0] if received else 1
     return 0
 
 

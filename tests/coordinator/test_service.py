@@ -1,0 +1,251 @@
+"""The coordinator service over real ZeroMQ sockets, with scripted workers speaking the protocol.
+
+No torch and no processes: each fake worker is a DEALER socket in the test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from epochal.coordinator import Coordinator, CoordinatorConfig
+from epochal.errors import RunAborted
+from epochal.protocol import (
+    Abort,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Finish,
+    Fingerprint,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    Message,
+    OpenStore,
+    ParamSpec,
+    Reject,
+    StoreReady,
+    Welcome,
+    decode,
+    encode,
+)
+
+FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
+OTHER_FP = Fingerprint(digest="b" * 64, params=(ParamSpec("w", (3, 3), "float32"),),
+                       torch_version="x")
+
+
+def hello(worker_id: str, **changes: object) -> Hello:
+    fields: dict[str, object] = dict(
+        job="epochal", token="", worker_id=worker_id, host="testhost", pid=1, rank_hint=None,
+        device="cpu", fingerprint=FP,
+    )
+    fields.update(changes)
+    return Hello(**fields)  # type: ignore[arg-type]
+
+
+class FakeWorker:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def send(self, message: Message) -> None:
+        await self.sock.send(encode(message))
+
+    async def recv(self, timeout: float = 5.0) -> Message:
+        """The next message that is not a heartbeat."""
+        while True:
+            data = await asyncio.wait_for(self.sock.recv(), timeout)
+            message = decode(data)
+            if not isinstance(message, Heartbeat):
+                return message
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def serve(ctx: zmq.asyncio.Context, **config: object) -> tuple[Coordinator, asyncio.Task]:
+    cfg = CoordinatorConfig(**{"world_size": 2, "epochs": 2, **config})  # type: ignore[arg-type]
+    coordinator = Coordinator(cfg, context=ctx, log=lambda line: None)
+    await coordinator.start()
+    return coordinator, asyncio.create_task(coordinator.run())
+
+
+async def join_all(ctx, coordinator, n: int) -> list[FakeWorker]:
+    workers = [FakeWorker(ctx, coordinator.endpoint, f"w{i}") for i in range(n)]
+    for w in workers:
+        await w.send(hello(w.worker_id))
+        assert isinstance(await w.recv(), Joined)
+    store = await workers[0].recv()
+    assert isinstance(store, OpenStore)
+    await workers[0].send(StoreReady(host="127.0.0.1", port=4242))
+    for w in workers:
+        welcome = await w.recv()
+        assert isinstance(welcome, Welcome)
+        assert (welcome.store_host, welcome.store_port) == ("127.0.0.1", 4242)
+    return workers
+
+
+async def test_a_whole_run_with_scripted_losses(ctx):
+    coordinator, task = await serve(ctx, epochs=3)
+    workers = await join_all(ctx, coordinator, 2)
+    valid_sums = [(8.0, 2.0), (3.0, 3.0), (5.0, 5.0)]  # global: 10/4, 6/4, 10/4
+    for epoch, sums in enumerate(valid_sums):
+        for w in workers:
+            await w.send(EpochReady(epoch=epoch, train_batches=5, valid_batches=2))
+        for w in workers:
+            go = await w.recv()
+            assert go == Go(epoch=epoch, train_batches=5, valid_batches=2, lr_factor=1.0)
+        for w, s in zip(workers, sums, strict=True):
+            await w.send(EpochReport(epoch=epoch, train_loss_sum=1.0, train_count=1,
+                                     valid_loss_sum=s, valid_count=2))
+        for w in workers:
+            decision = await w.recv()
+            assert isinstance(decision, Decision)
+            assert decision.valid_loss == pytest.approx(sum(sums) / 4)
+            assert decision.is_best == (epoch in (0, 1))
+            assert decision.stop == (epoch == 2)
+    for w in workers:
+        finish = await w.recv()
+        assert finish == Finish(best_epoch=1, best_loss=1.5, epochs_run=3)
+        await w.send(Done())
+    summary = await asyncio.wait_for(task, 5)
+    assert (summary.best_epoch, summary.epochs_run) == (1, 3)
+
+
+async def test_uneven_batches_abort_every_worker(ctx):
+    coordinator, task = await serve(ctx)
+    workers = await join_all(ctx, coordinator, 2)
+    await workers[0].send(EpochReady(epoch=0, train_batches=48, valid_batches=None))
+    await workers[1].send(EpochReady(epoch=0, train_batches=47, valid_batches=None))
+    for w in workers:
+        abort = await w.recv()
+        assert isinstance(abort, Abort)
+        assert "rank 0 has 48, rank 1 has 47 train batches" in abort.reason
+    with pytest.raises(RunAborted, match="rank 1 has 47"):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_surplus_duplicate_and_strangers_are_refused_without_ending_the_run(ctx):
+    coordinator, task = await serve(ctx, token="s3cret")
+    first = FakeWorker(ctx, coordinator.endpoint, "first")
+    await first.send(hello("first", token="s3cret"))
+    assert isinstance(await first.recv(), Joined)
+    await first.send(hello("first", token="s3cret"))  # a retried hello is answered again
+    assert isinstance(await first.recv(), Joined)
+
+    cases = [
+        (hello("first", token="s3cret"), "already joined"),
+        (hello("tok", token="wrong"), "wrong or missing job token"),
+        (hello("job", token="s3cret", job="other"), "runs job 'epochal'"),
+        (hello("big", token="s3cret", rank_hint=7), "ranks run 0..1"),
+    ]
+    for i, (message, expected) in enumerate(cases):
+        stranger = FakeWorker(ctx, coordinator.endpoint, f"stranger{i}")
+        await stranger.send(message)
+        reply = await stranger.recv()
+        assert isinstance(reply, Reject), reply
+        assert expected in reply.reason
+
+    second = FakeWorker(ctx, coordinator.endpoint, "second")
+    await second.send(hello("second", token="s3cret"))
+    assert isinstance(await second.recv(), Joined)
+    surplus = FakeWorker(ctx, coordinator.endpoint, "third")
+    await surplus.send(hello("third", token="s3cret"))
+    reply = await surplus.recv()
+    assert isinstance(reply, Reject) and "surplus" in reply.reason
+    assert not task.done()
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_bad_frames_get_a_clear_reply(ctx):
+    coordinator, task = await serve(ctx)
+    peer = FakeWorker(ctx, coordinator.endpoint, "peer")
+    await peer.sock.send(msgpack.packb({"v": 99, "t": "hello"}))
+    reply = await peer.recv()
+    assert isinstance(reply, Reject) and "protocol version 99" in reply.reason
+    await peer.sock.send(b"\xc1 not msgpack")
+    reply = await peer.recv()
+    assert isinstance(reply, Reject) and "malformed message" in reply.reason
+    await peer.send(EpochReady(epoch=0, train_batches=1, valid_batches=None))
+    reply = await peer.recv()
+    assert isinstance(reply, Reject) and "send hello first" in reply.reason
+    assert coordinator.dropped_frames == 1
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_differing_models_abort_the_run_naming_the_parameter(ctx):
+    coordinator, task = await serve(ctx)
+    a, b = FakeWorker(ctx, coordinator.endpoint, "a"), FakeWorker(ctx, coordinator.endpoint, "b")
+    await a.send(hello("a"))
+    assert isinstance(await a.recv(), Joined)
+    await b.send(hello("b", fingerprint=OTHER_FP))
+    for w in (a, b):
+        abort = await w.recv()
+        assert isinstance(abort, Abort)
+        assert "parameter 'w' has shape (2, 3) in worker a" in abort.reason
+        assert "(3, 3) in worker b" in abort.reason
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_failed_rank_aborts_the_others(ctx):
+    coordinator, task = await serve(ctx)
+    workers = await join_all(ctx, coordinator, 2)
+    await workers[1].send(Failed(reason="CUDA out of memory"))
+    abort = await workers[0].recv()
+    assert isinstance(abort, Abort)
+    assert "rank 1 (worker w1 (host testhost, pid 1)) failed: CUDA out of memory" in abort.reason
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_silent_worker_is_declared_lost(ctx):
+    coordinator, task = await serve(ctx, heartbeat_interval=0.05, heartbeat_timeout=0.3)
+    workers = await join_all(ctx, coordinator, 2)
+
+    async def keep_alive() -> None:
+        while True:
+            await workers[0].send(Heartbeat())
+            await asyncio.sleep(0.05)
+
+    beating = asyncio.create_task(keep_alive())
+    try:
+        abort = await workers[0].recv()
+    finally:
+        beating.cancel()
+    assert isinstance(abort, Abort)
+    assert "rank 1 (worker w1" in abort.reason and "sent nothing for" in abort.reason
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_rendezvous_timeout_names_how_many_joined(ctx):
+    coordinator, task = await serve(ctx, world_size=3, rendezvous_timeout=0.3)
+    w = FakeWorker(ctx, coordinator.endpoint, "lonely")
+    await w.send(hello("lonely"))
+    assert isinstance(await w.recv(), Joined)
+    abort = await w.recv()
+    assert isinstance(abort, Abort)
+    assert "only 1 of 3 workers joined within 0.3 s" in abort.reason
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)

@@ -1,0 +1,127 @@
+"""Process hygiene for the multi-process tests: deadlines, output on failure, nothing left behind.
+
+Every process a test starts through the ``spawn`` fixture carries a unique marker in its
+environment; at teardown every process still carrying it (workers' children included) is killed
+and the test fails, so a leak is a red test rather than a stuck CI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MARK = "EPOCHAL_TEST_MARK"
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Live processes whose environment carries ``MARK=mark``."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "stat").read_text().split(")")[-1].split()[0]
+                if status != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+class Spawner:
+    def __init__(self, mark: str, tmp: Path) -> None:
+        self.mark = mark
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in [k for k in env if k.startswith("EPOCHAL_")]:
+            del env[key]
+        env.update({MARK: self.mark, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        env.update(extra)
+        return env
+
+    def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            env=self.env(**env),
+            cwd=self.tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def epochal(self, *args: str, **env: str) -> subprocess.Popen[str]:
+        return self.start("-m", "epochal", *args, **env)
+
+    def script(self, name: str, *args: str, **env: str) -> subprocess.Popen[str]:
+        return self.start(str(SCRIPTS / name), *args, **env)
+
+    @staticmethod
+    def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str]:
+        """Wait for ``proc`` for at most ``deadline`` seconds; fail with its output if it hangs."""
+        try:
+            out, _ = proc.communicate(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"process {proc.args} hung past {deadline} s; its output:\n{out}")
+        return proc.returncode, out
+
+    def assert_none_left(self, wait: float = 3.0) -> None:
+        """Fail if any process this test started (or its children) is still alive after ``wait`` s."""
+        deadline = time.monotonic() + wait
+        while True:
+            alive = marked_pids(self.mark)
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert not alive, f"processes left behind: {alive}"
+
+    def cleanup(self) -> list[int]:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+        leftover: list[int] = []
+        for _ in range(20):  # processes just killed take a moment to vanish
+            leftover = marked_pids(self.mark)
+            if not leftover:
+                break
+            time.sleep(0.1)
+        for pid in leftover:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return leftover
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawner]:
+    spawner = Spawner(uuid.uuid4().hex, tmp_path)
+    yield spawner
+    leftover = spawner.cleanup()
+    assert not leftover, f"processes left behind after the test: {leftover}"

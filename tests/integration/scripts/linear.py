@@ -1,0 +1,96 @@
+"""A tiny, exactly reproducible worker script for the multi-process tests.
+
+Linear regression on fixed synthetic data. Global batch ``GLOBAL_BATCH`` rows; rank r of w takes
+rows ``[i*B + r*B/w, i*B + (r+1)*B/w)`` of global batch i, so w workers averaging gradients (DDP)
+take exactly the steps one process takes on the union. ``--mode`` breaks one rank on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import epochal
+
+GLOBAL_BATCH = 12
+N_TRAIN = 48
+N_VALID = 24
+FEATURES = 5
+LR = 0.05
+MOMENTUM = 0.5
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(FEATURES, 1, generator=g)
+    x = torch.randn(N_TRAIN + N_VALID, FEATURES, generator=g)
+    y = x @ w + 0.3 * torch.randn(N_TRAIN + N_VALID, 1, generator=g)
+    return x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
+
+
+def make_model(out_features: int = 1) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(FEATURES, out_features)
+
+
+def shard(x: torch.Tensor, y: torch.Tensor, batch: int, rank: int, world: int) -> list:
+    per = batch // world
+    return [
+        (x[i + rank * per: i + (rank + 1) * per], y[i + rank * per: i + (rank + 1) * per])
+        for i in range(0, len(x), batch)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="train",
+                        choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid"])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    my_rank = int(os.environ.get("EPOCHAL_RANK", "0"))
+    broken = my_rank == 1
+
+    x, y, xv, yv = data()
+    model = make_model(2 if args.mode == "mismatch" and broken else 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def train_loader(rank: int, world: int) -> list:
+        batches = shard(x, y, GLOBAL_BATCH, rank, world)
+        if broken and args.mode == "uneven":
+            return batches[:-1]
+        if broken and args.mode == "empty":
+            return []
+        return batches
+
+    def valid_loader(rank: int, world: int) -> list:
+        return shard(xv, yv, GLOBAL_BATCH, rank, world)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if broken and args.mode == "raise":
+            raise ValueError("boom: a deliberate failure in the loss")
+        return nn.functional.mse_loss(out, target)
+
+    result = epochal.train(
+        model, optimizer, train_loader, None if args.mode == "no-valid" else valid_loader, loss_fn
+    )
+    print(f"rank {result.rank}: best epoch {result.best_epoch} of {result.epochs_run}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "state": model.state_dict(),
+                "best_epoch": result.best_epoch,
+                "valid_losses": [r.valid_loss for r in result.curve],
+                "train_losses": [r.train_loss for r in result.curve],
+            },
+            args.out / f"rank{result.rank}.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()

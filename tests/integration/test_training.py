@@ -1,0 +1,103 @@
+"""Real multi-process runs on localhost: N workers train to the weights one process reaches."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.integration.conftest import SCRIPTS, Spawner
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 4
+DEADLINE = 90.0
+
+
+def _linear():  # the worker script, imported as a module for its data and model
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("linear_script", SCRIPTS / "linear.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_run(epochs: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """One process on the union of the data: weights after each epoch and validation losses."""
+    lin = _linear()
+    x, y, xv, yv = lin.data()
+    model = lin.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lin.LR, momentum=lin.MOMENTUM)
+    states, valid = [], []
+    for _ in range(epochs):
+        for i in range(0, len(x), lin.GLOBAL_BATCH):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[i: i + lin.GLOBAL_BATCH]),
+                                   y[i: i + lin.GLOBAL_BATCH]).backward()
+            opt.step()
+        with torch.no_grad():
+            valid.append(nn.functional.mse_loss(model(xv), yv).item())
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states, valid
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_workers_match_one_process_on_the_union(spawn: Spawner, tmp_path: Path, world_size: int):
+    out = tmp_path / "out"
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run", "--nproc", str(world_size), "--epochs", str(EPOCHS), "--run-dir", str(run_dir),
+        str(SCRIPTS / "linear.py"), "--out", str(out),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    spawn.assert_none_left()
+
+    states, valid = reference_run(EPOCHS)
+    best = min(range(EPOCHS), key=lambda e: (valid[e], e))
+    for rank in range(world_size):
+        got = torch.load(out / f"rank{rank}.pt")
+        assert got["best_epoch"] == best
+        assert got["valid_losses"] == pytest.approx(valid, rel=1e-5, abs=1e-7)
+        for name, tensor in states[best].items():
+            torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+    lines = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == list(range(EPOCHS))
+    assert [line["valid_loss"] for line in lines] == pytest.approx(valid, rel=1e-5, abs=1e-7)
+    assert json.loads((run_dir / "result.json").read_text())["best_epoch"] == best
+    # the launcher prefixes every worker line with its rank
+    assert re.search(rf"^\[rank {world_size - 1}\] rank {world_size - 1}: best epoch {best}",
+                     output, re.M), output
+
+
+def test_without_validation_the_train_loss_picks_the_best(spawn: Spawner, tmp_path: Path):
+    out = tmp_path / "out"
+    proc = spawn.epochal(
+        "run", "--nproc", "2", "--epochs", "3", "--run-dir", str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"), "--mode", "no-valid", "--out", str(out),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    got = torch.load(out / "rank0.pt")
+    assert got["valid_losses"] == [None, None, None]
+    train = got["train_losses"]
+    assert got["best_epoch"] == min(range(3), key=lambda e: (train[e], e))
+
+
+def test_truncate_policy_runs_the_minimum(spawn: Spawner, tmp_path: Path):
+    proc = spawn.epochal(
+        "run", "--nproc", "2", "--epochs", "2", "--batch-policy", "truncate",
+        "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "linear.py"), "--mode", "uneven",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    lines = [json.loads(x) for x in (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()]
+    assert {line["train_batches"] for line in lines} == {3}  # rank 1 holds 3 of the 4 batches
+    spawn.assert_none_left()

@@ -1,0 +1,689 @@
+"""The codec turns any bytes into exactly one message or a MalformedMessage that says what is wrong.
+
+Round trips for every message type (a hand-built example each and hypothesis-built ones), one
+rejection case per rule, and property tests that feed decode arbitrary bytes, arbitrary msgpack
+objects and mutations of valid frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from epochal.errors import EpochalError, MalformedMessage, ProtocolVersionMismatch
+from epochal.protocol import decode, encode
+from epochal.protocol.messages import (
+    MAX_FRAME_BYTES,
+    MAX_TEXT_CHARS,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    TYPE_NAMES,
+    Abort,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Finish,
+    Fingerprint,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    OpenStore,
+    ParamSpec,
+    Reject,
+    StoreReady,
+    Welcome,
+    check_job_name,
+    clip,
+)
+
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ROUND_TRIP = settings(max_examples=300, deadline=None)
+
+FINGERPRINT = Fingerprint(
+    digest="d" * 64,
+    params=(
+        ParamSpec(name="weight", shape=(2, 5), dtype="torch.float32"),
+        ParamSpec(name="bias", shape=(2,), dtype="torch.float32"),
+        ParamSpec(name="scalar", shape=(), dtype="torch.int64"),
+    ),
+    torch_version="2.4.0",
+)
+
+# One valid, hand-built instance of every message type.
+EXAMPLES: dict[type, Any] = {
+    Hello: Hello(
+        job="epochal", token="s3cret", worker_id="w-1", host="node1", pid=4242, rank_hint=1,
+        device="cuda", fingerprint=FINGERPRINT,
+    ),
+    StoreReady: StoreReady(host="10.0.0.1", port=29500),
+    EpochReady: EpochReady(epoch=3, train_batches=48, valid_batches=None),
+    EpochReport: EpochReport(
+        epoch=3, train_loss_sum=12.5, train_count=100, valid_loss_sum=0.0, valid_count=0
+    ),
+    Failed: Failed(reason="ValueError: boom"),
+    Done: Done(),
+    Heartbeat: Heartbeat(),
+    Joined: Joined(joined=2, world_size=4),
+    OpenStore: OpenStore(run_id="run-1"),
+    Welcome: Welcome(
+        rank=3, world_size=4, run_id="run-1", backend="nccl", store_host="10.0.0.1",
+        store_port=29500, start_epoch=0, epochs=10,
+    ),
+    Reject: Reject(reason="surplus"),
+    Go: Go(epoch=0, train_batches=48, valid_batches=0, lr_factor=0.5),
+    Decision: Decision(
+        epoch=2, train_loss=0.25, valid_loss=None, smoothed_loss=None, best_epoch=None,
+        is_best=False, stop=True,
+    ),
+    Finish: Finish(best_epoch=1, best_loss=0.125, epochs_run=3),
+    Abort: Abort(reason="rank 1 failed"),
+}
+
+
+def frame_of(message: Any) -> dict[str, Any]:
+    """The plain map a message travels as (to mutate and re-pack)."""
+    frame = msgpack.unpackb(encode(message), raw=False)
+    assert isinstance(frame, dict)
+    return frame
+
+
+def pack(frame: Any) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def refusal(data: bytes) -> str:
+    """Decode ``data``, which must be refused; return the refusal's message."""
+    with pytest.raises(MalformedMessage) as info:
+        decode(data)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- strategies
+
+INT64 = 2**63 - 1
+nonneg = st.integers(0, INT64)
+text = st.text(max_size=24)
+nonempty = st.text(min_size=1, max_size=24)
+no_nan = st.floats(allow_nan=False)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+
+param_specs = st.builds(
+    ParamSpec,
+    name=nonempty,
+    shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
+    dtype=nonempty,
+)
+fingerprints = st.builds(
+    Fingerprint,
+    digest=nonempty,
+    params=st.lists(param_specs, max_size=4).map(tuple),
+    torch_version=nonempty,
+)
+
+
+@st.composite
+def joineds(draw: st.DrawFn) -> Joined:
+    world_size = draw(st.integers(1, 2**31))
+    return Joined(joined=draw(st.integers(1, world_size)), world_size=world_size)
+
+
+@st.composite
+def welcomes(draw: st.DrawFn) -> Welcome:
+    world_size = draw(st.integers(1, 2**31))
+    return Welcome(
+        rank=draw(st.integers(0, world_size - 1)),
+        world_size=world_size,
+        run_id=draw(nonempty),
+        backend=draw(st.sampled_from(["gloo", "nccl"])),
+        store_host=draw(nonempty),
+        store_port=draw(st.integers(1, 65535)),
+        start_epoch=draw(nonneg),
+        epochs=draw(st.integers(1, INT64)),
+    )
+
+
+STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
+    Hello: st.builds(
+        Hello, job=nonempty, token=text, worker_id=nonempty, host=nonempty, pid=nonneg,
+        rank_hint=st.none() | nonneg, device=st.sampled_from(["cpu", "cuda"]),
+        fingerprint=fingerprints,
+    ),
+    StoreReady: st.builds(StoreReady, host=nonempty, port=st.integers(1, 65535)),
+    EpochReady: st.builds(
+        EpochReady, epoch=nonneg, train_batches=nonneg, valid_batches=st.none() | nonneg
+    ),
+    EpochReport: st.builds(
+        EpochReport, epoch=nonneg, train_loss_sum=no_nan, train_count=nonneg,
+        valid_loss_sum=no_nan, valid_count=nonneg,
+    ),
+    Failed: st.builds(Failed, reason=nonempty),
+    Done: st.just(Done()),
+    Heartbeat: st.just(Heartbeat()),
+    Joined: joineds(),
+    OpenStore: st.builds(OpenStore, run_id=nonempty),
+    Welcome: welcomes(),
+    Reject: st.builds(Reject, reason=nonempty),
+    Go: st.builds(
+        Go, epoch=nonneg, train_batches=st.integers(1, INT64), valid_batches=nonneg,
+        lr_factor=finite,
+    ),
+    Decision: st.builds(
+        Decision, epoch=nonneg, train_loss=no_nan, valid_loss=st.none() | no_nan,
+        smoothed_loss=st.none() | no_nan, best_epoch=st.none() | nonneg, is_best=st.booleans(),
+        stop=st.booleans(),
+    ),
+    Finish: st.builds(
+        Finish, best_epoch=st.none() | nonneg, best_loss=st.none() | no_nan, epochs_run=nonneg
+    ),
+    Abort: st.builds(Abort, reason=nonempty),
+}
+messages = st.one_of(*STRATEGIES.values())
+
+# Anything msgpack can pack, including what decode must refuse (int keys, bin, deep nesting).
+msgpack_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.binary(max_size=8)
+    | st.sampled_from([0, 1, -1, 65535, 65536, "cpu", "cuda", "gloo", "nccl", "", 1.5])
+)
+msgpack_objects = st.recursive(
+    msgpack_scalars,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8) | st.integers(-2, 2), children, max_size=4),
+    max_leaves=16,
+)
+
+ALL_FIELDS = sorted(
+    {f.name for cls in MESSAGE_TYPES.values() for f in dataclasses.fields(cls)}
+    | {f.name for cls in (Fingerprint, ParamSpec) for f in dataclasses.fields(cls)}
+)
+# Frames that get past the version and type checks, with any subset of any message's field names
+# holding arbitrary values: this is what exercises the field-by-field checks.
+near_frames = st.fixed_dictionaries(
+    {"v": st.just(PROTOCOL_VERSION), "t": st.sampled_from(sorted(MESSAGE_TYPES))},
+    optional={name: msgpack_objects for name in ALL_FIELDS},
+)
+
+
+def decodes_or_refuses(data: bytes) -> Any:
+    """The codec's contract: a message of a known type, or MalformedMessage; nothing else."""
+    try:
+        message = decode(data)
+    except MalformedMessage as exc:
+        assert str(exc), "a refusal must say what is wrong"
+        return None
+    assert type(message) in TYPE_NAMES
+    # whatever decode accepts, encode can send again, unchanged
+    again = encode(message)
+    assert encode(decode(again)) == again
+    return message
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_every_message_type_has_an_example_and_a_strategy():
+    assert set(EXAMPLES) == set(MESSAGE_TYPES.values())
+    assert set(STRATEGIES) == set(MESSAGE_TYPES.values())
+    assert all(type(m) is cls for cls, m in EXAMPLES.items())
+
+
+@pytest.mark.parametrize("cls", list(EXAMPLES), ids=lambda cls: TYPE_NAMES[cls])
+def test_example_round_trips(cls: type):
+    message = EXAMPLES[cls]
+    data = encode(message)
+    decoded = decode(data)
+    assert type(decoded) is cls
+    assert decoded == message
+    frame = frame_of(message)
+    assert frame["v"] == PROTOCOL_VERSION
+    assert frame["t"] == TYPE_NAMES[cls]
+
+
+@ROUND_TRIP
+@given(messages)
+def test_any_valid_message_round_trips(message: Any):
+    decoded = decode(encode(message))
+    assert type(decoded) is type(message)
+    # equality also catches a list where the message holds a tuple (shape, params)
+    assert decoded == message
+
+
+def test_wire_format_is_a_flat_map_with_version_and_type():
+    assert frame_of(StoreReady(host="h", port=5)) == {
+        "v": PROTOCOL_VERSION, "t": "store_ready", "host": "h", "port": 5,
+    }
+    assert frame_of(Done()) == {"v": PROTOCOL_VERSION, "t": "done"}
+    nested = frame_of(EXAMPLES[Hello])["fingerprint"]
+    assert nested["params"][0] == {"name": "weight", "shape": [2, 5], "dtype": "torch.float32"}
+
+
+def test_nested_values_decode_as_tuples_and_dataclasses():
+    hello = decode(encode(EXAMPLES[Hello]))
+    assert isinstance(hello, Hello)
+    assert isinstance(hello.fingerprint, Fingerprint)
+    assert isinstance(hello.fingerprint.params, tuple)
+    assert isinstance(hello.fingerprint.params[0], ParamSpec)
+    assert hello.fingerprint.params[0].shape == (2, 5)
+    assert hello.fingerprint.params[2].shape == ()
+    hash(hello)  # frozen and made of tuples: usable as a key
+
+
+def test_an_int_is_accepted_where_a_float_is_expected_and_becomes_a_float():
+    frame = frame_of(EXAMPLES[Decision]) | {"train_loss": 3, "valid_loss": 2}
+    decision = decode(pack(frame))
+    assert isinstance(decision, Decision)
+    assert decision.train_loss == 3.0 and type(decision.train_loss) is float
+    assert decision.valid_loss == 2.0 and type(decision.valid_loss) is float
+
+
+def test_non_finite_losses_travel_where_the_message_allows_them():
+    decision = decode(encode(dataclasses.replace(EXAMPLES[Decision], train_loss=math.nan)))
+    assert isinstance(decision, Decision) and math.isnan(decision.train_loss)
+    report = EpochReport(
+        epoch=0, train_loss_sum=math.inf, train_count=1, valid_loss_sum=-math.inf, valid_count=0
+    )
+    assert decode(encode(report)) == report
+
+
+def test_longest_allowed_text_round_trips_even_in_four_byte_characters():
+    longest = "\U0001f600" * MAX_TEXT_CHARS
+    assert decode(encode(Failed(reason=longest))) == Failed(reason=longest)
+
+
+def test_clip_cuts_long_reasons_to_what_a_message_can_carry():
+    assert clip("short") == "short"
+    exact = "x" * MAX_TEXT_CHARS
+    assert clip(exact) == exact
+    cut = clip("y" * (MAX_TEXT_CHARS * 2))
+    assert len(cut) == MAX_TEXT_CHARS
+    assert cut.endswith(" ...[truncated]")
+    assert cut.startswith("yyy")
+    assert decode(encode(Abort(reason=cut))) == Abort(reason=cut)
+    assert len(clip("z" * 100, limit=40)) == 40
+
+
+def test_encode_refuses_what_is_not_a_message():
+    with pytest.raises(TypeError, match="ParamSpec is not a protocol message"):
+        encode(FINGERPRINT.params[0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dict is not a protocol message"):
+        encode({"t": "done"})  # type: ignore[arg-type]
+
+
+def test_encode_refuses_a_message_over_the_frame_limit():
+    # 300 parameters with 60,000-character names: about 18 MB, over the 16 MiB limit
+    params = tuple(
+        ParamSpec(name=f"{i:05d}" + "p" * 60_000, shape=(1,), dtype="f") for i in range(300)
+    )
+    big = dataclasses.replace(
+        EXAMPLES[Hello], fingerprint=dataclasses.replace(FINGERPRINT, params=params)
+    )
+    with pytest.raises(ValueError, match=rf"hello message is \d+ bytes, over the {MAX_FRAME_BYTES}"):
+        encode(big)
+
+
+# ----------------------------------------------------------------------------- job names
+
+
+@pytest.mark.parametrize(
+    "job", ["epochal", "a", "A0", "run-2024.01_x", "9lives", "j" * 128]
+)
+def test_valid_job_names_are_accepted(job: str):
+    assert check_job_name(job) == job
+
+
+@pytest.mark.parametrize(
+    "job", ["", "-lead", ".hidden", "_x", "has space", "slash/y", "j" * 129, "caf\u00e9", "a\tb"]
+)
+def test_invalid_job_names_are_refused_with_what_is_allowed(job: str):
+    with pytest.raises(ValueError) as info:
+        check_job_name(job)
+    assert repr(job) in str(info.value)
+    assert "letters, digits" in str(info.value)
+
+
+@pytest.mark.parametrize("job", ["epochal\n", "a\n"])
+def test_a_trailing_newline_is_not_a_valid_job_name(job: str):
+    # BUG (epochal/protocol/messages.py:32/37): _JOB_NAME.match with "$" also matches before a
+    # trailing newline, so "epochal\n" is accepted. Use _JOB_NAME.fullmatch (or "\Z").
+    with pytest.raises(ValueError, match="is not allowed"):
+        check_job_name(job)
+
+
+# ----------------------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",  # a byte msgpack never uses
+        b"\x92\x01",  # an array of two that holds one
+        encode(EXAMPLES[Welcome])[:-1],  # cut short
+        encode(EXAMPLES[Heartbeat]) + b"\x00",  # a second object after the frame
+        encode(EXAMPLES[Heartbeat]) * 2,
+    ],
+    ids=["empty", "reserved-byte", "short-array", "truncated", "trailing-byte", "two-frames"],
+)
+def test_bytes_that_are_not_one_msgpack_object_are_refused(data: bytes):
+    assert "not a msgpack frame" in refusal(data)
+
+
+@pytest.mark.parametrize(
+    ("obj", "kind"),
+    [([1, "t"], "list"), (1, "int"), ("hello", "str"), (None, "NoneType"), (1.5, "float")],
+)
+def test_a_frame_that_is_not_a_map_is_refused(obj: Any, kind: str):
+    assert f"frame is a {kind}, expected a map" in refusal(pack(obj))
+
+
+def test_binary_and_non_string_keys_are_refused():
+    assert "not a msgpack frame" in refusal(pack({"v": 1, "t": "failed", "reason": b"bytes"}))
+    assert "not a msgpack frame" in refusal(pack({"v": 1, "t": "done", 7: 1}))
+
+
+@pytest.mark.parametrize(
+    ("cls", "field"),
+    [(StoreReady, "port"), (Hello, "fingerprint"), (Decision, "valid_loss"), (Go, "epoch")],
+)
+def test_a_missing_field_is_named(cls: type, field: str):
+    frame = frame_of(EXAMPLES[cls])
+    del frame[field]
+    assert f"{TYPE_NAMES[cls]}: missing {field}" in refusal(pack(frame))
+
+
+def test_an_optional_field_must_still_be_present():
+    # None is a value; leaving the key out is not the same thing
+    frame = frame_of(EXAMPLES[EpochReady])
+    assert frame["valid_batches"] is None
+    del frame["valid_batches"]
+    assert "epoch_ready: missing valid_batches" in refusal(pack(frame))
+
+
+def test_every_missing_field_is_named_at_once():
+    message = refusal(pack({"v": PROTOCOL_VERSION, "t": "store_ready"}))
+    assert "store_ready: missing host, port" in message
+
+
+def test_a_missing_nested_field_names_its_path():
+    frame = frame_of(EXAMPLES[Hello])
+    del frame["fingerprint"]["digest"]
+    assert "hello.fingerprint: missing digest" in refusal(pack(frame))
+    frame = frame_of(EXAMPLES[Hello])
+    del frame["fingerprint"]["params"][1]["dtype"]
+    assert "hello.fingerprint.params[1]: missing dtype" in refusal(pack(frame))
+
+
+@pytest.mark.parametrize("cls", [StoreReady, Done, Hello])
+def test_an_extra_field_is_named(cls: type):
+    frame = frame_of(EXAMPLES[cls]) | {"colour": "blue"}
+    assert f"{TYPE_NAMES[cls]}: unexpected 'colour'" in refusal(pack(frame))
+
+
+def test_an_extra_nested_field_is_named():
+    frame = frame_of(EXAMPLES[Hello])
+    frame["fingerprint"]["params"][0]["stride"] = [5, 1]
+    assert "hello.fingerprint.params[0]: unexpected 'stride'" in refusal(pack(frame))
+
+
+def test_missing_and_extra_fields_are_both_named():
+    frame = {"v": PROTOCOL_VERSION, "t": "store_ready", "host": "h", "prt": 80}
+    message = refusal(pack(frame))
+    assert "missing port" in message and "unexpected 'prt'" in message
+
+
+WRONG_TYPES = [
+    (EpochReady, ("epoch",), True, "epoch_ready.epoch: expected int, got bool"),
+    (EpochReady, ("train_batches",), 48.0, "epoch_ready.train_batches: expected int, got float"),
+    (EpochReady, ("valid_batches",), "3", "epoch_ready.valid_batches: expected int, got str"),
+    (StoreReady, ("port",), "80", "store_ready.port: expected int, got str"),
+    (Decision, ("train_loss",), "1.5", "decision.train_loss: expected float, got str"),
+    (Decision, ("valid_loss",), False, "decision.valid_loss: expected float, got bool"),
+    (Decision, ("is_best",), 1, "decision.is_best: expected bool, got int"),
+    (Decision, ("stop",), None, "decision.stop: expected bool, got NoneType"),
+    (Go, ("lr_factor",), True, "go.lr_factor: expected float, got bool"),
+    (Failed, ("reason",), 7, "failed.reason: expected str, got int"),
+    (Failed, ("reason",), None, "failed.reason: expected str, got NoneType"),
+    (Hello, ("rank_hint",), "0", "hello.rank_hint: expected int, got str"),
+    (Hello, ("fingerprint",), [], "hello.fingerprint: expected a map, got list"),
+    (Hello, ("fingerprint",), None, "hello.fingerprint: expected a map, got NoneType"),
+    (Hello, ("fingerprint", "params"), {}, "hello.fingerprint.params: expected a list, got dict"),
+    (Hello, ("fingerprint", "params", 0, "shape"), "2x5",
+     "hello.fingerprint.params[0].shape: expected a list, got str"),
+    (Hello, ("fingerprint", "params", 0, "shape", 1), "5",
+     "hello.fingerprint.params[0].shape[1]: expected int, got str"),
+    (Hello, ("fingerprint", "params", 1), "bias", "hello.fingerprint.params[1]: expected a map"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "path", "value", "expected"),
+    WRONG_TYPES,
+    ids=[e[-1].split(":")[0] + "=" + type(e[2]).__name__ for e in WRONG_TYPES],
+)
+def test_a_wrong_type_is_named_with_its_path(
+    cls: type, path: tuple[Any, ...], value: Any, expected: str
+):
+    frame = frame_of(EXAMPLES[cls])
+    target: Any = frame
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    assert expected in refusal(pack(frame))
+
+
+OUT_OF_RANGE = [
+    (EpochReady, {"train_batches": -1}, "epoch_ready: train_batches must be >= 0, got -1"),
+    (EpochReady, {"valid_batches": -2}, "epoch_ready: valid_batches must be >= 0, got -2"),
+    (EpochReady, {"epoch": -1}, "epoch_ready: epoch must be >= 0, got -1"),
+    (EpochReport, {"valid_count": -3}, "epoch_report: valid_count must be >= 0, got -3"),
+    (Go, {"train_batches": 0}, "go: train_batches must be >= 1, got 0"),
+    (Go, {"valid_batches": -1}, "go: valid_batches must be >= 0, got -1"),
+    (Go, {"lr_factor": math.inf}, "go: lr_factor must be finite, got inf"),
+    (Go, {"lr_factor": math.nan}, "go: lr_factor must be finite, got nan"),
+    (StoreReady, {"port": 0}, "store_ready: port must be in 1..65535, got 0"),
+    (StoreReady, {"port": 65536}, "store_ready: port must be in 1..65535, got 65536"),
+    (StoreReady, {"host": ""}, "store_ready: host must not be empty"),
+    (Welcome, {"store_port": 0}, "welcome: store_port must be in 1..65535, got 0"),
+    (Welcome, {"world_size": 0, "rank": 0}, "welcome: world_size must be >= 1, got 0"),
+    (Welcome, {"rank": -1}, "welcome: rank -1 outside"),
+    (Welcome, {"backend": "mpi"}, "welcome: backend must be one of ('gloo', 'nccl'), got 'mpi'"),
+    (Welcome, {"epochs": 0}, "welcome: epochs must be >= 1, got 0"),
+    (Welcome, {"start_epoch": -1}, "welcome: start_epoch must be >= 0, got -1"),
+    (Joined, {"joined": 0}, "joined: joined 0 outside 1..4"),
+    (Joined, {"joined": 5}, "joined: joined 5 outside 1..4"),
+    (Hello, {"rank_hint": -1}, "hello: rank_hint must be >= 0, got -1"),
+    (Hello, {"pid": -1}, "hello: pid must be >= 0, got -1"),
+    (Hello, {"device": "tpu"}, "hello: device must be cpu or cuda, got 'tpu'"),
+    (Hello, {"worker_id": ""}, "hello: worker_id must not be empty"),
+    (Hello, {"job": ""}, "hello: job must not be empty"),
+    (Decision, {"best_epoch": -1}, "decision: best_epoch must be >= 0, got -1"),
+    (Finish, {"epochs_run": -1}, "finish: epochs_run must be >= 0, got -1"),
+    (Failed, {"reason": ""}, "failed: reason must not be empty"),
+    (Failed, {"reason": "r" * (MAX_TEXT_CHARS + 1)},
+     f"failed: reason is longer than {MAX_TEXT_CHARS} characters"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "changes", "expected"), OUT_OF_RANGE, ids=[e[-1][:40] for e in OUT_OF_RANGE]
+)
+def test_an_out_of_range_value_is_refused_naming_it(
+    cls: type, changes: dict[str, Any], expected: str
+):
+    assert expected in refusal(pack(frame_of(EXAMPLES[cls]) | changes))
+
+
+def test_an_empty_token_is_allowed():
+    hello = decode(pack(frame_of(EXAMPLES[Hello]) | {"token": ""}))
+    assert isinstance(hello, Hello) and hello.token == ""
+
+
+def test_a_rank_at_or_over_the_world_size_is_refused_naming_the_valid_ranks():
+    message = refusal(pack(frame_of(EXAMPLES[Welcome]) | {"rank": 4, "world_size": 4}))
+    assert "welcome: rank 4 outside" in message
+    # BUG (epochal/protocol/messages.py:222): the message reads "rank 4 outside 0..4", which
+    # contradicts itself; the valid ranks are 0..3 (world_size - 1), as rendezvous.py words it.
+    assert "0..3" in message
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (("fingerprint", "params", 0, "shape"), "hello.fingerprint.params[0]: shape of weight "
+         "has a negative size"),
+        (("fingerprint", "digest"), "hello.fingerprint: digest must not be empty"),
+    ],
+)
+def test_a_nested_out_of_range_value_names_its_path(path: tuple[Any, ...], expected: str):
+    frame = frame_of(EXAMPLES[Hello])
+    target: Any = frame
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = [2, -5] if path[-1] == "shape" else ""
+    assert expected in refusal(pack(frame))
+
+
+def test_a_shape_with_too_many_dimensions_is_refused():
+    frame = frame_of(EXAMPLES[Hello])
+    frame["fingerprint"]["params"][0]["shape"] = [1] * 65
+    assert "shape of weight has more than 64 dimensions" in refusal(pack(frame))
+
+
+@pytest.mark.parametrize("name", ["teleport", "Hello", "", "hello "])
+def test_an_unknown_type_name_is_refused(name: str):
+    assert f"unknown message type {name!r}" in refusal(pack({"v": PROTOCOL_VERSION, "t": name}))
+
+
+@pytest.mark.parametrize("name", [None, 5, ["hello"]])
+def test_a_type_that_is_not_a_string_is_refused(name: Any):
+    frame = {"v": PROTOCOL_VERSION} if name is None else {"v": PROTOCOL_VERSION, "t": name}
+    assert f"unknown message type {name!r}" in refusal(pack(frame))
+
+
+def test_a_frame_over_the_size_limit_is_refused_before_it_is_parsed():
+    message = refusal(b"\xc0" * (MAX_FRAME_BYTES + 1))
+    assert f"frame of {MAX_FRAME_BYTES + 1} bytes is over the {MAX_FRAME_BYTES} limit" in message
+
+
+def test_a_frame_at_the_size_limit_is_parsed_not_refused_for_size():
+    message = refusal(b"\xc0" * MAX_FRAME_BYTES)
+    assert "not a msgpack frame" in message
+    assert "limit" not in message
+
+
+@pytest.mark.parametrize("theirs", [0, 2, 99, "1", None])
+def test_another_protocol_version_is_a_version_mismatch(theirs: Any):
+    frame = frame_of(EXAMPLES[Heartbeat])
+    if theirs is None:
+        del frame["v"]
+    else:
+        frame["v"] = theirs
+    with pytest.raises(ProtocolVersionMismatch) as info:
+        decode(pack(frame))
+    err = info.value
+    assert isinstance(err, MalformedMessage) and isinstance(err, EpochalError)
+    assert err.theirs == theirs
+    assert err.ours == PROTOCOL_VERSION
+    assert f"peer speaks protocol version {theirs!r}" in str(err)
+    assert "install the same epochal version" in str(err)
+
+
+def test_the_version_is_checked_before_the_type_so_new_types_read_as_a_newer_peer():
+    with pytest.raises(ProtocolVersionMismatch):
+        decode(pack({"v": PROTOCOL_VERSION + 1, "t": "a_type_from_the_future", "x": 1}))
+
+
+@pytest.mark.parametrize("theirs", [True, 1.0], ids=["bool", "float"])
+def test_a_version_of_the_wrong_type_is_refused(theirs: Any):
+    # BUG (minor; epochal/protocol/codec.py:66): `version != PROTOCOL_VERSION` lets True and 1.0
+    # through because they compare equal to 1, while every other int field refuses bool and float.
+    frame = frame_of(EXAMPLES[Heartbeat]) | {"v": theirs}
+    with pytest.raises(MalformedMessage):
+        decode(pack(frame))
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@FUZZ
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_decode_or_are_refused(data: bytes):
+    decodes_or_refuses(data)
+
+
+@FUZZ
+@given(msgpack_objects)
+def test_arbitrary_msgpack_objects_decode_or_are_refused(obj: Any):
+    decodes_or_refuses(pack(obj))
+
+
+@FUZZ
+@given(near_frames)
+def test_frames_with_arbitrary_fields_decode_or_are_refused(frame: dict[str, Any]):
+    message = decodes_or_refuses(pack(frame))
+    if message is not None:
+        # accepted only with exactly the declared fields
+        declared = {f.name for f in dataclasses.fields(message)}
+        assert set(frame) - {"v", "t"} == declared
+        assert TYPE_NAMES[type(message)] == frame["t"]
+
+
+@st.composite
+def byte_mutations(draw: st.DrawFn) -> bytes:
+    data = bytearray(encode(draw(messages)))
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "cut", "insert", "delete"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set" and data:
+            data[at] = draw(st.integers(0, 255))
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del data[at : at + draw(st.integers(1, 8))]
+    return bytes(data)
+
+
+@FUZZ
+@given(byte_mutations())
+def test_byte_mutations_of_valid_frames_decode_or_are_refused(data: bytes):
+    decodes_or_refuses(data)
+
+
+@st.composite
+def field_mutations(draw: st.DrawFn) -> dict[str, Any]:
+    frame = frame_of(draw(messages))
+    keys = sorted(frame)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["replace", "delete", "add"]))
+        if kind == "add":
+            frame[draw(st.sampled_from([*ALL_FIELDS, "v", "t", "extra"]))] = draw(msgpack_objects)
+            continue
+        key = draw(st.sampled_from(keys))
+        if kind == "replace":
+            frame[key] = draw(msgpack_objects)
+        else:
+            frame.pop(key, None)
+    return frame
+
+
+@FUZZ
+@given(field_mutations())
+def test_field_mutations_of_valid_frames_decode_or_are_refused(frame: dict[str, Any]):
+    decodes_or_refuses(pack(frame))
