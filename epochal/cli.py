@@ -48,27 +48,61 @@ def _seconds(text: str) -> float:
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run policy")
-    g.add_argument("--epochs", type=_positive_int, default=10, metavar="E",
-                   help="epochs to train (default: 10)")
-    g.add_argument("--batch-policy", choices=BATCH_POLICIES, default="error",
-                   help="unequal batch counts across ranks: abort naming each rank's count "
-                        "(error, the default) or run the minimum (truncate)")
-    g.add_argument("--smoothing", type=float, default=1.0, metavar="A",
-                   help="validation-loss smoothing factor in (0, 1]: s = A*loss + (1-A)*s_prev "
-                        "(default: 1.0, no smoothing)")
-    g.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
-                   help="directory for run.json, epochs.jsonl and result.json "
-                        "(default: runs/RUN_ID)")
-    g.add_argument("--job", default="epochal",
-                   help="job name; workers naming another job are refused (default: epochal)")
-    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                   help="data-plane backend (default: auto = nccl when every worker has CUDA, "
-                        "else gloo)")
+    g.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=10,
+        metavar="E",
+        help="epochs to train (default: 10)",
+    )
+    g.add_argument(
+        "--batch-policy",
+        choices=BATCH_POLICIES,
+        default="error",
+        help="unequal batch counts across ranks: abort naming each rank's count "
+        "(error, the default) or run the minimum (truncate)",
+    )
+    g.add_argument(
+        "--smoothing",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="validation-loss smoothing factor in (0, 1]: s = A*loss + (1-A)*s_prev "
+        "(default: 1.0, no smoothing)",
+    )
+    g.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory for run.json, epochs.jsonl and result.json (default: runs/RUN_ID)",
+    )
+    g.add_argument(
+        "--job",
+        default="epochal",
+        help="job name; workers naming another job are refused (default: epochal)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help="data-plane backend (default: auto = nccl when every worker has CUDA, else gloo)",
+    )
     t = p.add_argument_group("timeouts (seconds)")
-    t.add_argument("--rendezvous-timeout", type=_seconds, default=300.0, metavar="S",
-                   help="time for every worker to join (default: 300)")
-    t.add_argument("--heartbeat-timeout", type=_seconds, default=15.0, metavar="S",
-                   help="silence after which a worker is declared lost (default: 15)")
+    t.add_argument(
+        "--rendezvous-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="S",
+        help="time for every worker to join (default: 300)",
+    )
+    t.add_argument(
+        "--heartbeat-timeout",
+        type=_seconds,
+        default=15.0,
+        metavar="S",
+        help="silence after which a worker is declared lost (default: 15)",
+    )
 
 
 def _config(
@@ -92,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochal",
         description="Distributed data-parallel training of PyTorch models with a separate "
-                    "control plane.",
+        "control plane.",
         epilog=f"Workers on other machines attach with {COORDINATOR_ENV}=tcp://HOST:PORT "
-               "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage.",
+        "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage.",
     )
     parser.add_argument("--version", action="version", version=f"epochal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -103,30 +137,45 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator",
         help="run the coordinator service for workers started elsewhere",
         description="Run the coordinator for one job: wait for --world-size workers, run the "
-                    "epochs, exit 0 when the run finishes or 1 when it is aborted. Prints the "
-                    "address it bound on stdout (so port 0 works).",
+        "epochs, exit 0 when the run finishes or 1 when it is aborted. Prints the "
+        "address it bound on stdout (so port 0 works).",
     )
-    c.add_argument("--bind", default="tcp://127.0.0.1:0", metavar="ADDR",
-                   help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:0, loopback on a "
-                        "free port; use tcp://0.0.0.0:PORT for workers on other machines)")
-    c.add_argument("--world-size", type=_positive_int, required=True, metavar="N",
-                   help="number of workers in the run")
+    c.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:0",
+        metavar="ADDR",
+        help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:0, loopback on a "
+        "free port; use tcp://0.0.0.0:PORT for workers on other machines)",
+    )
+    c.add_argument(
+        "--world-size",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="number of workers in the run",
+    )
     _add_run_options(c)
 
     r = sub.add_parser(
         "run",
         help="run a training script on N local workers under an in-process coordinator",
         description="Start a coordinator on loopback and N worker processes running SCRIPT, "
-                    "with every output line prefixed by its rank.",
+        "with every output line prefixed by its rank.",
     )
-    r.add_argument("--nproc", type=_positive_int, required=True, metavar="N",
-                   help="number of worker processes")
-    r.add_argument("-m", dest="module", action="store_true",
-                   help="SCRIPT is a module name to run as `python -m SCRIPT`")
+    r.add_argument(
+        "--nproc", type=_positive_int, required=True, metavar="N", help="number of worker processes"
+    )
+    r.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="SCRIPT is a module name to run as `python -m SCRIPT`",
+    )
     _add_run_options(r)
     r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
-    r.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments passed to SCRIPT")
+    r.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
+    )
     return parser
 
 
@@ -137,8 +186,11 @@ async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
     coordinator = Coordinator(config, bind=args.bind, run_id=run_id)
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
-    print(f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT", file=sys.stderr,
-          flush=True)
+    print(
+        f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT",
+        file=sys.stderr,
+        flush=True,
+    )
     received: list[int] = []
 
     def on_signal(signum: int) -> None:

@@ -50,12 +50,14 @@ class _Prefixer:
     def feed(self, text: str) -> None:
         self.pending += text
         while True:
-            cut = min((i for i in (self.pending.find("\n"), self.pending.find("\r")) if i >= 0),
-                      default=-1)
+            cut = min(
+                (i for i in (self.pending.find("\n"), self.pending.find("\r")) if i >= 0),
+                default=-1,
+            )
             if cut < 0:
                 return
             line, end = self.pending[:cut], self.pending[cut]
-            self.pending = self.pending[cut + 1:]
+            self.pending = self.pending[cut + 1 :]
             if line or end == "\n":
                 self.out.write(f"{self.prefix}{line}{end}")
                 self.out.flush()
@@ -87,7 +89,7 @@ async def launch(
     log: Callable[[str], None] | None = None,
     run_id: str | None = None,
 ) -> int:
-    """Run ``command`` (e.g. ``[python, script, args...]``) as ``nproc`` workers; return the exit status."""
+    """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status."""
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
     coordinator = Coordinator(config, log=say, run_id=run_id)
     endpoint = await coordinator.start()
@@ -121,7 +123,9 @@ async def launch(
         )
         procs.append(proc)
         assert proc.stdout is not None
-        pumps.append(asyncio.create_task(_pump(proc.stdout, _Prefixer(f"[rank {index:>{width}}] ", out))))
+        pumps.append(
+            asyncio.create_task(_pump(proc.stdout, _Prefixer(f"[rank {index:>{width}}] ", out)))
+        )
 
     interrupted: list[str] = []
 
@@ -139,7 +143,11 @@ async def launch(
     async def watch(index: int, proc: asyncio.subprocess.Process) -> int:
         code = await proc.wait()
         if coordinator.phase.value not in ("finishing", "ended"):
-            what = f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+            what = (
+                f"exited with status {code}"
+                if code >= 0
+                else f"was killed by {signal.Signals(-code).name}"
+            )
             coordinator.abort(f"worker {index} (pid {proc.pid}) {what} before the run finished")
         return code
 

@@ -48,14 +48,20 @@ def main() -> None:
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
 
-    def shard(dataset: TensorDataset, shuffle: bool):  # noqa: ANN202
+    def shard(dataset: TensorDataset, shuffle: bool):
         def build(rank: int, world_size: int) -> DataLoader:
             sampler = DistributedSampler(
-                dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=args.seed,
+                dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=shuffle,
+                seed=args.seed,
                 drop_last=True,
             )
-            return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                              drop_last=shuffle)
+            return DataLoader(
+                dataset, batch_size=args.batch_size, sampler=sampler, drop_last=shuffle
+            )
+
         return build
 
     result = epochal.train(

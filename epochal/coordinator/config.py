@@ -1,4 +1,4 @@
-"""The coordinator's configuration: one frozen, validated dataclass shared by the CLI and the API."""
+"""The coordinator's configuration: one frozen, validated dataclass for the CLI and the API."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ class CoordinatorConfig:
             raise ConfigError(str(exc)) from None
         if self.batch_policy not in BATCH_POLICIES:
             raise ConfigError(
-                f"batch policy {self.batch_policy!r} is unknown: use one of {', '.join(BATCH_POLICIES)}"
+                f"batch policy {self.batch_policy!r} is unknown: "
+                f"use one of {', '.join(BATCH_POLICIES)}"
             )
         if not (0.0 < self.smoothing <= 1.0) or math.isnan(self.smoothing):
             raise ConfigError(
@@ -67,8 +68,13 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"backend {self.backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}"
             )
-        for name in ("rendezvous_timeout", "store_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "finish_timeout"):
+        for name in (
+            "rendezvous_timeout",
+            "store_timeout",
+            "heartbeat_interval",
+            "heartbeat_timeout",
+            "finish_timeout",
+        ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")

@@ -49,7 +49,10 @@ class LossSums:
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``. Keeps 1,000-rank messages short."""
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``.
+
+    Keeps messages about 1,000 ranks short.
+    """
     ordered = sorted(ranks)
     spans: list[str] = []
     start = prev = ordered[0]
@@ -184,7 +187,9 @@ class LoopState:
         is_best = False
         if observed is not None:
             a = self.smoothing
-            self.smoothed = observed if self.smoothed is None else a * observed + (1 - a) * self.smoothed
+            self.smoothed = (
+                observed if self.smoothed is None else a * observed + (1 - a) * self.smoothed
+            )
             if self.best_loss is None or self.smoothed < self.best_loss:
                 self.best_epoch, self.best_loss, is_best = epoch, self.smoothed, True
         outcome = EpochOutcome(

@@ -53,7 +53,7 @@ class Member:
 
 
 def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:
-    """Name the first thing that differs between two model fingerprints (the torch version counts)."""
+    """Name the first thing that differs between two model fingerprints, torch version included."""
     if a.torch_version != b.torch_version:
         return f"{a_name} has torch {a.torch_version}, {b_name} has torch {b.torch_version}"
     in_a = {p.name: p for p in a.params}

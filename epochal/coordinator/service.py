@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -95,7 +94,8 @@ def _format_loss(value: float | None) -> str:
 def format_epoch_line(outcome: EpochOutcome, epochs: int, lr_factor: float, seconds: float) -> str:
     """The one line per epoch a person follows a run by."""
     best = (
-        "-" if outcome.best_epoch is None
+        "-"
+        if outcome.best_epoch is None
         else f"{outcome.best_epoch} ({_format_loss(outcome.best_loss)})"
     )
     marker = " *" if outcome.is_best else ""
@@ -105,6 +105,10 @@ def format_epoch_line(outcome: EpochOutcome, epochs: int, lr_factor: float, seco
         f"smoothed {_format_loss(outcome.smoothed_loss)}  lr x{lr_factor:g}  best {best}  "
         f"{seconds:.2f}s{marker}"
     )
+
+
+def _readable(sock: zmq.asyncio.Socket) -> bool:
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def new_run_id() -> str:
@@ -186,8 +190,11 @@ class Coordinator:
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
                     "started": time.time(),
-                    "config": {k: str(v) if k == "run_dir" else v
-                               for k, v in asdict(self.config).items() if k != "token"},
+                    "config": {
+                        k: str(v) if k == "run_dir" else v
+                        for k, v in asdict(self.config).items()
+                        if k != "token"
+                    },
                 }
             )
         return self.endpoint
@@ -207,8 +214,8 @@ class Coordinator:
         next_heartbeat = time.monotonic()
         try:
             while self._outcome is None:
-                if await sock.poll(timeout=int(tick * 1000), flags=zmq.POLLIN):
-                    while self._outcome is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if await sock.poll(timeout=int(tick * 1000)):
+                    while self._outcome is None and _readable(sock):
                         frames = await sock.recv_multipart()
                         await self._receive(frames)
                 now = time.monotonic()
@@ -280,7 +287,9 @@ class Coordinator:
                     return
                 if isinstance(message, Failed):
                     member = self._rendezvous.members[peer]
-                    self._log(f"{member.describe()} failed before the run started: {message.reason}")
+                    self._log(
+                        f"{member.describe()} failed before the run started: {message.reason}"
+                    )
                     self._rendezvous.leave(peer)
                     self._last_seen.pop(peer, None)
                     return
@@ -299,8 +308,10 @@ class Coordinator:
                     await self._start_epoch()
             case EpochReport() if self.phase is Phase.RUNNING and message.epoch == self._epoch:
                 self._reports[rank] = LossSums(
-                    message.train_loss_sum, message.train_count,
-                    message.valid_loss_sum, message.valid_count,
+                    message.train_loss_sum,
+                    message.train_count,
+                    message.valid_loss_sum,
+                    message.valid_count,
                 )
                 if len(self._reports) == self.config.world_size:
                     await self._decide()
@@ -406,9 +417,7 @@ class Coordinator:
             await self._abort(f"epoch {self._epoch}: {exc}")
             return
         self._reports.clear()
-        outcome = self._loop.update(
-            self._epoch, train_loss, valid_loss, validates=self._validates
-        )
+        outcome = self._loop.update(self._epoch, train_loss, valid_loss, validates=self._validates)
         seconds = time.monotonic() - self._epoch_started
         if self._journal is not None:
             plan = self._plan
@@ -467,8 +476,13 @@ class Coordinator:
         )
         if self._journal is not None:
             self._journal.result(
-                {"status": "finished", "run_id": self.run_id, "best_epoch": loop.best_epoch,
-                 "best_loss": loop.best_loss, "epochs_run": len(loop.history)}
+                {
+                    "status": "finished",
+                    "run_id": self.run_id,
+                    "best_epoch": loop.best_epoch,
+                    "best_loss": loop.best_loss,
+                    "epochs_run": len(loop.history),
+                }
             )
         self._outcome = summary
 

@@ -72,7 +72,7 @@ def decode(data: bytes) -> Message:
         )
     name = frame.get("t")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
-    if cls is None:
+    if cls is None or not isinstance(name, str):
         raise MalformedMessage(f"unknown message type {name!r}")
     fields = {k: v for k, v in frame.items() if k not in _RESERVED}
     message = _build(cls, fields, name)

@@ -61,7 +61,7 @@ def _text(name: str, value: str, *, empty: bool = False) -> None:
     _check(empty or value != "", f"{name} must not be empty")
 
 
-# ----------------------------------------------------------------------------- shared parts
+# ------------------------------------------------------------------------ shared parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ class Fingerprint:
         _check(len(self.params) <= MAX_PARAMS, f"fingerprint lists over {MAX_PARAMS} parameters")
 
 
-# ----------------------------------------------------------------------------- worker -> coordinator
+# ------------------------------------------------------------------------ worker -> coordinator
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ class EpochReady:
 
 @dataclass(frozen=True, slots=True)
 class EpochReport:
-    """A worker's loss sums for ``epoch``: sum over samples of the per-sample loss, and the count."""
+    """A worker's loss sums for ``epoch``: per-sample loss summed, and the sample count."""
 
     epoch: int
     train_loss_sum: float
@@ -191,7 +191,7 @@ class Heartbeat:
     """Liveness, both ways; any message also counts as a heartbeat."""
 
 
-# ----------------------------------------------------------------------------- coordinator -> worker
+# ------------------------------------------------------------------------ coordinator -> worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +223,9 @@ class Welcome:
         _text("run_id", self.run_id)
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _text("store_host", self.store_host)
-        _check(0 < self.store_port < 65536, f"store_port must be in 1..65535, got {self.store_port}")
+        _check(
+            0 < self.store_port < 65536, f"store_port must be in 1..65535, got {self.store_port}"
+        )
         _nonneg("start_epoch", self.start_epoch)
         _check(self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}")
 
@@ -237,7 +239,9 @@ class Joined:
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
-        _check(0 < self.joined <= self.world_size, f"joined {self.joined} outside 1..{self.world_size}")
+        _check(
+            0 < self.joined <= self.world_size, f"joined {self.joined} outside 1..{self.world_size}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +317,9 @@ class Abort:
 
 
 WorkerMessage = Hello | StoreReady | EpochReady | EpochReport | Failed | Done | Heartbeat
-CoordinatorMessage = Joined | OpenStore | Welcome | Reject | Go | Decision | Finish | Abort | Heartbeat
+CoordinatorMessage = (
+    Joined | OpenStore | Welcome | Reject | Go | Decision | Finish | Abort | Heartbeat
+)
 Message = WorkerMessage | CoordinatorMessage
 
 MESSAGE_TYPES: dict[str, type] = {

@@ -174,7 +174,7 @@ class ControlClient:
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            if not await sock.poll(timeout=200, flags=zmq.POLLIN):
+            if not await sock.poll(timeout=200):
                 continue
             data = await sock.recv()
             self._last_heard = time.monotonic()

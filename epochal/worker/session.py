@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from epochal.environment import (
     CONNECT_TIMEOUT_ENV,
@@ -34,7 +35,13 @@ from epochal.environment import (
     TOKEN_ENV,
     WORKER_ID_ENV,
 )
-from epochal.errors import ConfigError, CoordinatorUnreachable, EpochalError, JoinRefused, RunAborted
+from epochal.errors import (
+    ConfigError,
+    CoordinatorUnreachable,
+    EpochalError,
+    JoinRefused,
+    RunAborted,
+)
 from epochal.protocol import (
     DEFAULT_JOB,
     Decision,
@@ -185,7 +192,7 @@ class Session:
         client: ControlClient,
         welcome: Welcome,
         device: torch.device,
-        store: dist.TCPStore,
+        store: TCPStore,
     ) -> None:
         self.client = client
         self.rank = welcome.rank
@@ -360,12 +367,20 @@ def join(
         raise ConfigError(str(exc)) from None
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
     host = socket.gethostname()
-    worker_id = worker_id or os.environ.get(WORKER_ID_ENV) or f"{host}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
+    worker_id = (
+        worker_id or os.environ.get(WORKER_ID_ENV) or f"{host}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
+    )
     rank_hint = rank if rank is not None else _env_int(RANK_ENV)
     local_rank = _env_int(LOCAL_RANK_ENV) or 0
-    deadline_s = connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
-    for name, value in (("collective_timeout", collective_timeout), ("connect_timeout", deadline_s),
-                        ("heartbeat_interval", heartbeat_interval), ("abort_grace", abort_grace)):
+    deadline_s = (
+        connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
+    )
+    for name, value in (
+        ("collective_timeout", collective_timeout),
+        ("connect_timeout", deadline_s),
+        ("heartbeat_interval", heartbeat_interval),
+        ("abort_grace", abort_grace),
+    ):
         if not value > 0:
             raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
     if heartbeat_timeout <= heartbeat_interval:
@@ -396,7 +411,7 @@ def join(
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         dist.init_process_group(
             backend=welcome.backend,
-            store=dist.PrefixStore(f"epochal/{welcome.run_id}", store),
+            store=PrefixStore(f"epochal/{welcome.run_id}", store),
             rank=welcome.rank,
             world_size=welcome.world_size,
             timeout=timedelta(seconds=collective_timeout),
@@ -410,11 +425,11 @@ def join(
 
 def _rendezvous(
     client: ControlClient, hello: Hello, endpoint: str, deadline_s: float, store_timeout: float
-) -> tuple[Welcome, dist.TCPStore]:
+) -> tuple[Welcome, TCPStore]:
     deadline = time.monotonic() + deadline_s
     backoff = 0.1
     joined = False
-    store: dist.TCPStore | None = None
+    store: TCPStore | None = None
     client.send(hello)
     while True:
         try:
@@ -439,15 +454,20 @@ def _rendezvous(
             case OpenStore():
                 if store is None:
                     host = advertised_host(endpoint)
-                    store = dist.TCPStore(
-                        host, 0, is_master=True, wait_for_workers=False,
+                    store = TCPStore(
+                        host,
+                        0,
+                        is_master=True,
+                        wait_for_workers=False,
                         timeout=timedelta(seconds=store_timeout),
                     )
                 client.send(StoreReady(host=host, port=store.port))
             case Welcome():
                 if store is None:
-                    store = dist.TCPStore(
-                        message.store_host, message.store_port, is_master=False,
+                    store = TCPStore(
+                        message.store_host,
+                        message.store_port,
+                        is_master=False,
                         timeout=timedelta(seconds=store_timeout),
                     )
                 return message, store

@@ -96,15 +96,16 @@ def fit(
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * ctx.lr_factor
         _set_epoch(train_data, ctx.epoch)
-        ddp.train()
+        ddp.train()  # type: ignore[no-untyped-call]
         total = torch.zeros((), dtype=torch.float64, device=device)
         count = 0
         bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False,
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False, dynamic_ncols=True
+            )
         for step, batch in enumerate(train_data):
             if step == ctx.train_batches:
                 break
@@ -112,7 +113,7 @@ def fit(
             inputs, targets, n = _split(batch, device)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(inputs), targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             total += loss.detach().double() * n
             count += n
@@ -179,8 +180,14 @@ def train(
     session = join(model, **join_options)
     try:
         return fit(
-            session, model, optimizer, train_loader, valid_loader, loss_fn,
-            progress=progress, **(ddp_options or {}),
+            session,
+            model,
+            optimizer,
+            train_loader,
+            valid_loader,
+            loss_fn,
+            progress=progress,
+            **(ddp_options or {}),
         )
     finally:
         session.close()

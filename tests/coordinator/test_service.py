@@ -22,8 +22,8 @@ from epochal.protocol import (
     EpochReady,
     EpochReport,
     Failed,
-    Finish,
     Fingerprint,
+    Finish,
     Go,
     Heartbeat,
     Hello,
@@ -39,14 +39,21 @@ from epochal.protocol import (
 )
 
 FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
-OTHER_FP = Fingerprint(digest="b" * 64, params=(ParamSpec("w", (3, 3), "float32"),),
-                       torch_version="x")
+OTHER_FP = Fingerprint(
+    digest="b" * 64, params=(ParamSpec("w", (3, 3), "float32"),), torch_version="x"
+)
 
 
 def hello(worker_id: str, **changes: object) -> Hello:
     fields: dict[str, object] = dict(
-        job="epochal", token="", worker_id=worker_id, host="testhost", pid=1, rank_hint=None,
-        device="cpu", fingerprint=FP,
+        job="epochal",
+        token="",
+        worker_id=worker_id,
+        host="testhost",
+        pid=1,
+        rank_hint=None,
+        device="cpu",
+        fingerprint=FP,
     )
     fields.update(changes)
     return Hello(**fields)  # type: ignore[arg-type]
@@ -112,8 +119,11 @@ async def test_a_whole_run_with_scripted_losses(ctx):
             go = await w.recv()
             assert go == Go(epoch=epoch, train_batches=5, valid_batches=2, lr_factor=1.0)
         for w, s in zip(workers, sums, strict=True):
-            await w.send(EpochReport(epoch=epoch, train_loss_sum=1.0, train_count=1,
-                                     valid_loss_sum=s, valid_count=2))
+            await w.send(
+                EpochReport(
+                    epoch=epoch, train_loss_sum=1.0, train_count=1, valid_loss_sum=s, valid_count=2
+                )
+            )
         for w in workers:
             decision = await w.recv()
             assert isinstance(decision, Decision)

@@ -85,7 +85,7 @@ class Spawner:
         return proc.returncode, out
 
     def assert_none_left(self, wait: float = 3.0) -> None:
-        """Fail if any process this test started (or its children) is still alive after ``wait`` s."""
+        """Fail if any process this test started (or a child of it) still lives after ``wait`` s."""
         deadline = time.monotonic() + wait
         while True:
             alive = marked_pids(self.mark)

@@ -1,4 +1,4 @@
-"""Bad input ends the run with a message naming what differs, within seconds, leaving nothing behind."""
+"""Bad input ends the run within seconds with a message naming what differs; nothing is left."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ DEADLINE = 60.0
 def run_broken(spawn: Spawner, tmp_path: Path, mode: str, *extra: str) -> tuple[int, str, float]:
     started = time.monotonic()
     proc = spawn.epochal(
-        "run", "--nproc", "2", "--epochs", "3", "--run-dir", str(tmp_path / "run"), *extra,
-        str(SCRIPTS / "linear.py"), "--mode", mode,
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *extra,
+        str(SCRIPTS / "linear.py"),
+        "--mode",
+        mode,
     )
     code, output = spawn.finish(proc, DEADLINE)
     spawn.assert_none_left()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import Spawner
 
 pytestmark = pytest.mark.slow
 
@@ -19,13 +19,20 @@ PREFIX = "epochal coordinator listening on "
 def read_endpoint(proc) -> str:
     line = proc.stdout.readline()
     assert line.startswith(PREFIX), line
-    return line[len(PREFIX):].strip()
+    return line[len(PREFIX) :].strip()
 
 
 def test_coordinator_first_then_workers(spawn: Spawner, tmp_path: Path):
     coordinator = spawn.epochal(
-        "coordinator", "--bind", "tcp://127.0.0.1:0", "--world-size", "2", "--epochs", "3",
-        "--run-dir", str(tmp_path / "run"),
+        "coordinator",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--world-size",
+        "2",
+        "--epochs",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
     )
     endpoint = read_endpoint(coordinator)
     assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
@@ -53,8 +60,15 @@ def test_workers_first_then_coordinator(spawn: Spawner, tmp_path: Path):
         for _ in range(2)
     ]
     coordinator = spawn.epochal(
-        "coordinator", "--bind", endpoint, "--world-size", "2", "--epochs", "2",
-        "--run-dir", str(tmp_path / "run"),
+        "coordinator",
+        "--bind",
+        endpoint,
+        "--world-size",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
     )
     assert read_endpoint(coordinator) == endpoint
     for w in workers:
@@ -67,7 +81,13 @@ def test_workers_first_then_coordinator(spawn: Spawner, tmp_path: Path):
 
 def test_worker_of_another_job_is_refused(spawn: Spawner, tmp_path: Path):
     coordinator = spawn.epochal(
-        "coordinator", "--world-size", "1", "--job", "alpha", "--run-dir", str(tmp_path / "run"),
+        "coordinator",
+        "--world-size",
+        "1",
+        "--job",
+        "alpha",
+        "--run-dir",
+        str(tmp_path / "run"),
     )
     endpoint = read_endpoint(coordinator)
     worker = spawn.script("linear.py", EPOCHAL_COORDINATOR=endpoint, EPOCHAL_JOB="beta")

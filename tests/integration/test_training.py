@@ -38,8 +38,9 @@ def reference_run(epochs: int) -> tuple[list[dict[str, torch.Tensor]], list[floa
     for _ in range(epochs):
         for i in range(0, len(x), lin.GLOBAL_BATCH):
             opt.zero_grad()
-            nn.functional.mse_loss(model(x[i: i + lin.GLOBAL_BATCH]),
-                                   y[i: i + lin.GLOBAL_BATCH]).backward()
+            nn.functional.mse_loss(
+                model(x[i : i + lin.GLOBAL_BATCH]), y[i : i + lin.GLOBAL_BATCH]
+            ).backward()
             opt.step()
         with torch.no_grad():
             valid.append(nn.functional.mse_loss(model(xv), yv).item())
@@ -52,8 +53,16 @@ def test_workers_match_one_process_on_the_union(spawn: Spawner, tmp_path: Path, 
     out = tmp_path / "out"
     run_dir = tmp_path / "run"
     proc = spawn.epochal(
-        "run", "--nproc", str(world_size), "--epochs", str(EPOCHS), "--run-dir", str(run_dir),
-        str(SCRIPTS / "linear.py"), "--out", str(out),
+        "run",
+        "--nproc",
+        str(world_size),
+        "--epochs",
+        str(EPOCHS),
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "linear.py"),
+        "--out",
+        str(out),
     )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
@@ -73,15 +82,26 @@ def test_workers_match_one_process_on_the_union(spawn: Spawner, tmp_path: Path, 
     assert [line["valid_loss"] for line in lines] == pytest.approx(valid, rel=1e-5, abs=1e-7)
     assert json.loads((run_dir / "result.json").read_text())["best_epoch"] == best
     # the launcher prefixes every worker line with its rank
-    assert re.search(rf"^\[rank {world_size - 1}\] rank {world_size - 1}: best epoch {best}",
-                     output, re.M), output
+    assert re.search(
+        rf"^\[rank {world_size - 1}\] rank {world_size - 1}: best epoch {best}", output, re.M
+    ), output
 
 
 def test_without_validation_the_train_loss_picks_the_best(spawn: Spawner, tmp_path: Path):
     out = tmp_path / "out"
     proc = spawn.epochal(
-        "run", "--nproc", "2", "--epochs", "3", "--run-dir", str(tmp_path / "run"),
-        str(SCRIPTS / "linear.py"), "--mode", "no-valid", "--out", str(out),
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"),
+        "--mode",
+        "no-valid",
+        "--out",
+        str(out),
     )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
@@ -93,8 +113,18 @@ def test_without_validation_the_train_loss_picks_the_best(spawn: Spawner, tmp_pa
 
 def test_truncate_policy_runs_the_minimum(spawn: Spawner, tmp_path: Path):
     proc = spawn.epochal(
-        "run", "--nproc", "2", "--epochs", "2", "--batch-policy", "truncate",
-        "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "linear.py"), "--mode", "uneven",
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-policy",
+        "truncate",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"),
+        "--mode",
+        "uneven",
     )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output

@@ -40,15 +40,18 @@ def make_model(out_features: int = 1) -> nn.Module:
 def shard(x: torch.Tensor, y: torch.Tensor, batch: int, rank: int, world: int) -> list:
     per = batch // world
     return [
-        (x[i + rank * per: i + (rank + 1) * per], y[i + rank * per: i + (rank + 1) * per])
+        (x[i + rank * per : i + (rank + 1) * per], y[i + rank * per : i + (rank + 1) * per])
         for i in range(0, len(x), batch)
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="train",
-                        choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid"])
+    parser.add_argument(
+        "--mode",
+        default="train",
+        choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid"],
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -1,0 +1,62 @@
+"""Worker pieces that need no coordinator: fingerprints, addresses, argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import epochal
+from epochal.errors import ConfigError
+from epochal.worker.fingerprint import fingerprint
+from epochal.worker.session import advertised_host
+
+
+def test_fingerprint_is_stable_and_sees_shapes_dtypes_and_buffers():
+    a = fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    b = fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    assert a == b  # values do not matter, only names, shapes and dtypes
+    names = [p.name for p in a.params]
+    assert "1.running_mean" in names and "0.weight" in names
+    assert fingerprint(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))).digest != a.digest
+    assert (
+        fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()).digest != a.digest
+    )
+    assert a.torch_version == torch.__version__
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1:5555", "is not a ZeroMQ endpoint"),
+        ("http://127.0.0.1:5555", "is not a ZeroMQ endpoint"),
+        ("tcp://127.0.0.1", "has no port"),
+        ("tcp://127.0.0.1:0", "has no port"),
+    ],
+)
+def test_bad_coordinator_addresses_are_refused_before_connecting(address, message):
+    with pytest.raises(ConfigError, match=message):
+        epochal.join(nn.Linear(2, 2), coordinator=address)
+
+
+def test_no_coordinator_at_all_says_how_to_give_one(monkeypatch):
+    monkeypatch.delenv("EPOCHAL_COORDINATOR", raising=False)
+    with pytest.raises(ConfigError, match="set EPOCHAL_COORDINATOR"):
+        epochal.join(nn.Linear(2, 2))
+
+
+def test_bad_job_name_and_timeouts_are_refused(monkeypatch):
+    with pytest.raises(ConfigError, match="job name 'no spaces' is not allowed"):
+        epochal.join(nn.Linear(2, 2), coordinator="tcp://127.0.0.1:1", job="no spaces")
+    monkeypatch.setenv("EPOCHAL_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="EPOCHAL_CONNECT_TIMEOUT='soon' is not a number"):
+        epochal.join(nn.Linear(2, 2), coordinator="tcp://127.0.0.1:1")
+
+
+def test_advertised_host(monkeypatch):
+    monkeypatch.delenv("EPOCHAL_HOST", raising=False)
+    assert advertised_host("tcp://127.0.0.1:4000") == "127.0.0.1"
+    assert advertised_host("tcp://localhost:4000") == "127.0.0.1"
+    assert advertised_host("ipc:///tmp/x.sock") == "127.0.0.1"
+    monkeypatch.setenv("EPOCHAL_HOST", "10.1.2.3")
+    assert advertised_host("tcp://127.0.0.1:4000") == "10.1.2.3"
