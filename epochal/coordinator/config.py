@@ -47,6 +47,10 @@ class CoordinatorConfig:
     # seconds the coordinator waits for every worker's Done after Finish
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "epochs"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {self.world_size}")
         if self.epochs < 1:

@@ -63,7 +63,7 @@ def decode(data: bytes) -> Message:
     if not isinstance(frame, dict):
         raise MalformedMessage(f"frame is a {type(frame).__name__}, expected a map")
     version = frame.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolVersionMismatch(
             f"peer speaks protocol version {version!r}, this process speaks {PROTOCOL_VERSION}: "
             "install the same epochal version on the coordinator and every worker",

@@ -34,7 +34,7 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 def check_job_name(job: str) -> str:
     """Return ``job`` if it is a valid job name, else raise ValueError saying what is allowed."""
-    if not _JOB_NAME.match(job):
+    if not _JOB_NAME.fullmatch(job):
         raise ValueError(
             f"job name {job!r} is not allowed: use 1-128 letters, digits, '_', '.' or '-', "
             "starting with a letter or digit"
@@ -219,7 +219,9 @@ class Welcome:
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
-        _check(0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size}")
+        _check(
+            0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}"
+        )
         _text("run_id", self.run_id)
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _text("store_host", self.store_host)
