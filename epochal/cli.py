@@ -36,6 +36,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -71,11 +81,85 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "(default: 1.0, no smoothing)",
     )
     g.add_argument(
+        "--validation-frequency",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="validate on epoch 0 and every K-th epoch (default: 1, every epoch)",
+    )
+    g.add_argument(
+        "--lr-schedule",
+        default="constant",
+        metavar="SPEC",
+        help="learning-rate factor schedule: constant, step:every=N,gamma=G, "
+        "exponential:gamma=G, cosine:min=M, linear:end=E, "
+        "plateau:patience=P,factor=F,threshold=T,min=M; a factor <= 0 stops the run "
+        "(default: constant)",
+    )
+    g.add_argument(
+        "--patience",
+        type=_nonnegative_int,
+        default=None,
+        metavar="P",
+        help="stop early once more than P validated epochs in a row bring no improvement of "
+        "the smoothed loss (default: never)",
+    )
+    g.add_argument(
+        "--min-delta",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="an improvement must lower the best smoothed loss by more than D (default: 0)",
+    )
+    g.add_argument(
+        "--best-from",
+        type=_nonnegative_int,
+        default=0,
+        metavar="EPOCH",
+        help="epochs before EPOCH cannot become the best epoch (default: 0)",
+    )
+    g.add_argument(
+        "--no-restore-best",
+        dest="restore_best",
+        action="store_false",
+        help="end with the last epoch's weights instead of the best epoch's",
+    )
+    g.add_argument(
         "--run-dir",
         type=Path,
         default=None,
         metavar="DIR",
-        help="directory for run.json, epochs.jsonl and result.json (default: runs/RUN_ID)",
+        help="directory for run.json, epochs.jsonl, result.json and checkpoints; a directory "
+        "that holds an unfinished run resumes it (default: runs/RUN_ID)",
+    )
+    c = p.add_argument_group("checkpoints and resume")
+    c.add_argument(
+        "--checkpoint-every",
+        type=_nonnegative_int,
+        default=1,
+        metavar="K",
+        help="checkpoint every K-th epoch, the best and the last (0: never; default: 1)",
+    )
+    c.add_argument(
+        "--keep-checkpoints",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="keep the N newest checkpoints plus the best one (default: 2)",
+    )
+    c.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where workers write checkpoints; every rank must see it "
+        "(default: RUN_DIR/checkpoints)",
+    )
+    c.add_argument(
+        "--fresh",
+        action="store_true",
+        help="discard what --run-dir holds (journal, result, checkpoints) and start over "
+        "instead of resuming",
     )
     g.add_argument(
         "--job",
@@ -115,6 +199,15 @@ def _config(
         token=token,
         batch_policy=args.batch_policy,
         smoothing=args.smoothing,
+        validation_frequency=args.validation_frequency,
+        lr_schedule=args.lr_schedule,
+        patience=args.patience,
+        min_delta=args.min_delta,
+        best_from=args.best_from,
+        restore_best=args.restore_best,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        checkpoint_dir=args.checkpoint_dir,
         backend=args.backend,
         run_dir=args.run_dir if args.run_dir is not None else Path("runs") / run_id,
         rendezvous_timeout=args.rendezvous_timeout,
@@ -183,7 +276,7 @@ async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
     from epochal.coordinator import Coordinator
 
     config = _config(args, args.world_size, token, run_id)
-    coordinator = Coordinator(config, bind=args.bind, run_id=run_id)
+    coordinator = Coordinator(config, bind=args.bind, run_id=run_id, fresh=args.fresh)
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
     print(
@@ -219,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         command = script_command(args.script, args.script_args, module=args.module)
         config = _config(args, args.nproc, token, run_id)
-        return asyncio.run(launch(config, args.nproc, command, run_id=run_id))
+        return asyncio.run(launch(config, args.nproc, command, run_id=run_id, fresh=args.fresh))
     except (ConfigError, FileNotFoundError) as exc:
         parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
     except OSError as exc:

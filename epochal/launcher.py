@@ -88,11 +88,15 @@ async def launch(
     out: TextIO = sys.stdout,
     log: Callable[[str], None] | None = None,
     run_id: str | None = None,
+    fresh: bool = False,
 ) -> int:
     """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status."""
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
-    coordinator = Coordinator(config, log=say, run_id=run_id)
+    coordinator = Coordinator(config, log=say, run_id=run_id, fresh=fresh)
     endpoint = await coordinator.start()
+    if coordinator.finished is not None:
+        await coordinator.run()  # says that there is nothing to do
+        return EXIT_OK
     say(f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers")
 
     env_base = dict(os.environ)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
 from epochal.protocol.messages import DEFAULT_JOB, check_job_name
 
@@ -31,6 +32,24 @@ class CoordinatorConfig:
     # unequal batch counts: "error" aborts naming each rank's count, "truncate" runs the minimum
     smoothing: float = 1.0
     # a in s = a*raw + (1-a)*s_prev over the validation loss; 1.0 is no smoothing
+    validation_frequency: int = 1
+    # validate on epoch 0 and every K-th epoch after it
+    lr_schedule: str = "constant"
+    # learning-rate schedule spec (see epochal.coordinator.schedule); a factor <= 0 stops the run
+    patience: int | None = None
+    # stop once more than this many validated epochs in a row fail to improve; None: never
+    min_delta: float = 0.0
+    # an improvement must lower the best smoothed loss by more than this to reset the patience
+    best_from: int = 0
+    # epochs before this one cannot become the best epoch
+    restore_best: bool = True
+    # workers load the best epoch's weights at the end (else they keep the last epoch's)
+    checkpoint_every: int = 1
+    # workers checkpoint every K-th epoch (and the last); 0: never
+    keep_checkpoints: int = 2
+    # how many of the most recent checkpoints to keep (the best one is always kept)
+    checkpoint_dir: Path | None = None
+    # where workers write checkpoints (all ranks must see it); None: RUN_DIR/checkpoints
     backend: str = "auto"
     # data-plane backend: "auto" picks nccl when every worker has CUDA, else gloo
     run_dir: Path | None = None
@@ -47,7 +66,14 @@ class CoordinatorConfig:
     # seconds the coordinator waits for every worker's Done after Finish
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "epochs"):
+        for name in (
+            "world_size",
+            "epochs",
+            "validation_frequency",
+            "best_from",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             value = getattr(self, name)
             if type(value) is not int:
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -68,6 +94,24 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"smoothing factor must be in (0, 1] (1.0 = no smoothing), got {self.smoothing}"
             )
+        if self.validation_frequency < 1:
+            raise ConfigError(
+                "validation frequency must be >= 1 (1 = every epoch), "
+                f"got {self.validation_frequency}"
+            )
+        parse_schedule(self.lr_schedule, self.epochs)  # raises ConfigError naming the problem
+        if self.patience is not None and (type(self.patience) is not int or self.patience < 0):
+            raise ConfigError(f"patience must be a whole number >= 0, got {self.patience!r}")
+        if not (self.min_delta >= 0 and math.isfinite(self.min_delta)):
+            raise ConfigError(f"min_delta must be a finite number >= 0, got {self.min_delta}")
+        if self.best_from < 0:
+            raise ConfigError(f"best_from must be an epoch >= 0, got {self.best_from}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(
+                f"checkpoint_every must be >= 0 (0 = never), got {self.checkpoint_every}"
+            )
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.backend not in BACKEND_CHOICES:
             raise ConfigError(
                 f"backend {self.backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}"
@@ -87,3 +131,26 @@ class CoordinatorConfig:
                 f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                 f"({self.heartbeat_interval} s), or every worker would look dead"
             )
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """Where checkpoints go, absolute; None when there is nowhere to put them."""
+        if self.checkpoint_dir is not None:
+            return self.checkpoint_dir.absolute()
+        if self.run_dir is not None:
+            return (self.run_dir / "checkpoints").absolute()
+        return None
+
+    @property
+    def schedule(self) -> Schedule:
+        """The parsed learning-rate schedule."""
+        return parse_schedule(self.lr_schedule, self.epochs)
+
+    def validates(self, epoch: int) -> bool:
+        """Whether ``epoch`` is a validation epoch (epoch 0 and every K-th)."""
+        return epoch % self.validation_frequency == 0
+
+    def checkpoints(self, epoch: int, last: bool) -> bool:
+        """Whether workers checkpoint after ``epoch`` (every K-th, and the last, when enabled)."""
+        every = self.checkpoint_every
+        return every > 0 and (last or (epoch + 1) % every == 0)

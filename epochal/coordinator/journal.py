@@ -34,10 +34,24 @@ class Journal:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._epochs = open(run_dir / EPOCHS_FILE, "a", encoding="utf-8")  # noqa: SIM115
 
+    def rewrite(self, records: list[dict[str, Any]]) -> None:
+        """Replace the epoch journal with ``records`` (on resume: drop what was not committed)."""
+        self._epochs.close()
+        path = self.run_dir / EPOCHS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._epochs = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
     def start(self, info: dict[str, Any]) -> None:
         _write_atomic(self.run_dir / RUN_FILE, info)
 
     def epoch(self, record: dict[str, Any]) -> None:
+        """Append one record (``kind`` epoch or checkpoint) and make it durable."""
         self._epochs.write(json.dumps(record, sort_keys=True) + "\n")
         self._epochs.flush()
         os.fsync(self._epochs.fileno())

@@ -14,8 +14,10 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from epochal.coordinator.config import BatchPolicy
+from epochal.coordinator.schedule import Schedule
 
 
 class PolicyViolation(Exception):
@@ -160,23 +162,43 @@ class EpochOutcome:
     best_loss: float | None
     is_best: bool
     stop: bool
+    lr_factor: float = 1.0
+    # the factor this epoch ran at
+    next_lr_factor: float = 1.0
+    # the factor the next epoch runs at (<= 0 stops the run)
+    stop_reason: str | None = None
+    # why the run stops after this epoch: "epochs", "lr_factor" or "patience"
 
 
 @dataclass(slots=True)
 class LoopState:
-    """lamp's epoch loop state: smoothed loss, best epoch, stop.
+    """lamp's epoch loop state: smoothed loss, best epoch, learning-rate factor, stop.
 
     The monitored loss is the validation loss when the run validates, else the train loss.
     Smoothing is lamp's ``s = a*raw + (1-a)*s_prev``, seeded with the first value; epochs without a
     monitored value leave the state as it is (lamp resets it; we keep it). The best epoch is the one
-    with the strictly lowest smoothed loss (ties keep the earlier epoch).
+    with the strictly lowest smoothed loss (ties keep the earlier epoch) among epochs >=
+    ``best_from``. The run stops after the last epoch, when the schedule's next factor is <= 0,
+    or when ``patience`` monitored epochs in a row failed to improve the best smoothed loss by more
+    than ``min_delta``.
+
+    Everything here is a function of the sequence of :meth:`update` calls, so replaying a run's
+    journal rebuilds the state exactly.
     """
 
     epochs: int
     smoothing: float = 1.0
+    schedule: Schedule | None = None
+    patience: int | None = None
+    min_delta: float = 0.0
+    best_from: int = 0
     smoothed: float | None = None
     best_epoch: int | None = None
     best_loss: float | None = None
+    lr_factor: float = 1.0
+    schedule_state: dict[str, Any] = field(default_factory=dict)
+    stale: int = 0
+    # monitored epochs since the last improvement (for patience)
     history: list[EpochOutcome] = field(default_factory=list)
 
     def update(
@@ -187,11 +209,29 @@ class LoopState:
         is_best = False
         if observed is not None:
             a = self.smoothing
-            self.smoothed = (
-                observed if self.smoothed is None else a * observed + (1 - a) * self.smoothed
-            )
-            if self.best_loss is None or self.smoothed < self.best_loss:
+            previous_best = self.best_loss
+            if self.smoothed is None:
+                self.smoothed = observed
+            else:
+                self.smoothed = a * observed + (1 - a) * self.smoothed
+            if epoch >= self.best_from and (
+                self.best_loss is None or self.smoothed < self.best_loss
+            ):
                 self.best_epoch, self.best_loss, is_best = epoch, self.smoothed, True
+            improved = previous_best is None or self.smoothed < previous_best - self.min_delta
+            self.stale = 0 if improved else self.stale + 1
+        factor = self.lr_factor
+        if self.schedule is not None:
+            self.lr_factor = self.schedule.next_factor(
+                epoch, self.smoothed if observed is not None else None, factor, self.schedule_state
+            )
+        stop_reason = None
+        if epoch + 1 >= self.epochs:
+            stop_reason = "epochs"
+        elif self.lr_factor <= 0:
+            stop_reason = "lr_factor"
+        elif self.patience is not None and observed is not None and self.stale > self.patience:
+            stop_reason = "patience"
         outcome = EpochOutcome(
             epoch=epoch,
             train_loss=train_loss,
@@ -200,7 +240,10 @@ class LoopState:
             best_epoch=self.best_epoch,
             best_loss=self.best_loss,
             is_best=is_best,
-            stop=epoch + 1 >= self.epochs,
+            stop=stop_reason is not None,
+            lr_factor=factor,
+            next_lr_factor=self.lr_factor,
+            stop_reason=stop_reason,
         )
         self.history.append(outcome)
         return outcome

@@ -14,24 +14,25 @@ from __future__ import annotations
 
 import enum
 import os
+import shutil
 import socket
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import liveness
+from epochal.coordinator import liveness, resume
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import Journal
 from epochal.coordinator.policy import (
     BatchCounts,
     EpochOutcome,
     EpochPlan,
-    LoopState,
     LossSums,
     PolicyViolation,
     plan_epoch,
@@ -42,6 +43,7 @@ from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
+    Checkpointed,
     CoordinatorMessage,
     Decision,
     Done,
@@ -135,6 +137,7 @@ class Coordinator:
         log: Callable[[str], None] = _stderr,
         context: zmq.asyncio.Context | None = None,
         run_id: str | None = None,
+        fresh: bool = False,
     ) -> None:
         self.config = config
         self.bind_address = bind
@@ -156,8 +159,13 @@ class Coordinator:
         self._done: set[int] = set()
         self._plan: EpochPlan | None = None
         self._validates = False
-        self._lr_factor = 1.0
-        self._loop = LoopState(epochs=config.epochs, smoothing=config.smoothing)
+        self._checkpoint_dir = config.checkpoint_path
+        if fresh:
+            resume.start_fresh(config, self._checkpoint_dir)
+        self._state = resume.inspect(config, self._checkpoint_dir)
+        self._loop = self._state.loop
+        self._committed = [r["epoch"] for r in self._state.records if r["kind"] == "checkpoint"]
+        self._epoch = self._state.start_epoch
         self._phase_started = 0.0
         self._epoch_started = 0.0
         self._requested_abort: str | None = None
@@ -181,8 +189,11 @@ class Coordinator:
         self._socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._phase_started = time.monotonic()
-        if self.config.run_dir is not None:
+        for note in self._state.notes:
+            self._log(note)
+        if self.config.run_dir is not None and self._state.finished is None:
             self._journal = Journal(self.config.run_dir)
+            self._journal.rewrite(self._state.records)
             self._journal.start(
                 {
                     "run_id": self.run_id,
@@ -190,14 +201,21 @@ class Coordinator:
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
                     "started": time.time(),
-                    "config": {
-                        k: str(v) if k == "run_dir" else v
-                        for k, v in asdict(self.config).items()
-                        if k != "token"
-                    },
+                    "resumed_from": self._state.resume_epoch,
+                    "config": resume.config_record(self.config),
                 }
             )
+            if self._state.resume_epoch is not None:
+                self._log(
+                    f"resuming {self.config.run_dir} at epoch {self._epoch} from the checkpoint of "
+                    f"epoch {self._state.resume_epoch} (best so far: epoch {self._loop.best_epoch})"
+                )
         return self.endpoint
+
+    @property
+    def finished(self) -> dict[str, Any] | None:
+        """result.json of a run directory whose run already finished (nothing left to train)."""
+        return self._state.finished
 
     def abort(self, reason: str) -> None:
         """Ask the running service to abort the run (from the same event loop)."""
@@ -208,6 +226,18 @@ class Coordinator:
         """Serve until the run ends; return its summary or raise RunAborted."""
         if self._socket is None:
             await self.start()
+        done = self._state.finished
+        if done is not None:
+            self._log(
+                f"the run in {self.config.run_dir} already finished (best epoch "
+                f"{done.get('best_epoch')}); nothing to train. Pass --fresh to train it again"
+            )
+            return RunSummary(
+                run_id=str(done.get("run_id", self.run_id)),
+                best_epoch=done.get("best_epoch"),
+                best_loss=done.get("best_loss"),
+                epochs_run=int(done.get("epochs_run", 0)),
+            )
         sock = self._socket
         assert sock is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
@@ -315,6 +345,8 @@ class Coordinator:
                 )
                 if len(self._reports) == self.config.world_size:
                     await self._decide()
+            case Checkpointed() if rank == 0 and message.epoch <= self._epoch:
+                self._on_checkpointed(message.epoch)
             case Done() if self.phase is Phase.FINISHING:
                 self._done.add(rank)
                 if len(self._done) == self.config.world_size:
@@ -376,8 +408,10 @@ class Coordinator:
             backend=self._backend,
             store_host=self._store.host,
             store_port=self._store.port,
-            start_epoch=0,
+            start_epoch=self._state.start_epoch,
             epochs=self.config.epochs,
+            resume_epoch=self._state.resume_epoch,
+            checkpoint_dir=str(self._checkpoint_dir or ""),
         )
 
     async def _welcome_all(self) -> None:
@@ -395,18 +429,18 @@ class Coordinator:
         except PolicyViolation as exc:
             await self._abort(f"epoch {self._epoch}: {exc}")
             return
-        if self._epoch == 0:
-            self._validates = plan.valid_batches > 0
-        self._plan = plan
+        self._validates = plan.valid_batches > 0  # every rank has validation data
+        validate_now = self._validates and self.config.validates(self._epoch)
+        self._plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
         self._ready.clear()
         self._set_phase(Phase.RUNNING)
         self._epoch_started = time.monotonic()
         await self._send_all(
             Go(
                 epoch=self._epoch,
-                train_batches=plan.train_batches,
-                valid_batches=plan.valid_batches,
-                lr_factor=self._lr_factor,
+                train_batches=self._plan.train_batches,
+                valid_batches=self._plan.valid_batches,
+                lr_factor=self._loop.lr_factor,
             )
         )
 
@@ -418,14 +452,20 @@ class Coordinator:
             return
         self._reports.clear()
         outcome = self._loop.update(self._epoch, train_loss, valid_loss, validates=self._validates)
+        checkpoint = self._checkpoint_dir is not None and (
+            self.config.checkpoints(outcome.epoch, last=outcome.stop)
+            or (outcome.is_best and self.config.checkpoint_every > 0)
+        )
         seconds = time.monotonic() - self._epoch_started
         if self._journal is not None:
             plan = self._plan
             assert plan is not None
             self._journal.epoch(
                 {
+                    "kind": "epoch",
                     **asdict(outcome),
-                    "lr_factor": self._lr_factor,
+                    "validates": self._validates,
+                    "checkpoint": checkpoint,
                     "train_batches": plan.train_batches,
                     "valid_batches": plan.valid_batches,
                     "seconds": round(seconds, 6),
@@ -440,15 +480,35 @@ class Coordinator:
                 smoothed_loss=outcome.smoothed_loss,
                 best_epoch=outcome.best_epoch,
                 is_best=outcome.is_best,
+                checkpoint=checkpoint,
                 stop=outcome.stop,
             )
         )
-        self._log(format_epoch_line(outcome, self.config.epochs, self._lr_factor, seconds))
+        self._log(format_epoch_line(outcome, self.config.epochs, outcome.lr_factor, seconds))
         if outcome.stop:
+            if outcome.stop_reason == "lr_factor":
+                self._log(f"the learning-rate factor reached {outcome.next_lr_factor:g}: stopping")
+            elif outcome.stop_reason == "patience":
+                self._log(
+                    f"no improvement for {self._loop.stale} validated epochs "
+                    f"(patience {self.config.patience}): stopping early"
+                )
             await self._finish()
         else:
             self._epoch += 1
             self._set_phase(Phase.READY)
+
+    def _on_checkpointed(self, epoch: int) -> None:
+        if self._journal is not None:
+            self._journal.epoch({"kind": "checkpoint", "epoch": epoch, "time": time.time()})
+        self._committed.append(epoch)
+        if self._checkpoint_dir is not None:
+            pruned = resume.prunable(
+                self._committed, self.config.keep_checkpoints, self._loop.best_epoch
+            )
+            for old in pruned:
+                shutil.rmtree(resume.checkpoint_path(self._checkpoint_dir, old), ignore_errors=True)
+            self._committed = [e for e in self._committed if e not in pruned]
 
     async def _finish(self) -> None:
         loop = self._loop
@@ -457,6 +517,7 @@ class Coordinator:
                 best_epoch=loop.best_epoch,
                 best_loss=loop.best_loss,
                 epochs_run=len(loop.history),
+                restore_best=self.config.restore_best,
             )
         )
         self._log(

@@ -172,6 +172,16 @@ class EpochReport:
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """Rank 0 has committed the checkpoint of ``epoch`` (renamed into place, manifest written)."""
+
+    epoch: int
+
+    def __post_init__(self) -> None:
+        _nonneg("epoch", self.epoch)
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """The worker hit an error it cannot recover from; the run must stop."""
 
@@ -216,9 +226,17 @@ class Welcome:
     store_port: int
     start_epoch: int
     epochs: int
+    resume_epoch: int | None
+    # load the checkpoint of this epoch before training; None: a fresh start
+    checkpoint_dir: str
+    # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _text("checkpoint_dir", self.checkpoint_dir, empty=True)
+        if self.resume_epoch is not None:
+            _nonneg("resume_epoch", self.resume_epoch)
+            _check(self.checkpoint_dir != "", "resume_epoch needs a checkpoint_dir")
         _check(
             0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}"
         )
@@ -285,6 +303,8 @@ class Decision:
     best_epoch: int | None
     is_best: bool
     # this epoch is the new best: keep its weights
+    checkpoint: bool
+    # write a checkpoint of the state after this epoch
     stop: bool
     # no further epoch; a Finish follows
 
@@ -301,6 +321,8 @@ class Finish:
     best_epoch: int | None
     best_loss: float | None
     epochs_run: int
+    restore_best: bool
+    # load the best epoch's weights (else keep the last epoch's)
 
     def __post_init__(self) -> None:
         _nonneg("epochs_run", self.epochs_run)
@@ -318,7 +340,9 @@ class Abort:
         _text("reason", self.reason)
 
 
-WorkerMessage = Hello | StoreReady | EpochReady | EpochReport | Failed | Done | Heartbeat
+WorkerMessage = (
+    Hello | StoreReady | EpochReady | EpochReport | Checkpointed | Failed | Done | Heartbeat
+)
 CoordinatorMessage = (
     Joined | OpenStore | Welcome | Reject | Go | Decision | Finish | Abort | Heartbeat
 )
@@ -329,6 +353,7 @@ MESSAGE_TYPES: dict[str, type] = {
     "store_ready": StoreReady,
     "epoch_ready": EpochReady,
     "epoch_report": EpochReport,
+    "checkpointed": Checkpointed,
     "failed": Failed,
     "done": Done,
     "heartbeat": Heartbeat,

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,6 +45,7 @@ from epochal.errors import (
 )
 from epochal.protocol import (
     DEFAULT_JOB,
+    Checkpointed,
     Decision,
     Done,
     EpochReady,
@@ -60,6 +62,8 @@ from epochal.protocol import (
     check_job_name,
     clip,
 )
+from epochal.worker import faults
+from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
 
@@ -113,6 +117,8 @@ class RunResult:
     rank: int
     world_size: int
     curve: list[EpochRecord] = field(default_factory=list)
+    restore_best: bool = True
+    # whether the coordinator asks for the best epoch's weights at the end
 
     @property
     def best(self) -> EpochRecord | None:
@@ -201,6 +207,12 @@ class Session:
         self.backend = welcome.backend
         self.start_epoch = welcome.start_epoch
         self.epochs = welcome.epochs
+        self.resume_epoch = welcome.resume_epoch
+        self.checkpointer = (
+            Checkpointer(Path(welcome.checkpoint_dir), rank=self.rank, run_id=self.run_id)
+            if welcome.checkpoint_dir
+            else None
+        )
         self.device = device
         self._store = store  # rank 0 hosts it: it must live as long as the process group
         self._closed = False
@@ -214,6 +226,7 @@ class Session:
         *,
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         on_best: Callable[[int], None] | None = None,
+        state: Any = None,
     ) -> RunResult:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
@@ -222,9 +235,15 @@ class Session:
         receive an :class:`EpochContext` and must run exactly ``ctx.train_batches`` /
         ``ctx.valid_batches`` batches, returning the summed loss and the sample count.
         ``on_best(epoch)`` runs when the coordinator declares the epoch the new best.
+
+        ``state`` is what a checkpoint holds: an object with ``state_dict()`` and
+        ``load_state_dict(sd)`` (``torch.distributed.checkpoint``'s Stateful protocol), saved when
+        the coordinator asks and loaded before the first epoch when it resumes the run. Without
+        it the run is not checkpointed and cannot be resumed.
         """
         curve: list[EpochRecord] = []
         try:
+            self._resume(state)
             epoch = self.start_epoch
             while True:
                 counts = batches(epoch) if callable(batches) else batches
@@ -256,6 +275,7 @@ class Session:
                         valid_count=int(valid.count),
                     )
                 )
+                faults.hit("epoch-end", rank=self.rank, epoch=epoch)
                 decision = self._expect(Decision)
                 curve.append(
                     EpochRecord(
@@ -267,6 +287,8 @@ class Session:
                         seconds=time.monotonic() - started,
                     )
                 )
+                if decision.checkpoint and state is not None:
+                    self._save(decision.epoch, state)
                 if decision.is_best and on_best is not None:
                     on_best(decision.epoch)
                 if decision.stop:
@@ -280,6 +302,7 @@ class Session:
             self.fail(exc)
             raise
         return RunResult(
+            restore_best=finish.restore_best,
             best_epoch=finish.best_epoch,
             best_loss=finish.best_loss,
             epochs_run=finish.epochs_run,
@@ -287,6 +310,26 @@ class Session:
             world_size=self.world_size,
             curve=curve,
         )
+
+    def _resume(self, state: Any) -> None:
+        if self.resume_epoch is None:
+            return
+        if state is None or self.checkpointer is None:
+            raise EpochalError(
+                f"the coordinator resumes this run after epoch {self.resume_epoch}, but there is "
+                "no state to load it into: pass state= to run_epochs (or use epochal.train)"
+            )
+        self.checkpointer.load(self.resume_epoch, state)
+
+    def _save(self, epoch: int, state: Any) -> None:
+        if self.checkpointer is not None and self.checkpointer.save(epoch, state) is not None:
+            self.client.send(Checkpointed(epoch=epoch))  # rank 0, once the rename is durable
+
+    def load_checkpoint(self, epoch: int, state: Any) -> None:
+        """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched)."""
+        if self.checkpointer is None:
+            raise EpochalError("this run has no checkpoint directory")
+        self.checkpointer.load(epoch, state, rng=False)
 
     def fail(self, exc: BaseException) -> None:
         """Tell the coordinator this rank cannot go on, so every other rank stops too."""

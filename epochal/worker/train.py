@@ -14,15 +14,51 @@ from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
+from epochal.worker import faults
 from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
 
 Loader = Iterable[Any]
 LoaderArg = Loader | Callable[[int, int], Loader]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TrainState:
+    """Model and optimizer as one ``torch.distributed.checkpoint`` Stateful.
+
+    Uses DCP's ``get_state_dict``/``set_state_dict``, which key optimizer state by parameter name
+    and work the same for plain, DDP, ZeRO and FSDP2 models.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, model_only: bool = False
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.model_only = model_only
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd} if self.model_only else {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.model_only:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
 
 
 def _progress_enabled(rank: int, progress: bool | None) -> bool:
@@ -110,6 +146,7 @@ def fit(
             if step == ctx.train_batches:
                 break
             ctx.check()
+            faults.hit("train-step", rank=ctx.rank, epoch=ctx.epoch, step=step)
             inputs, targets, n = _split(batch, device)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(inputs), targets)
@@ -142,6 +179,8 @@ def fit(
         nonlocal best_state
         best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
+    train_state = TrainState(model, optimizer)
+
     def counts(epoch: int) -> tuple[int, int | None]:
         return len(train_data), (None if valid_data is None else len(valid_data))  # type: ignore[arg-type]
 
@@ -150,9 +189,15 @@ def fit(
         valid_epoch if valid_data is not None else None,
         batches=counts,
         on_best=keep_best,
+        state=train_state,
     )
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    if result.restore_best and result.best_epoch is not None:
+        if best_state is not None:
+            model.load_state_dict(best_state)
+        else:  # the best epoch ran before a restart: its weights are in its checkpoint
+            session.load_checkpoint(
+                result.best_epoch, TrainState(model, optimizer, model_only=True)
+            )
     return result
 
 

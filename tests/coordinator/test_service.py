@@ -132,7 +132,7 @@ async def test_a_whole_run_with_scripted_losses(ctx):
             assert decision.stop == (epoch == 2)
     for w in workers:
         finish = await w.recv()
-        assert finish == Finish(best_epoch=1, best_loss=1.5, epochs_run=3)
+        assert finish == Finish(best_epoch=1, best_loss=1.5, epochs_run=3, restore_best=True)
         await w.send(Done())
     summary = await asyncio.wait_for(task, 5)
     assert (summary.best_epoch, summary.epochs_run) == (1, 3)

@@ -77,8 +77,11 @@ def test_workers_match_one_process_on_the_union(spawn: Spawner, tmp_path: Path, 
         for name, tensor in states[best].items():
             torch.testing.assert_close(got["state"][name], tensor, rtol=1e-5, atol=1e-6)
 
-    lines = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    lines = [r for r in records if r["kind"] == "epoch"]
     assert [line["epoch"] for line in lines] == list(range(EPOCHS))
+    # every epoch was checkpointed and committed after its decision
+    assert [r["epoch"] for r in records if r["kind"] == "checkpoint"] == list(range(EPOCHS))
     assert [line["valid_loss"] for line in lines] == pytest.approx(valid, rel=1e-5, abs=1e-7)
     assert json.loads((run_dir / "result.json").read_text())["best_epoch"] == best
     # the launcher prefixes every worker line with its rank
@@ -128,6 +131,8 @@ def test_truncate_policy_runs_the_minimum(spawn: Spawner, tmp_path: Path):
     )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
-    lines = [json.loads(x) for x in (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()]
+    lines = [r for r in records if r["kind"] == "epoch"]
+    assert len(lines) == 2
     assert {line["train_batches"] for line in lines} == {3}  # rank 1 holds 3 of the 4 batches
     spawn.assert_none_left()

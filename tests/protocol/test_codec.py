@@ -25,6 +25,7 @@ from epochal.protocol.messages import (
     PROTOCOL_VERSION,
     TYPE_NAMES,
     Abort,
+    Checkpointed,
     Decision,
     Done,
     EpochReady,
@@ -87,8 +88,10 @@ EXAMPLES: dict[type, Any] = {
         backend="nccl",
         store_host="10.0.0.1",
         store_port=29500,
-        start_epoch=0,
+        start_epoch=3,
         epochs=10,
+        resume_epoch=2,
+        checkpoint_dir="/runs/a/checkpoints",
     ),
     Reject: Reject(reason="surplus"),
     Go: Go(epoch=0, train_batches=48, valid_batches=0, lr_factor=0.5),
@@ -99,9 +102,11 @@ EXAMPLES: dict[type, Any] = {
         smoothed_loss=None,
         best_epoch=None,
         is_best=False,
+        checkpoint=True,
         stop=True,
     ),
-    Finish: Finish(best_epoch=1, best_loss=0.125, epochs_run=3),
+    Finish: Finish(best_epoch=1, best_loss=0.125, epochs_run=3, restore_best=True),
+    Checkpointed: Checkpointed(epoch=2),
     Abort: Abort(reason="rank 1 failed"),
 }
 
@@ -156,6 +161,7 @@ def joineds(draw: st.DrawFn) -> Joined:
 @st.composite
 def welcomes(draw: st.DrawFn) -> Welcome:
     world_size = draw(st.integers(1, 2**31))
+    resume = draw(st.none() | nonneg)
     return Welcome(
         rank=draw(st.integers(0, world_size - 1)),
         world_size=world_size,
@@ -165,6 +171,8 @@ def welcomes(draw: st.DrawFn) -> Welcome:
         store_port=draw(st.integers(1, 65535)),
         start_epoch=draw(nonneg),
         epochs=draw(st.integers(1, INT64)),
+        resume_epoch=resume,
+        checkpoint_dir=draw(nonempty) if resume is not None else draw(text),
     )
 
 
@@ -214,11 +222,17 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         smoothed_loss=st.none() | no_nan,
         best_epoch=st.none() | nonneg,
         is_best=st.booleans(),
+        checkpoint=st.booleans(),
         stop=st.booleans(),
     ),
     Finish: st.builds(
-        Finish, best_epoch=st.none() | nonneg, best_loss=st.none() | no_nan, epochs_run=nonneg
+        Finish,
+        best_epoch=st.none() | nonneg,
+        best_loss=st.none() | no_nan,
+        epochs_run=nonneg,
+        restore_best=st.booleans(),
     ),
+    Checkpointed: st.builds(Checkpointed, epoch=nonneg),
     Abort: st.builds(Abort, reason=nonempty),
 }
 messages = st.one_of(*STRATEGIES.values())
@@ -567,6 +581,13 @@ OUT_OF_RANGE = [
     (Welcome, {"backend": "mpi"}, "welcome: backend must be one of ('gloo', 'nccl'), got 'mpi'"),
     (Welcome, {"epochs": 0}, "welcome: epochs must be >= 1, got 0"),
     (Welcome, {"start_epoch": -1}, "welcome: start_epoch must be >= 0, got -1"),
+    (Welcome, {"resume_epoch": -1}, "welcome: resume_epoch must be >= 0, got -1"),
+    (
+        Welcome,
+        {"resume_epoch": 1, "checkpoint_dir": ""},
+        "welcome: resume_epoch needs a checkpoint_dir",
+    ),
+    (Checkpointed, {"epoch": -1}, "checkpointed: epoch must be >= 0, got -1"),
     (Joined, {"joined": 0}, "joined: joined 0 outside 1..4"),
     (Joined, {"joined": 5}, "joined: joined 5 outside 1..4"),
     (Hello, {"rank_hint": -1}, "hello: rank_hint must be >= 0, got -1"),

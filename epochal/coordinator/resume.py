@@ -1,0 +1,228 @@
+"""Reading a run directory back: is there a run to resume, where, and with what loop state?
+
+A run directory holds ``run.json`` (the configuration), ``epochs.jsonl`` (one ``epoch`` record per
+decided epoch and one ``checkpoint`` record per committed checkpoint, each fsynced before the
+workers heard of it) and, once the run ended, ``result.json``. Resuming replays the epoch records
+up to the newest committed checkpoint that verifies against its manifest through
+:class:`~epochal.coordinator.policy.LoopState`, which rebuilds the smoothing state, best epoch,
+learning-rate factor and patience exactly. No torch here: checkpoints are checked by their
+manifest's SHA-256 sums, not loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.coordinator.policy import LoopState
+from epochal.errors import ConfigError
+
+MANIFEST = "MANIFEST.json"
+
+# settings that may change between a run and its resumption without changing its result
+_MAY_CHANGE = {
+    "run_dir",
+    "token",
+    "rendezvous_timeout",
+    "store_timeout",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "finish_timeout",
+    "backend",
+    "keep_checkpoints",
+}
+
+
+def checkpoint_path(checkpoint_dir: Path, epoch: int) -> Path:
+    """Where the committed checkpoint of ``epoch`` lives."""
+    return checkpoint_dir / f"epoch-{epoch:06d}"
+
+
+def prunable(committed: list[int], keep: int, best: int | None) -> list[int]:
+    """Committed checkpoints that may go: all but the newest ``keep`` and the best one."""
+    newest = set(sorted(set(committed))[-keep:])
+    return sorted(e for e in set(committed) if e not in newest and e != best)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when the checkpoint at ``path`` matches its manifest, else what is wrong with it."""
+    manifest = path / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return f"{manifest} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{manifest} is unreadable ({exc})"
+    for name, digest in files.items():
+        target = path / name
+        try:
+            actual = file_digest(target)
+        except OSError as exc:
+            return f"{target} is unreadable ({exc.strerror})"
+        if actual != digest:
+            return f"{target} does not match its manifest (corrupt or truncated)"
+    return None
+
+
+def config_record(config: CoordinatorConfig) -> dict[str, Any]:
+    """The configuration as stored in run.json (no secrets)."""
+    return {
+        k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "token"
+    }
+
+
+def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Settings that differ between a stored run and the command line, as readable phrases."""
+    out = []
+    for key in sorted(set(stored) | set(current)):
+        if key in _MAY_CHANGE:
+            continue
+        if stored.get(key) != current.get(key):
+            flag = "--" + key.replace("_", "-")
+            out.append(f"{flag} is {current.get(key)!r} now but {stored.get(key)!r} in the run")
+    return out
+
+
+@dataclass(slots=True)
+class RunState:
+    """What the run directory says about where to start."""
+
+    loop: LoopState
+    resume_epoch: int | None = None
+    # the epoch whose checkpoint the workers load; None: start at epoch 0
+    finished: dict[str, Any] | None = None
+    # result.json of a run that already finished
+    records: list[dict[str, Any]] = field(default_factory=list)
+    # the journal records kept (everything up to resume_epoch)
+    notes: list[str] = field(default_factory=list)
+    # what the user should be told (fallbacks, a dropped half-written line)
+
+    @property
+    def start_epoch(self) -> int:
+        return 0 if self.resume_epoch is None else self.resume_epoch + 1
+
+
+def new_loop(config: CoordinatorConfig) -> LoopState:
+    return LoopState(
+        epochs=config.epochs,
+        smoothing=config.smoothing,
+        schedule=config.schedule,
+        patience=config.patience,
+        min_delta=config.min_delta,
+        best_from=config.best_from,
+    )
+
+
+def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        last = number == len(lines)  # no newline after it: the write was cut off
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or record.get("kind") not in ("epoch", "checkpoint"):
+                raise ValueError("not an epoch or checkpoint record")
+            int(record["epoch"])
+        except (ValueError, KeyError, TypeError) as exc:
+            if last:
+                notes.append(
+                    f"ignored a half-written last line in {path} (the run was killed "
+                    "while writing it)"
+                )
+                break
+            raise ConfigError(
+                f"the journal {path} is corrupt at line {number} ({exc}): restore it from a "
+                "backup, or start the run over with --fresh"
+            ) from None
+        records.append(record)
+    return records
+
+
+def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
+    """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot."""
+    run_dir = config.run_dir
+    loop = new_loop(config)
+    if run_dir is None or not (run_dir / RUN_FILE).exists():
+        return RunState(loop=loop)
+    try:
+        stored = json.loads((run_dir / RUN_FILE).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{run_dir / RUN_FILE} is unreadable ({exc}): it is not an epochal run directory, or "
+            "it is damaged; use another --run-dir or start over with --fresh"
+        ) from None
+    diff = differences(stored, config_record(config))
+    if diff:
+        raise ConfigError(
+            f"the run directory {run_dir} holds a run with other settings: {'; '.join(diff)}. "
+            "Pass the same options to resume it, or --fresh to start it over"
+        )
+    notes: list[str] = []
+    result_path = run_dir / RESULT_FILE
+    if result_path.exists():
+        try:
+            result = json.loads(result_path.read_text())
+        except ValueError:
+            result = {}
+        if result.get("status") == "finished":
+            return RunState(loop=loop, finished=result)
+    records = _read_journal(run_dir / EPOCHS_FILE, notes)
+    committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
+    resume: int | None = None
+    for epoch in reversed(committed):
+        if checkpoint_dir is None:
+            break
+        path = checkpoint_path(checkpoint_dir, epoch)
+        if not path.exists() and not checkpoint_dir.exists():
+            resume = epoch  # not visible from here (another machine's disk): trust the journal
+            break
+        problem = verify_checkpoint(path)
+        if problem is None:
+            resume = epoch
+            break
+        notes.append(
+            f"the checkpoint of epoch {epoch} is unusable: {problem}; falling back to "
+            "the previous one"
+        )
+    kept = [r for r in records if resume is not None and r["epoch"] <= resume]
+    for record in kept:
+        if record["kind"] == "epoch":
+            loop.update(
+                record["epoch"],
+                record["train_loss"],
+                record["valid_loss"],
+                validates=bool(record["validates"]),
+            )
+    if resume is None and records:
+        notes.append("no usable checkpoint: the run starts again from epoch 0")
+    return RunState(loop=loop, resume_epoch=resume, records=kept, notes=notes)
+
+
+def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:
+    """Forget what the run directory holds (journal, result, checkpoints) so the run starts over."""
+    run_dir = config.run_dir
+    if run_dir is None:
+        return
+    for name in (RUN_FILE, EPOCHS_FILE, RESULT_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    if checkpoint_dir is not None and checkpoint_dir.exists():
+        shutil.rmtree(checkpoint_dir)

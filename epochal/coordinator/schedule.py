@@ -1,0 +1,141 @@
+"""Learning-rate schedules, decided by the coordinator and sent to every rank with each Go.
+
+A schedule yields a *factor*: the worker sets each parameter group's learning rate to its initial
+value times the factor. A factor <= 0 stops the run (lamp's convention), so ``linear`` both
+decays the rate and ends training. Schedules are pure: :meth:`Schedule.next_factor` takes the
+epoch that just ended, the monitored loss it produced (None when it was not validated) and the
+schedule's own small state dict (JSON-serialisable, kept in the journal), and returns the factor
+for the next epoch.
+
+Specs are written ``NAME`` or ``NAME:key=value,key=value``:
+
+=============================================  ==================================================
+``constant``                                   factor 1 throughout (the default)
+``step:every=N,gamma=G``                       ``G ** (epoch // N)``
+``exponential:gamma=G``                        ``G ** epoch``
+``cosine:min=M``                               from 1 down to ``M`` over the run's epochs
+``linear:end=E``                               ``1 - epoch / E``: reaches 0 at epoch ``E`` and stops
+``plateau:patience=P,factor=F,threshold=T,min=M``  multiply by ``F`` after ``P`` validated epochs
+                                               without a relative improvement of ``T`` in the
+                                               smoothed loss; never below ``M`` (``F=0`` stops)
+=============================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from epochal.errors import ConfigError
+
+State = dict[str, Any]
+
+_PARAMS: dict[str, dict[str, float]] = {
+    "constant": {},
+    "step": {"every": 10.0, "gamma": 0.1},
+    "exponential": {"gamma": 0.95},
+    "cosine": {"min": 0.0},
+    "linear": {"end": 0.0},
+    "plateau": {"patience": 3.0, "factor": 0.5, "threshold": 1e-4, "min": 0.0},
+}
+SCHEDULE_NAMES = tuple(_PARAMS)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A parsed schedule spec; ``epochs`` is the run's epoch count (cosine spans it)."""
+
+    name: str
+    params: dict[str, float] = field(default_factory=dict)
+    epochs: int = 1
+
+    @property
+    def spec(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v:g}" for k, v in sorted(self.params.items()))
+
+    def initial_factor(self) -> float:
+        return 1.0
+
+    def next_factor(
+        self, epoch: int, monitored: float | None, factor: float, state: State
+    ) -> float:
+        """The factor for ``epoch + 1`` after ``epoch`` ended with ``monitored`` (None: no loss)."""
+        p = self.params
+        nxt = epoch + 1
+        match self.name:
+            case "constant":
+                return 1.0
+            case "step":
+                return float(p["gamma"] ** (nxt // int(p["every"])))
+            case "exponential":
+                return float(p["gamma"] ** nxt)
+            case "cosine":
+                progress = min(nxt, self.epochs) / self.epochs  # the last epoch stays above min
+                return p["min"] + (1 - p["min"]) * (1 + math.cos(math.pi * progress)) / 2
+            case "linear":
+                return 1.0 - nxt / p["end"]
+            case "plateau":
+                if monitored is None:
+                    return factor  # no loss this epoch: the plateau count does not move
+                best = state.get("best")
+                if best is None or monitored < best * (1 - p["threshold"]):
+                    state["best"], state["bad"] = monitored, 0
+                    return factor
+                state["bad"] = int(state.get("bad", 0)) + 1
+                if state["bad"] <= int(p["patience"]):
+                    return factor
+                state["bad"] = 0
+                reduced = factor * p["factor"]
+                return reduced if reduced <= 0 else max(reduced, p["min"])
+        raise AssertionError(f"unknown schedule {self.name}")  # parse_schedule admits no other
+
+
+def parse_schedule(spec: str, epochs: int) -> Schedule:
+    """Parse ``NAME[:key=value,...]``; ConfigError naming what is wrong and what is allowed."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in _PARAMS:
+        raise ConfigError(
+            f"unknown learning-rate schedule {name!r}: use one of {', '.join(SCHEDULE_NAMES)} "
+            "(e.g. step:every=10,gamma=0.5)"
+        )
+    params = dict(_PARAMS[name])
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in params:
+            allowed = ", ".join(params) or "none"
+            raise ConfigError(f"schedule {name}: unknown setting {item!r} (allowed: {allowed})")
+        try:
+            params[key] = float(raw)
+        except ValueError:
+            raise ConfigError(f"schedule {name}: {key}={raw!r} is not a number") from None
+    _check(name, params)
+    return Schedule(name=name, params=params, epochs=epochs)
+
+
+def _check(name: str, p: dict[str, float]) -> None:
+    def bad(message: str) -> ConfigError:
+        return ConfigError(f"schedule {name}: {message}")
+
+    for key, value in p.items():
+        if not math.isfinite(value):
+            raise bad(f"{key} must be finite, got {value}")
+    if name == "step" and (p["every"] < 1 or p["every"] != int(p["every"])):
+        raise bad(f"every must be a whole number of epochs >= 1, got {p['every']:g}")
+    if name in ("step", "exponential") and p["gamma"] < 0:
+        raise bad(f"gamma must be >= 0 (0 stops the run), got {p['gamma']:g}")
+    if name == "cosine" and not 0 <= p["min"] <= 1:
+        raise bad(f"min must be in [0, 1], got {p['min']:g}")
+    if name == "linear" and p["end"] <= 0:
+        raise bad(f"end must be the epoch at which the factor reaches 0 (> 0), got {p['end']:g}")
+    if name == "plateau":
+        if p["patience"] < 0 or p["patience"] != int(p["patience"]):
+            raise bad(f"patience must be a whole number >= 0, got {p['patience']:g}")
+        if not 0 <= p["factor"] < 1:
+            raise bad(f"factor must be in [0, 1) (0 stops the run), got {p['factor']:g}")
+        if not 0 <= p["threshold"] < 1:
+            raise bad(f"threshold must be in [0, 1), got {p['threshold']:g}")
+        if p["min"] < 0:
+            raise bad(f"min must be >= 0, got {p['min']:g}")

@@ -1,0 +1,60 @@
+"""A worker script whose result depends on every random generator: for the resume tests.
+
+Shuffled per-rank loaders (DistributedSampler seeded per epoch and a RandomSampler drawing from
+torch's global generator), dropout, momentum, a step learning-rate schedule from the coordinator.
+``--delay`` slows each step so a test can kill the run mid-epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import epochal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(256, 16, generator=g)
+    y = (x[:, :4].sum(dim=1) > 0).long()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def train_loader(rank: int, world: int) -> DataLoader:
+        shard = TensorDataset(x[rank::world], y[rank::world])
+        return DataLoader(shard, batch_size=8, shuffle=True)  # torch's global generator
+
+    def valid_loader(rank: int, world: int) -> DataLoader:
+        return DataLoader(TensorDataset(x[rank::world][:32], y[rank::world][:32]), batch_size=16)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if args.delay:
+            time.sleep(args.delay)
+        return nn.functional.cross_entropy(out, target)
+
+    result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "best_epoch": result.best_epoch,
+            "curve": [(r.epoch, r.train_loss, r.valid_loss) for r in result.curve],
+        },
+        args.out / f"rank{result.rank}.pt",
+    )
+    print(f"rank {result.rank} finished: best epoch {result.best_epoch}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Resume, for real: kill a run at several points, start it again, get the uninterrupted weights.
+
+Every comparison is exact (``torch.equal``): CPU, gloo, the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 5
+DEADLINE = 120.0
+POLICY = ["--epochs", str(EPOCHS), "--lr-schedule", "step:every=2,gamma=0.5", "--smoothing", "0.6"]
+
+
+def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float = 0.0, **env: str):
+    return spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        *POLICY,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(out),
+        "--delay",
+        str(delay),
+        **env,
+    )
+
+
+def epoch_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "epochs.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip().endswith("}")]
+
+
+def wait_for(condition, deadline: float) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, "the run did not get there in time"
+        time.sleep(0.05)
+
+
+def kill_everything(spawn: Spawner) -> None:
+    """SIGKILL the launcher and every worker at once: a machine that lost power."""
+    for pid in marked_pids(spawn.mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in spawn.procs:
+        proc.wait(timeout=10)
+    spawn.assert_none_left()
+
+
+def assert_same_result(a: Path, b: Path) -> None:
+    for rank in (0, 1):
+        x, y = torch.load(a / f"rank{rank}.pt"), torch.load(b / f"rank{rank}.pt")
+        assert x["best_epoch"] == y["best_epoch"]
+        assert x["model"].keys() == y["model"].keys()
+        for name in x["model"]:
+            assert torch.equal(x["model"][name], y["model"][name]), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, once for all tests here."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spawner = Spawner("ref-" + os.urandom(4).hex(), tmp)
+    try:
+        proc = launch(spawner, tmp / "run", tmp / "out")
+        code, output = spawner.finish(proc, DEADLINE)
+        assert code == 0, output
+    finally:
+        spawner.cleanup()
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("after_epochs", [1, 3])
+def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, after_epochs):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    # slow steps (a sleep: the numbers do not change) so the kill lands inside an epoch
+    launch(spawn, run_dir, out, delay=0.02)
+    wait_for(
+        lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= after_epochs, 60
+    )
+    kill_everything(spawn)
+    records = epoch_records(run_dir)
+    assert max(r["epoch"] for r in records) < EPOCHS - 1, "the run finished before the kill"
+
+    proc = launch(spawn, run_dir, out)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "resuming" in output
+    assert_same_result(reference, out)
+    spawn.assert_none_left()
+
+
+def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="kill@checkpoint-commit:rank=0:epoch=2")
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert any(".tmp-" in name for name in leftovers), leftovers  # the half-done checkpoint
+    assert "epoch-000002" not in leftovers
+
+    proc = launch(spawn, run_dir, out)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "from the checkpoint of epoch 1" in output
+    assert_same_result(reference, out)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path, reference):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=3:step=2")
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    latest = run_dir / "checkpoints" / "epoch-000002"
+    victim = next(p for p in latest.iterdir() if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:-7])  # truncated, as by a failing disk
+
+    proc = launch(spawn, run_dir, out)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "the checkpoint of epoch 2 is unusable" in output
+    assert "falling back" in output
+    assert "from the checkpoint of epoch 1" in output
+    assert_same_result(reference, out)
+
+
+def test_a_finished_run_is_not_trained_again(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    code, output = spawn.finish(launch(spawn, run_dir, out), DEADLINE)
+    assert code == 0, output
+    before = (run_dir / "epochs.jsonl").read_text()
+    code, output = spawn.finish(launch(spawn, run_dir, out), DEADLINE)
+    assert code == 0, output
+    assert "already finished" in output
+    assert "starting 2 workers" not in output
+    assert (run_dir / "epochs.jsonl").read_text() == before
+
+
+def test_other_settings_are_refused_naming_the_difference(spawn, tmp_path):
+    run_dir = tmp_path / "run"
+    code, output = spawn.finish(launch(spawn, run_dir, tmp_path / "out"), DEADLINE)
+    assert code == 0, output
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "9",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "o2"),
+    )
+    code, output = spawn.finish(proc, 30)
+    assert code == 2
+    assert "--epochs is 9 now but 5 in the run" in output
+    assert "--fresh" in output
