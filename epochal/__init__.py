@@ -23,9 +23,29 @@ from epochal.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from epochal.worker import EpochContext, LossSum, RunResult, Session, fit, join, train
+    from epochal.worker import (
+        EpochContext,
+        LossSum,
+        RunResult,
+        Session,
+        ShardSampler,
+        TrainState,
+        fit,
+        join,
+        train,
+    )
 
-_WORKER_NAMES = {"EpochContext", "LossSum", "RunResult", "Session", "fit", "join", "train"}
+_WORKER_NAMES = {
+    "EpochContext",
+    "LossSum",
+    "RunResult",
+    "Session",
+    "ShardSampler",
+    "TrainState",
+    "fit",
+    "join",
+    "train",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +67,8 @@ __all__ = [
     "RunAborted",
     "RunResult",
     "Session",
+    "ShardSampler",
+    "TrainState",
     "__version__",
     "fit",
     "join",

@@ -21,9 +21,12 @@ from typing import Any
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 from epochal.coordinator.policy import LoopState
+from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
+from epochal.protocol import Fingerprint, ParamSpec
 
 MANIFEST = "MANIFEST.json"
+MODEL_FILE = "model.json"
 
 # settings that may change between a run and its resumption without changing its result
 _MAY_CHANGE = {
@@ -217,12 +220,42 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     return RunState(loop=loop, resume_epoch=resume, records=kept, notes=notes)
 
 
+def check_model(run_dir: Path, fingerprint: Fingerprint) -> str | None:
+    """Record the run's model in ``model.json``, or say how it differs from the one recorded."""
+    path = run_dir / MODEL_FILE
+    if path.exists():
+        try:
+            stored = _fingerprint_from(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{path} is unreadable ({exc}): use another --run-dir, or --fresh"
+        if stored.digest == fingerprint.digest:
+            return None
+        diff = describe_difference(
+            stored, fingerprint, "the run directory's model", "the workers' model"
+        )
+        return (
+            f"the run directory {run_dir} holds a run of another model: {diff}; use another "
+            "--run-dir for this model, or --fresh to replace that run"
+        )
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(fingerprint)))
+    tmp.replace(path)
+    return None
+
+
+def _fingerprint_from(data: dict[str, Any]) -> Fingerprint:
+    params = tuple(
+        ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"]) for p in data["params"]
+    )
+    return Fingerprint(digest=data["digest"], params=params, torch_version=data["torch_version"])
+
+
 def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:
     """Forget what the run directory holds (journal, result, checkpoints) so the run starts over."""
     run_dir = config.run_dir
     if run_dir is None:
         return
-    for name in (RUN_FILE, EPOCHS_FILE, RESULT_FILE):
+    for name in (RUN_FILE, EPOCHS_FILE, RESULT_FILE, MODEL_FILE):
         (run_dir / name).unlink(missing_ok=True)
     if checkpoint_dir is not None and checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)

@@ -396,6 +396,12 @@ class Coordinator:
         for peer, rank in self._ranks.items():
             by_rank[rank] = members[peer]
         self._members_by_rank = [m for m in by_rank if m is not None]
+        if self.config.run_dir is not None:
+            fingerprint = self._members_by_rank[0].hello.fingerprint
+            problem = resume.check_model(self.config.run_dir, fingerprint)
+            if problem is not None:
+                await self._abort(problem)
+                return
         self._set_phase(Phase.STORE)
         await self._send(self._members_by_rank[0].peer, OpenStore(run_id=self.run_id))
 

@@ -13,7 +13,8 @@ from epochal.worker.session import (
     Session,
     join,
 )
-from epochal.worker.train import fit, train
+from epochal.worker.sharding import ShardSampler
+from epochal.worker.train import TrainState, fit, train
 
 __all__ = [
     "EpochContext",
@@ -21,6 +22,8 @@ __all__ = [
     "LossSum",
     "RunResult",
     "Session",
+    "ShardSampler",
+    "TrainState",
     "fit",
     "join",
     "train",

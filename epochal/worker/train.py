@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Sized
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -113,9 +114,13 @@ def fit(
     loss_fn: LossFn,
     *,
     progress: bool | None = None,
+    accumulate: int = 1,
+    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
     **ddp_options: Any,
 ) -> RunResult:
     """Train ``model`` in an already joined ``session``; see :func:`train`."""
+    if type(accumulate) is not int or accumulate < 1:
+        raise ConfigError(f"accumulate must be a whole number of batches >= 1, got {accumulate!r}")
     train_data = _resolve(train_loader, session, "train")
     assert train_data is not None
     valid_data = _resolve(valid_loader, session, "validation")
@@ -124,6 +129,8 @@ def fit(
     ddp = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None, **ddp_options
     )
+    if configure_ddp is not None:
+        configure_ddp(ddp)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     show_progress = _progress_enabled(session.rank, progress)
     best_state: dict[str, torch.Tensor] | None = None
@@ -148,10 +155,18 @@ def fit(
             ctx.check()
             faults.hit("train-step", rank=ctx.rank, epoch=ctx.epoch, step=step)
             inputs, targets, n = _split(batch, device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(inputs), targets)
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
+            first = step % accumulate == 0
+            group_end = min(step - step % accumulate + accumulate, ctx.train_batches)
+            stepping = step + 1 == group_end
+            if first:
+                optimizer.zero_grad(set_to_none=True)
+            # DDP all-reduces only on the batch that steps; the others accumulate locally
+            with nullcontext() if stepping else ddp.no_sync():
+                loss = loss_fn(ddp(inputs), targets)
+                micro = group_end - (step - step % accumulate)  # batches in this step
+                (loss / micro if micro > 1 else loss).backward()  # type: ignore[no-untyped-call]
+            if stepping:
+                optimizer.step()
             total += loss.detach().double() * n
             count += n
             if bar is not None:
@@ -209,6 +224,8 @@ def train(
     loss_fn: LossFn,
     *,
     progress: bool | None = None,
+    accumulate: int = 1,
+    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
     ddp_options: dict[str, Any] | None = None,
     **join_options: Any,
 ) -> RunResult:
@@ -219,8 +236,10 @@ def train(
     the rank is known. ``loss_fn(outputs, targets)`` returns the batch's mean loss. The coordinator
     starts each epoch, sets the learning-rate factor, and picks the best epoch by the smoothed
     validation loss (the train loss when there is no validation loader); the best weights are
-    loaded into ``model`` before this returns. ``join_options`` go to :func:`epochal.join`
-    (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
+    loaded into ``model`` before this returns. ``accumulate=N`` sums gradients over N batches
+    and steps once (DDP all-reduces only on the stepping batch); ``configure_ddp(ddp)`` may
+    register a communication hook or the like on the DDP wrapper. ``join_options`` go to
+    :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
     """
     session = join(model, **join_options)
     try:
@@ -232,6 +251,8 @@ def train(
             valid_loader,
             loss_fn,
             progress=progress,
+            accumulate=accumulate,
+            configure_ddp=configure_ddp,
             **(ddp_options or {}),
         )
     finally:

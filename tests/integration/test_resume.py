@@ -177,3 +177,37 @@ def test_other_settings_are_refused_naming_the_difference(spawn, tmp_path):
     assert code == 2
     assert "--epochs is 9 now but 5 in the run" in output
     assert "--fresh" in output
+
+
+def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "linear.py"),
+        EPOCHAL_FAULT="raise@epoch-end:rank=0:epoch=1",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output  # an unfinished run of the linear model
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1
+    assert f"the run directory {run_dir} holds a run of another model" in output
+    assert "parameter" in output and "--fresh" in output
+    spawn.assert_none_left()

@@ -136,3 +136,27 @@ def test_truncate_policy_runs_the_minimum(spawn: Spawner, tmp_path: Path):
     assert len(lines) == 2
     assert {line["train_batches"] for line in lines} == {3}  # rank 1 holds 3 of the 4 batches
     spawn.assert_none_left()
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(spawn: Spawner, tmp_path: Path):
+    out = tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "accumulate.py"),
+        "--out",
+        str(out),
+        "--accumulate",
+        "3",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    for rank in (0, 1):
+        counts = json.loads((out / f"rank{rank}.json").read_text())
+        # 8 batches an epoch in groups of 3, 3, 2: three steps an epoch, two epochs
+        assert counts == {"allreduce": 6, "step": 6}
