@@ -96,6 +96,10 @@ def main() -> None:
     if rank == 0:
         timings.write(args.out, "torchrun", world_size,
                       {"train_losses": train_losses, "valid_losses": valid_losses})
+    # Drop DDP (its Reducer holds the process group) before the group: if the Reducer holds the
+    # last reference, its destructor joins gloo's threads with the GIL held while one of them
+    # waits for the GIL to free a finished all-reduce, and the process hangs (torch 2.13).
+    del ddp
     dist.destroy_process_group()
 
 

@@ -5,8 +5,9 @@
 The same data, model, optimizer, loaders and batch size as ``train_ddp.py``; the coordinator
 starts every epoch and decides the best one. The timing probes sit in the loaders
 (``workload.TimedLoader``), outside epochal, so the per-epoch figure covers all of epochal's
-per-epoch work: the ready/go and report/decision exchanges, the per-batch abort checks and the
-copy of the best weights. Rank 0 writes its timings as JSON.
+per-epoch work: the ready/go and report/decision exchanges, the per-batch abort checks, the copy
+of the best weights and, where ``epochal run`` checkpoints, the checkpoint. Rank 0 writes its
+timings as JSON.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from workload import (  # noqa: E402
     SEED,
-    Timings,
     TimedLoader,
+    Timings,
     add_workload_arguments,
     datasets,
     loaders,

@@ -9,6 +9,7 @@ Gaussian inputs), so every rank and every run sees exactly the same samples.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -28,8 +29,8 @@ SEED = 0
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that define the workload; ``compare.py`` passes the same ones to both scripts."""
     parser.add_argument("--out", type=Path, required=True, help="where rank 0 writes its JSON")
-    parser.add_argument("--samples", type=int, default=24576, help="training samples (all ranks)")
-    parser.add_argument("--valid-samples", type=int, default=4096, help="validation samples")
+    parser.add_argument("--samples", type=int, default=12288, help="training samples (all ranks)")
+    parser.add_argument("--valid-samples", type=int, default=2048, help="validation samples")
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--classes", type=int, default=10)
@@ -87,7 +88,7 @@ class Timings:
         """Seconds between consecutive epoch starts: epoch k's train + validation + bookkeeping
         (and, under epochal, its report/decision and the next epoch's ready/go exchange)."""
         starts = self.epoch_starts
-        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(starts)]
 
     def write(self, path: Path, mode: str, world_size: int, extra: dict[str, Any]) -> None:
         """Write the timings plus ``extra`` as JSON (atomically, so a reader never sees half)."""
@@ -129,10 +130,10 @@ def loaders(
     timings: Timings,
 ) -> tuple[TimedLoader, DataLoader[Any]]:
     """This rank's shard of both sets, as ``examples/digits.py`` builds them."""
-    train_sampler = DistributedSampler(
+    train_sampler: DistributedSampler[Any] = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True
     )
-    valid_sampler = DistributedSampler(
+    valid_sampler: DistributedSampler[Any] = DistributedSampler(
         valid_set, num_replicas=world_size, rank=rank, shuffle=False, seed=SEED, drop_last=True
     )
     train = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,

@@ -24,7 +24,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     counts = {"allreduce": 0, "step": 0}
 
-    def counting_hook(state, bucket):  # noqa: ANN001, ANN202
+    def counting_hook(state, bucket):
         counts["allreduce"] += 1
         return allreduce_hook(state, bucket)
 
