@@ -29,5 +29,8 @@ HOST_ENV = "EPOCHAL_HOST"
 CONNECT_TIMEOUT_ENV = "EPOCHAL_CONNECT_TIMEOUT"
 """Seconds a worker keeps trying to reach its coordinator before giving up."""
 
+REATTACH_TIMEOUT_ENV = "EPOCHAL_REATTACH_TIMEOUT"
+"""Seconds a worker whose coordinator vanished waits for a restarted one (0: stop at once)."""
+
 PROGRESS_ENV = "EPOCHAL_PROGRESS"
 """``1`` forces the in-epoch progress bar on, ``0`` off; default: on when stderr is a terminal."""

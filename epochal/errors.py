@@ -9,6 +9,7 @@
     ├── CoordinatorUnreachable      no coordinator answered before the connect deadline
     ├── JoinRefused                 the coordinator refused this worker at rendezvous
     └── RunAborted                  the run was stopped for every rank; ``reason`` says why
+        └── CoordinatorLost         the coordinator vanished and no new one took the worker back
 
 Each message names what is wrong and what to do about it; a caller that only prints ``str(err)``
 gives the user enough to act.
@@ -55,3 +56,12 @@ class RunAborted(EpochalError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class CoordinatorLost(RunAborted):
+    """The coordinator went silent or restarted without this worker.
+
+    Inside :meth:`Session.run_epochs` it starts a re-attach: the worker says hello again and a
+    restarted coordinator resumes the run from its last committed checkpoint. Raised to the caller
+    only when that fails within the re-attach timeout.
+    """

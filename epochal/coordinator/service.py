@@ -292,7 +292,7 @@ class Coordinator:
         try:
             message = decode(data)
         except ProtocolVersionMismatch as exc:
-            await self._send(peer, Reject(reason=clip(str(exc))))
+            await self._send(peer, Reject(reason=clip(str(exc)), code="version"))
             return
         except MalformedMessage as exc:
             self.dropped_frames += 1
@@ -300,7 +300,9 @@ class Coordinator:
             if rank is not None:
                 await self._abort(f"rank {rank} sent a malformed message: {exc}")
             else:
-                await self._send(peer, Reject(reason=clip(f"malformed message: {exc}")))
+                await self._send(
+                    peer, Reject(reason=clip(f"malformed message: {exc}"), code="malformed")
+                )
             return
         if peer in self._last_seen or peer in self._ranks:
             self._last_seen[peer] = time.monotonic()
@@ -324,7 +326,10 @@ class Coordinator:
                     self._last_seen.pop(peer, None)
                     return
             if not isinstance(message, Heartbeat):
-                await self._send(peer, Reject(reason="not a member of this run: send hello first"))
+                await self._send(
+                    peer,
+                    Reject(reason="not a member of this run: send hello first", code="not_member"),
+                )
             return
         match message:
             case Heartbeat():
@@ -366,7 +371,7 @@ class Coordinator:
         match verdict:
             case Refused(reason=reason):
                 self._log(f"refused worker {hello.worker_id} from {hello.host}: {reason}")
-                await self._send(peer, Reject(reason=clip(reason)))
+                await self._send(peer, Reject(reason=clip(reason), code="refused"))
             case Fatal(reason=reason):
                 await self._send(peer, Abort(reason=clip(reason)))
                 await self._abort(reason)
@@ -430,6 +435,10 @@ class Coordinator:
         self._set_phase(Phase.READY)
 
     async def _start_epoch(self) -> None:
+        if self._loop.history and self._loop.history[-1].stop:
+            self._ready.clear()  # resumed after the last decision: only the finish is left
+            await self._finish()
+            return
         try:
             plan = plan_epoch(self._ready, self.config.batch_policy)
         except PolicyViolation as exc:

@@ -25,6 +25,7 @@ MAX_PARAMS = 100_000
 """Most parameter entries one fingerprint may list."""
 
 BACKENDS = ("gloo", "nccl")
+REJECT_CODES = ("refused", "not_member", "malformed", "version")
 
 DEFAULT_JOB = "epochal"
 """Job name of a coordinator or worker that was given none."""
@@ -266,12 +267,17 @@ class Joined:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    """This worker may not join; the run itself goes on without it."""
+    """This worker may not join, or the coordinator does not know it; the run goes on."""
 
     reason: str
+    code: str
+    # one of REJECT_CODES: "refused" (the hello was judged and refused), "not_member" (a message
+    # other than hello from a peer the coordinator does not know, e.g. after a restart),
+    # "malformed" or "version" (the frame could not be read)
 
     def __post_init__(self) -> None:
         _text("reason", self.reason)
+        _check(self.code in REJECT_CODES, f"code must be one of {REJECT_CODES}, got {self.code!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import load as dcp_load  # type: ignore[attr-defined]
-from torch.distributed.checkpoint import save as dcp_save  # type: ignore[attr-defined]
 
 from epochal.errors import EpochalError
 from epochal.worker import faults
@@ -98,7 +96,9 @@ class Checkpointer:
             torch.save({"rng": rng_state(), "epoch": epoch}, f)
             f.flush()
             os.fsync(f.fileno())
-        dcp_save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
+        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+
+        save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
         if self.rank != 0:
             return None
         files = {str(p.relative_to(tmp)): _digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -125,7 +125,9 @@ class Checkpointer:
                 f"the checkpoint of epoch {epoch} is missing at {path}: every rank must see the "
                 "checkpoint directory (a shared file system when workers run on several machines)"
             )
-        dcp_load({"app": state}, checkpoint_id=path)
+        from torch.distributed.checkpoint import load  # type: ignore[attr-defined]
+
+        load({"app": state}, checkpoint_id=path)
         if rng:
             own = path / f"rank{self.rank:05d}.pt"
             if not own.exists():

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from epochal.errors import EpochalError, MalformedMessage, RunAborted
+from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
     CoordinatorMessage,
     Heartbeat,
+    Reject,
     WorkerMessage,
     decode,
     encode,
@@ -39,9 +40,11 @@ ABORT_EXIT_CODE = 75
 
 @dataclass(frozen=True, slots=True)
 class _Lost:
-    """Synthetic inbox entry: the coordinator went silent."""
+    """Synthetic inbox entry: the coordinator went silent or no longer knows this worker."""
 
     reason: str
+    reattach: bool = False
+    # True: a restarted coordinator may take the worker back (raise CoordinatorLost)
 
 
 class ControlClient:
@@ -55,6 +58,7 @@ class ControlClient:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 15.0,
         abort_grace: float = 5.0,
+        reattach: bool = True,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
@@ -72,6 +76,7 @@ class ControlClient:
         self._abort_reason: str | None = None
         self._abort_taken = threading.Event()
         self._watch_coordinator = False
+        self._reattach = reattach
 
     # ------------------------------------------------------------------ main-thread API
 
@@ -86,6 +91,16 @@ class ControlClient:
         """From now on a silent coordinator counts as lost (called once the worker has joined)."""
         self._last_heard = time.monotonic()
         self._watch_coordinator = True
+
+    def _lose(self, reason: str) -> None:
+        """The coordinator is gone: stop watching and tell the main thread once."""
+        if not self._watch_coordinator or self._abort_reason is not None:
+            return
+        self._watch_coordinator = False
+        if self._reattach:
+            self._inbox.put(_Lost(reason, reattach=True))
+        else:
+            self._fail(reason)
 
     def send(self, message: WorkerMessage) -> None:
         loop, outbox = self._loop, self._outbox
@@ -104,6 +119,8 @@ class ControlClient:
         except queue.Empty:
             raise TimeoutError("no message from the coordinator") from None
         if isinstance(item, _Lost):
+            if item.reattach:
+                raise CoordinatorLost(item.reason)
             self._abort_taken.set()
             raise RunAborted(item.reason)
         if isinstance(item, Abort):
@@ -187,6 +204,14 @@ class ControlClient:
                 continue
             if isinstance(message, Abort):
                 self._begin_abort(message.reason)
+            elif isinstance(message, Reject) and message.code == "not_member":
+                # a member is unknown only to a coordinator that restarted; outside a run (during
+                # a re-attach) it answers a message queued while the coordinator was down
+                self._lose(
+                    f"the coordinator at {self.endpoint} no longer knows this worker "
+                    "(it restarted?)"
+                )
+                continue
             self._inbox.put(message)  # type: ignore[arg-type]
 
     async def _tick(self) -> None:
@@ -201,7 +226,7 @@ class ControlClient:
                 and time.monotonic() - heard > self.heartbeat_timeout
                 and self._abort_reason is None
             ):
-                self._fail(
+                self._lose(
                     f"the coordinator at {self.endpoint} sent nothing for "
                     f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
                 )

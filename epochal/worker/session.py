@@ -12,11 +12,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
 import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,13 @@ from epochal.environment import (
     JOB_ENV,
     LOCAL_RANK_ENV,
     RANK_ENV,
+    REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
     WORKER_ID_ENV,
 )
 from epochal.errors import (
     ConfigError,
+    CoordinatorLost,
     CoordinatorUnreachable,
     EpochalError,
     JoinRefused,
@@ -126,7 +129,7 @@ class RunResult:
         return next((r for r in self.curve if r.epoch == self.best_epoch), None)
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, *, allow_zero: bool = False) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -134,7 +137,7 @@ def _env_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
+    if not (value >= 0 if allow_zero else value > 0):
         raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
     return value
 
@@ -198,13 +201,28 @@ class Session:
         client: ControlClient,
         welcome: Welcome,
         device: torch.device,
-        store: TCPStore,
+        store: _StoreRef,
+        *,
+        hello: Hello,
+        endpoint: str,
+        reattach_timeout: float,
+        store_timeout: float,
     ) -> None:
         self.client = client
         self.rank = welcome.rank
         self.world_size = welcome.world_size
-        self.run_id = welcome.run_id
         self.backend = welcome.backend
+        self.device = device
+        self._store = store  # rank 0 hosts it: it must live as long as the process group
+        self._hello = hello
+        self._endpoint = endpoint
+        self._reattach_timeout = reattach_timeout
+        self._store_timeout = store_timeout
+        self._closed = False
+        self._adopt(welcome)
+
+    def _adopt(self, welcome: Welcome) -> None:
+        self.run_id = welcome.run_id
         self.start_epoch = welcome.start_epoch
         self.epochs = welcome.epochs
         self.resume_epoch = welcome.resume_epoch
@@ -213,9 +231,48 @@ class Session:
             if welcome.checkpoint_dir
             else None
         )
-        self.device = device
-        self._store = store  # rank 0 hosts it: it must live as long as the process group
-        self._closed = False
+
+    def _reattach(self, lost: CoordinatorLost) -> None:
+        """Say hello to a restarted coordinator and take the run up from its last checkpoint."""
+        if self._reattach_timeout <= 0:
+            raise lost
+        print(
+            f"epochal: rank {self.rank}: {lost.reason}; waiting up to {self._reattach_timeout:g} s "
+            "for a coordinator to take this worker back",
+            file=sys.stderr,
+            flush=True,
+        )
+        hello = replace(self._hello, rank_hint=self.rank)
+        try:
+            welcome, _ = _rendezvous(
+                self.client,
+                hello,
+                self._endpoint,
+                self._reattach_timeout,
+                self._store_timeout,
+                store=self._store,
+            )
+        except (CoordinatorUnreachable, JoinRefused) as exc:
+            raise CoordinatorLost(f"{lost.reason}; and then: {exc}") from None
+        same = (welcome.rank, welcome.world_size, welcome.backend)
+        if same != (self.rank, self.world_size, self.backend):
+            raise CoordinatorLost(
+                f"the restarted coordinator gave rank {welcome.rank} of {welcome.world_size} "
+                f"({welcome.backend}) to what was rank {self.rank} of {self.world_size} "
+                f"({self.backend}): the running process group cannot change; restart the run"
+            )
+        if welcome.resume_epoch is None:
+            raise CoordinatorLost(
+                "the restarted coordinator has no committed checkpoint to resume from, so the "
+                "workers cannot carry on: start the run again"
+            )
+        self._adopt(welcome)
+        print(
+            f"epochal: rank {self.rank}: re-attached to run {self.run_id}; resuming after epoch "
+            f"{welcome.resume_epoch}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -245,56 +302,28 @@ class Session:
         try:
             self._resume(state)
             epoch = self.start_epoch
+            stopped = False
             while True:
-                counts = batches(epoch) if callable(batches) else batches
-                train_batches, valid_batches = counts
-                if valid_epoch is None:
-                    valid_batches = None
-                self.client.send(EpochReady(epoch, train_batches, valid_batches))
-                go = self._expect(Go)
-                ctx = EpochContext(
-                    epoch=go.epoch,
-                    train_batches=go.train_batches,
-                    valid_batches=go.valid_batches,
-                    lr_factor=go.lr_factor,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    session=self,
-                )
-                started = time.monotonic()
-                train = train_epoch(ctx)
-                valid = LossSum(0.0, 0)
-                if valid_epoch is not None and go.valid_batches > 0:
-                    valid = valid_epoch(ctx)
-                self.client.send(
-                    EpochReport(
-                        epoch=epoch,
-                        train_loss_sum=float(train.total),
-                        train_count=int(train.count),
-                        valid_loss_sum=float(valid.total),
-                        valid_count=int(valid.count),
-                    )
-                )
-                faults.hit("epoch-end", rank=self.rank, epoch=epoch)
-                decision = self._expect(Decision)
-                curve.append(
-                    EpochRecord(
-                        epoch=decision.epoch,
-                        train_loss=decision.train_loss,
-                        valid_loss=decision.valid_loss,
-                        smoothed_loss=decision.smoothed_loss,
-                        lr_factor=go.lr_factor,
-                        seconds=time.monotonic() - started,
-                    )
-                )
-                if decision.checkpoint and state is not None:
-                    self._save(decision.epoch, state)
+                try:
+                    if stopped:
+                        finish = self._expect(Finish)
+                        break
+                    outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state)
+                except CoordinatorLost as lost:
+                    self._reattach(lost)
+                    self._resume(state)
+                    epoch, stopped = self.start_epoch, False
+                    curve = [r for r in curve if r.epoch < epoch]
+                    continue
+                if isinstance(outcome, Finish):  # a resumed run that had already stopped
+                    finish = outcome
+                    break
+                decision, record = outcome
+                curve.append(record)
                 if decision.is_best and on_best is not None:
                     on_best(decision.epoch)
-                if decision.stop:
-                    break
+                stopped = decision.stop
                 epoch += 1
-            finish = self._expect(Finish)
             self.client.send(Done())
         except (RunAborted, KeyboardInterrupt):
             raise
@@ -310,6 +339,59 @@ class Session:
             world_size=self.world_size,
             curve=curve,
         )
+
+    def _epoch(
+        self,
+        epoch: int,
+        train_epoch: Callable[[EpochContext], LossSum],
+        valid_epoch: Callable[[EpochContext], LossSum] | None,
+        batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
+        state: Any,
+    ) -> tuple[Decision, EpochRecord] | Finish:
+        """One epoch's exchange with the coordinator; Finish when the run is over instead."""
+        train_batches, valid_batches = batches(epoch) if callable(batches) else batches
+        if valid_epoch is None:
+            valid_batches = None
+        self.client.send(EpochReady(epoch, train_batches, valid_batches))
+        go = self._expect(Go, Finish)
+        if isinstance(go, Finish):
+            return go
+        ctx = EpochContext(
+            epoch=go.epoch,
+            train_batches=go.train_batches,
+            valid_batches=go.valid_batches,
+            lr_factor=go.lr_factor,
+            rank=self.rank,
+            world_size=self.world_size,
+            session=self,
+        )
+        started = time.monotonic()
+        train = train_epoch(ctx)
+        valid = LossSum(0.0, 0)
+        if valid_epoch is not None and go.valid_batches > 0:
+            valid = valid_epoch(ctx)
+        self.client.send(
+            EpochReport(
+                epoch=epoch,
+                train_loss_sum=float(train.total),
+                train_count=int(train.count),
+                valid_loss_sum=float(valid.total),
+                valid_count=int(valid.count),
+            )
+        )
+        faults.hit("epoch-end", rank=self.rank, epoch=epoch)
+        decision = self._expect(Decision)
+        if decision.checkpoint and state is not None:
+            self._save(decision.epoch, state)
+        record = EpochRecord(
+            epoch=decision.epoch,
+            train_loss=decision.train_loss,
+            valid_loss=decision.valid_loss,
+            smoothed_loss=decision.smoothed_loss,
+            lr_factor=go.lr_factor,
+            seconds=time.monotonic() - started,
+        )
+        return decision, record
 
     def _resume(self, state: Any) -> None:
         if self.resume_epoch is None:
@@ -336,15 +418,16 @@ class Session:
         lines = traceback.format_exception_only(type(exc), exc)
         self.client.send(Failed(reason=clip("".join(lines).strip())))
 
-    def _expect(self, kind: type[Any]) -> Any:
+    def _expect(self, *kinds: type[Any]) -> Any:
         while True:
             message = self.client.receive()
-            if isinstance(message, kind):
+            if isinstance(message, kinds):
                 return message
             if isinstance(message, Welcome | Joined):
                 continue  # an answer to a retried hello
+            expected = " or ".join(k.__name__ for k in kinds)
             raise EpochalError(
-                f"expected {kind.__name__} from the coordinator, got {type(message).__name__}: "
+                f"expected {expected} from the coordinator, got {type(message).__name__}: "
                 "the worker and the coordinator are out of step (mixed epochal versions?)"
             )
 
@@ -389,6 +472,7 @@ def join(
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 15.0,
     abort_grace: float = 5.0,
+    reattach_timeout: float | None = None,
 ) -> Session:
     """Join the run the coordinator holds and return this worker's Session.
 
@@ -396,6 +480,8 @@ def join(
     :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default 120 s) bounds
     the time to reach the coordinator and be admitted; after that the coordinator's own
     rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
+    ``reattach_timeout`` (default 60 s, 0: never) is how long a worker whose coordinator vanished
+    waits for a restarted one to take it back; the run then resumes from its last checkpoint.
     """
     endpoint = coordinator or os.environ.get(COORDINATOR_ENV)
     if not endpoint:
@@ -418,6 +504,13 @@ def join(
     deadline_s = (
         connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
     )
+    reattach = (
+        reattach_timeout
+        if reattach_timeout is not None
+        else _env_float(REATTACH_TIMEOUT_ENV, 60.0, allow_zero=True)
+    )
+    if not reattach >= 0:
+        raise ConfigError(f"reattach_timeout must be >= 0 seconds (0: never), got {reattach}")
     for name, value in (
         ("collective_timeout", collective_timeout),
         ("connect_timeout", deadline_s),
@@ -436,6 +529,7 @@ def join(
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         abort_grace=abort_grace,
+        reattach=reattach > 0,
     )
     client.start()
     try:
@@ -454,7 +548,7 @@ def join(
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         dist.init_process_group(
             backend=welcome.backend,
-            store=PrefixStore(f"epochal/{welcome.run_id}", store),
+            store=PrefixStore(f"epochal/{welcome.run_id}", store.store),
             rank=welcome.rank,
             world_size=welcome.world_size,
             timeout=timedelta(seconds=collective_timeout),
@@ -463,16 +557,42 @@ def join(
     except BaseException:
         client.close(flush=0.5)
         raise
-    return Session(client, welcome, dev, store)
+    return Session(
+        client,
+        welcome,
+        dev,
+        store,
+        hello=hello,
+        endpoint=endpoint,
+        reattach_timeout=reattach,
+        store_timeout=collective_timeout,
+    )
+
+
+@dataclass(slots=True)
+class _StoreRef:
+    """The data-plane store this worker uses, and the host it was reached at."""
+
+    store: TCPStore
+    host: str
+    port: int
 
 
 def _rendezvous(
-    client: ControlClient, hello: Hello, endpoint: str, deadline_s: float, store_timeout: float
-) -> tuple[Welcome, TCPStore]:
+    client: ControlClient,
+    hello: Hello,
+    endpoint: str,
+    deadline_s: float,
+    store_timeout: float,
+    store: _StoreRef | None = None,
+) -> tuple[Welcome, _StoreRef]:
+    """Say hello until admitted, open (rank 0) or find the store, and return the Welcome.
+
+    ``store`` is the store of a running process group (a re-attach): it is reused, not reopened.
+    """
     deadline = time.monotonic() + deadline_s
     backoff = 0.1
     joined = False
-    store: TCPStore | None = None
     client.send(hello)
     while True:
         try:
@@ -492,27 +612,31 @@ def _rendezvous(
                 if not joined:
                     joined = True
                     client.watch_coordinator()
+            case Reject(code="not_member"):
+                pass  # the answer to a message queued before this hello: not about the hello
             case Reject(reason=reason):
                 raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
             case OpenStore():
                 if store is None:
                     host = advertised_host(endpoint)
-                    store = TCPStore(
+                    master = TCPStore(
                         host,
                         0,
                         is_master=True,
                         wait_for_workers=False,
                         timeout=timedelta(seconds=store_timeout),
                     )
-                client.send(StoreReady(host=host, port=store.port))
+                    store = _StoreRef(master, host, master.port)
+                client.send(StoreReady(host=store.host, port=store.port))
             case Welcome():
                 if store is None:
-                    store = TCPStore(
+                    found = TCPStore(
                         message.store_host,
                         message.store_port,
                         is_master=False,
                         timeout=timedelta(seconds=store_timeout),
                     )
+                    store = _StoreRef(found, message.store_host, message.store_port)
                 return message, store
             case _:
                 raise EpochalError(

@@ -15,11 +15,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.environment import PROGRESS_ENV
@@ -47,10 +42,15 @@ class TrainState:
         self.model_only = model_only
 
     def state_dict(self) -> dict[str, Any]:
+        # imported here: torch.distributed.checkpoint costs ~1 s at import, paid only when used
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd} if self.model_only else {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
         if self.model_only:
             set_model_state_dict(self.model, state["model"])
         else:

@@ -211,3 +211,39 @@ def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
     assert f"the run directory {run_dir} holds a run of another model" in output
     assert "parameter" in output and "--fresh" in output
     spawn.assert_none_left()
+
+
+def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
+    first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0")
+    line = first.stdout.readline()
+    endpoint = line.split()[-1]
+    assert endpoint.startswith("tcp://127.0.0.1:"), line
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(out),
+            "--delay",
+            "0.02",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+        )
+        for rank in (0, 1)
+    ]
+    wait_for(lambda: any(r["kind"] == "checkpoint" for r in epoch_records(run_dir)), 60)
+    first.kill()
+    first.wait(timeout=10)
+    assert max(r["epoch"] for r in epoch_records(run_dir)) < EPOCHS - 1
+
+    second = spawn.epochal(*args, "--bind", endpoint)
+    for worker in workers:
+        code, output = spawn.finish(worker, DEADLINE)
+        assert code == 0, output
+        assert "re-attached to run" in output
+    code, output = spawn.finish(second, DEADLINE)
+    assert code == 0, output
+    assert "resuming" in output
+    assert_same_result(reference, out)
+    spawn.assert_none_left()

@@ -93,7 +93,7 @@ EXAMPLES: dict[type, Any] = {
         resume_epoch=2,
         checkpoint_dir="/runs/a/checkpoints",
     ),
-    Reject: Reject(reason="surplus"),
+    Reject: Reject(reason="surplus", code="refused"),
     Go: Go(epoch=0, train_batches=48, valid_batches=0, lr_factor=0.5),
     Decision: Decision(
         epoch=2,
@@ -206,7 +206,11 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Joined: joineds(),
     OpenStore: st.builds(OpenStore, run_id=nonempty),
     Welcome: welcomes(),
-    Reject: st.builds(Reject, reason=nonempty),
+    Reject: st.builds(
+        Reject,
+        reason=nonempty,
+        code=st.sampled_from(["refused", "not_member", "malformed", "version"]),
+    ),
     Go: st.builds(
         Go,
         epoch=nonneg,
@@ -588,6 +592,7 @@ OUT_OF_RANGE = [
         "welcome: resume_epoch needs a checkpoint_dir",
     ),
     (Checkpointed, {"epoch": -1}, "checkpointed: epoch must be >= 0, got -1"),
+    (Reject, {"code": "nope"}, "reject: code must be one of"),
     (Joined, {"joined": 0}, "joined: joined 0 outside 1..4"),
     (Joined, {"joined": 5}, "joined: joined 5 outside 1..4"),
     (Hello, {"rank_hint": -1}, "hello: rank_hint must be >= 0, got -1"),
