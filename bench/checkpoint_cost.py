@@ -10,6 +10,7 @@ stamps each one): with checkpoints that interval holds one epoch plus one checkp
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -24,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
 def intervals(run_dir: Path) -> list[float]:
     lines = (run_dir / "epochs.jsonl").read_text().splitlines()
     times = [r["time"] for r in map(json.loads, lines) if r["kind"] == "epoch"]
-    return [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # skip the warm-up epoch
+    return [b - a for a, b in itertools.pairwise(times[1:])]  # skip the warm-up epoch
 
 
 def run(epochs: int, every: int, run_dir: Path) -> list[float]:
@@ -53,7 +54,8 @@ def main() -> int:
     total = statistics.median(with_ckpt)
     print(f"median epoch without checkpoints: {epoch * 1000:.1f} ms")
     print(f"median epoch with a checkpoint:   {total * 1000:.1f} ms")
-    print(f"checkpoint cost: {(total - epoch) * 1000:.1f} ms = {(total - epoch) / epoch:.2f} epochs")
+    cost = total - epoch
+    print(f"checkpoint cost: {cost * 1000:.1f} ms = {cost / epoch:.2f} epochs")
     return 0
 
 
