@@ -179,8 +179,8 @@ class LoopState:
     monitored value leave the state as it is (lamp resets it; we keep it). The best epoch is the one
     with the strictly lowest smoothed loss (ties keep the earlier epoch) among epochs >=
     ``best_from``. The run stops after the last epoch, when the schedule's next factor is <= 0,
-    or when ``patience`` monitored epochs in a row failed to improve the best smoothed loss by more
-    than ``min_delta``.
+    or when more than ``patience`` monitored epochs in a row failed to improve the best smoothed
+    loss by more than ``min_delta``.
 
     Everything here is a function of the sequence of :meth:`update` calls, so replaying a run's
     journal rebuilds the state exactly.

@@ -42,6 +42,10 @@ _MAY_CHANGE = {
 }
 
 
+_FLAGS = {"restore_best": "--no-restore-best", "world_size": "--world-size/--nproc"}
+"""Config fields whose command-line flag is not simply --field-name."""
+
+
 def checkpoint_path(checkpoint_dir: Path, epoch: int) -> Path:
     """Where the committed checkpoint of ``epoch`` lives."""
     return checkpoint_dir / f"epoch-{epoch:06d}"
@@ -66,6 +70,8 @@ def verify_checkpoint(path: Path) -> str | None:
     manifest = path / MANIFEST
     try:
         files = json.loads(manifest.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"its files entry is a {type(files).__name__}, not an object")
     except FileNotFoundError:
         return f"{manifest} is missing"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -95,7 +101,7 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if key in _MAY_CHANGE:
             continue
         if stored.get(key) != current.get(key):
-            flag = "--" + key.replace("_", "-")
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
             out.append(f"{flag} is {current.get(key)!r} now but {stored.get(key)!r} in the run")
     return out
 
@@ -168,6 +174,8 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         return RunState(loop=loop)
     try:
         stored = json.loads((run_dir / RUN_FILE).read_text())["config"]
+        if not isinstance(stored, dict):
+            raise TypeError(f"its config is a {type(stored).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{run_dir / RUN_FILE} is unreadable ({exc}): it is not an epochal run directory, or "

@@ -54,7 +54,9 @@ class Schedule:
     def spec(self) -> str:
         if not self.params:
             return self.name
-        return self.name + ":" + ",".join(f"{k}={v:g}" for k, v in sorted(self.params.items()))
+        return (
+            self.name + ":" + ",".join(f"{k}={_number(v)}" for k, v in sorted(self.params.items()))
+        )
 
     def initial_factor(self) -> float:
         return 1.0
@@ -89,8 +91,13 @@ class Schedule:
                     return factor
                 state["bad"] = 0
                 reduced = factor * p["factor"]
-                return reduced if reduced <= 0 else max(reduced, p["min"])
+                return reduced if reduced <= 0 else min(factor, max(reduced, p["min"]))
         raise AssertionError(f"unknown schedule {self.name}")  # parse_schedule admits no other
+
+
+def _number(value: float) -> str:
+    """Shortest text that reads back as exactly ``value`` (``10`` rather than ``10.0``)."""
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 def parse_schedule(spec: str, epochs: int) -> Schedule:
@@ -137,5 +144,5 @@ def _check(name: str, p: dict[str, float]) -> None:
             raise bad(f"factor must be in [0, 1) (0 stops the run), got {p['factor']:g}")
         if not 0 <= p["threshold"] < 1:
             raise bad(f"threshold must be in [0, 1), got {p['threshold']:g}")
-        if p["min"] < 0:
-            raise bad(f"min must be >= 0, got {p['min']:g}")
+        if not 0 <= p["min"] <= 1:
+            raise bad(f"min must be in [0, 1] (a floor under the falling factor), got {p['min']:g}")

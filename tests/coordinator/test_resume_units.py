@@ -1,0 +1,750 @@
+"""Reading a run directory back (epochal/coordinator/resume.py), on synthetic run directories.
+
+Each test writes what a run leaves behind, the way the service and the worker write it:
+``run.json`` (``Coordinator.start``), one ``epochs.jsonl`` line per decided epoch
+(``Coordinator._decide``: ``kind`` "epoch", the EpochOutcome's fields, ``validates``,
+``checkpoint``, batch counts, timings) and per committed checkpoint (``kind`` "checkpoint"),
+``result.json`` (``Coordinator._end``), and checkpoints ``epoch-NNNNNN/`` holding ``MANIFEST.json``
+``{"epoch", "files": {name: sha256}}`` (``epochal.worker.checkpoint.Checkpointer.save``). The
+expected loop state is a LoopState fed the same losses by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.policy import EpochOutcome, LoopState
+from epochal.coordinator.resume import (
+    RunState,
+    checkpoint_path,
+    config_record,
+    differences,
+    inspect,
+    prunable,
+    start_fresh,
+    verify_checkpoint,
+)
+from epochal.coordinator.schedule import parse_schedule
+from epochal.errors import ConfigError
+
+SCHEDULE = "plateau:patience=0,factor=0.5,threshold=0"
+
+# (train loss, validation loss or None): the run validates, epochs 1 and 5 were not validated
+ROWS: list[tuple[float, float | None]] = [
+    (2.0, 8.0),  # s 8 (before best_from: no best)
+    (1.5, None),
+    (1.2, 4.0),  # s 6: the best
+    (1.0, 8.0),  # s 7: worse, patience count 1, plateau halves the factor
+    (0.9, 2.0),  # s 4.5: the best
+    (0.8, None),
+]
+
+CHECKPOINT_FILES = {
+    ".metadata": b"dcp metadata",
+    "__0_0.distcp": b"\x00\x01model and optimizer\xff" * 50,
+    "rank00000.pt": b"rng of rank 0",
+    "rank00001.pt": b"rng of rank 1",
+}
+
+
+def make_config(tmp_path: Path, **overrides: Any) -> CoordinatorConfig:
+    fields: dict[str, Any] = {
+        "world_size": 2,
+        "epochs": 10,
+        "smoothing": 0.5,
+        "lr_schedule": SCHEDULE,
+        "patience": 3,
+        "best_from": 1,
+        "run_dir": tmp_path / "run",
+    }
+    fields.update(overrides)
+    return CoordinatorConfig(**fields)
+
+
+def hand_loop(epochs_done: int, *, epochs: int = 10) -> LoopState:
+    """The loop state after ROWS[:epochs_done], built without resume.py."""
+    state = LoopState(
+        epochs=epochs,
+        smoothing=0.5,
+        schedule=parse_schedule(SCHEDULE, epochs),
+        patience=3,
+        min_delta=0.0,
+        best_from=1,
+    )
+    for epoch, (train, valid) in enumerate(ROWS[:epochs_done]):
+        state.update(epoch, train, valid, validates=True)
+    return state
+
+
+def write_checkpoint(checkpoint_dir: Path, epoch: int) -> Path:
+    path = checkpoint_dir / f"epoch-{epoch:06d}"
+    path.mkdir(parents=True)
+    for name, data in CHECKPOINT_FILES.items():
+        (path / name).write_bytes(data)
+    files = {name: hashlib.sha256(data).hexdigest() for name, data in CHECKPOINT_FILES.items()}
+    (path / "MANIFEST.json").write_text(
+        json.dumps({"epoch": epoch, "files": files}, indent=1, sort_keys=True)
+    )
+    return path
+
+
+def write_run(
+    config: CoordinatorConfig,
+    *,
+    epochs_done: int,
+    checkpoints: list[int],
+    rows: list[tuple[float, float | None]] = ROWS,
+    state: LoopState | None = None,
+) -> list[dict[str, Any]]:
+    """Write run.json, the journal and the checkpoints of a run that got this far; the records."""
+    run_dir = config.run_dir
+    assert run_dir is not None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": "0123456789ab",
+                "endpoint": "tcp://127.0.0.1:40001",
+                "host": "node-1",
+                "pid": 4242,
+                "started": 1700000000.0,
+                "resumed_from": None,
+                "config": config_record(config),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    loop = state or hand_loop(0)
+    records: list[dict[str, Any]] = []
+    for epoch in range(epochs_done):
+        train, valid = rows[epoch]
+        outcome = loop.update(epoch, train, valid, validates=True)
+        records.append(
+            {
+                "kind": "epoch",
+                **asdict(outcome),
+                "validates": True,
+                "checkpoint": epoch in checkpoints,
+                "train_batches": 4,
+                "valid_batches": 0 if valid is None else 2,
+                "seconds": 0.25,
+                "time": 1700000001.0 + epoch,
+            }
+        )
+        if epoch in checkpoints:
+            write_checkpoint(config.checkpoint_path, epoch)
+            records.append({"kind": "checkpoint", "epoch": epoch, "time": 1700000001.5 + epoch})
+    write_journal(run_dir, records)
+    return records
+
+
+def write_journal(run_dir: Path, records: list[dict[str, Any]], tail: bytes = b"") -> None:
+    lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+    (run_dir / "epochs.jsonl").write_bytes(lines + tail)
+
+
+def look(config: CoordinatorConfig) -> RunState:
+    return inspect(config, config.checkpoint_path)
+
+
+def refusal(config: CoordinatorConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        look(config)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- a fresh start
+
+
+def test_without_a_run_directory_the_run_starts_at_zero(tmp_path: Path):
+    state = look(make_config(tmp_path, run_dir=None))
+    assert (state.resume_epoch, state.start_epoch, state.finished) == (None, 0, None)
+    assert (state.records, state.notes) == ([], [])
+    assert state.loop == hand_loop(0)
+
+
+def test_an_empty_run_directory_starts_at_zero(tmp_path: Path):
+    config = make_config(tmp_path)
+    config.run_dir.mkdir()
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.records, state.notes) == (None, 0, [], [])
+    assert state.loop == hand_loop(0)
+
+
+def test_a_journal_without_run_json_is_not_a_run_to_resume(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=4, checkpoints=[1, 3])
+    (config.run_dir / "run.json").unlink()
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch) == (None, 0)
+    assert state.loop.history == []
+
+
+@pytest.mark.parametrize(("resume_epoch", "start"), [(None, 0), (0, 1), (4, 5)])
+def test_start_epoch_is_the_one_after_the_resumed_checkpoint(resume_epoch: int | None, start: int):
+    assert RunState(loop=hand_loop(0), resume_epoch=resume_epoch).start_epoch == start
+
+
+# ----------------------------------------------------------------------------- resuming
+
+
+def test_resume_at_the_newest_committed_checkpoint_with_the_loop_replayed(tmp_path: Path):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.finished) == (3, 4, None)
+    assert state.notes == []
+    # epoch 4 was decided but not checkpointed: it is dropped and will run again
+    assert state.records == [r for r in records if r["epoch"] <= 3]
+    assert [(r["kind"], r["epoch"]) for r in state.records] == [
+        ("epoch", 0),
+        ("epoch", 1),
+        ("checkpoint", 1),
+        ("epoch", 2),
+        ("epoch", 3),
+        ("checkpoint", 3),
+    ]
+    expected = hand_loop(4)
+    assert state.loop == expected
+    # what the replay must have rebuilt: smoothing, best epoch, patience and the plateau's factor
+    assert (state.loop.smoothed, state.loop.best_epoch, state.loop.best_loss) == (7.0, 2, 6.0)
+    assert (state.loop.stale, state.loop.lr_factor) == (1, 0.5)
+    assert state.loop.schedule_state == {"best": 6.0, "bad": 0}
+    assert [o.epoch for o in state.loop.history] == [0, 1, 2, 3]
+
+
+def test_the_replayed_outcomes_equal_the_journaled_ones(tmp_path: Path):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=6, checkpoints=[5])
+    state = look(config)
+    fields = [f.name for f in dataclasses.fields(EpochOutcome)]
+    journaled = [{k: r[k] for k in fields} for r in records if r["kind"] == "epoch"]
+    assert [asdict(o) for o in state.loop.history] == journaled
+    assert len(journaled) == 6
+
+
+def test_a_resume_at_the_stopping_epoch_replays_the_stop(tmp_path: Path):
+    # killed after the last checkpoint was journaled but before result.json: the replayed loop
+    # says the run is over, which is what keeps the service from training another epoch
+    config = make_config(tmp_path, epochs=4)
+    write_run(config, epochs_done=4, checkpoints=[3], state=hand_loop(0, epochs=4))
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.finished) == (3, 4, None)
+    assert state.loop.history[-1].stop
+    assert state.loop.history[-1].stop_reason == "epochs"
+
+
+def test_a_resume_after_an_lr_factor_stop_keeps_the_factor_at_or_below_zero(tmp_path: Path):
+    config = make_config(tmp_path, lr_schedule="linear:end=3")
+    loop = LoopState(
+        epochs=10,
+        smoothing=0.5,
+        schedule=parse_schedule("linear:end=3", 10),
+        patience=3,
+        best_from=1,
+    )
+    write_run(config, epochs_done=3, checkpoints=[2], state=loop)
+    state = look(config)
+    assert state.resume_epoch == 2
+    assert state.loop.history[-1].stop_reason == "lr_factor"
+    assert state.loop.lr_factor <= 0
+    assert state.loop == loop
+
+
+def test_a_committed_checkpoint_needs_a_journal_record_not_just_a_directory(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    write_checkpoint(config.checkpoint_path, 4)  # committed, not journaled
+    assert look(config).resume_epoch == 3
+
+
+def test_checkpoints_invisible_from_here_are_trusted_from_the_journal(tmp_path: Path):
+    # the coordinator runs on another machine than the workers' shared disk
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    for path in sorted(config.checkpoint_path.iterdir()):
+        for f in path.iterdir():
+            f.unlink()
+        path.rmdir()
+    config.checkpoint_path.rmdir()
+    state = look(config)
+    assert (state.resume_epoch, state.notes) == (3, [])
+    assert state.loop == hand_loop(4)
+
+
+def test_a_custom_checkpoint_dir_is_where_checkpoints_are_verified(tmp_path: Path):
+    config = make_config(tmp_path, checkpoint_dir=tmp_path / "shared" / "ckpt")
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    assert (tmp_path / "shared" / "ckpt" / "epoch-000003" / "MANIFEST.json").exists()
+    (tmp_path / "shared" / "ckpt" / "epoch-000003" / "rank00001.pt").write_bytes(b"tampered")
+    assert look(config).resume_epoch == 1
+
+
+# ----------------------------------------------------------------------------- the journal
+
+
+def test_a_half_written_last_line_is_ignored_with_a_note(tmp_path: Path):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    # the run was killed while journaling epoch 4's checkpoint (whose directory is complete)
+    write_checkpoint(config.checkpoint_path, 4)
+    write_journal(config.run_dir, records, tail=b'{"epoch": 4, "kind": "checkpo')
+    state = look(config)
+    assert state.resume_epoch == 3
+    assert state.loop == hand_loop(4)
+    assert len(state.notes) == 1
+    assert "half-written last line" in state.notes[0]
+    assert str(config.run_dir / "epochs.jsonl") in state.notes[0]
+
+
+def test_a_complete_last_line_without_its_newline_is_kept(tmp_path: Path):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    write_checkpoint(config.checkpoint_path, 4)
+    tail = json.dumps({"epoch": 4, "kind": "checkpoint", "time": 1.0}).encode()
+    write_journal(config.run_dir, records, tail=tail)
+    state = look(config)
+    assert (state.resume_epoch, state.notes) == (4, [])
+    assert state.loop == hand_loop(5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"not json at all",
+        b'{"kind": "epoch", "epoch": 2',  # cut short, but more lines follow: not the last write
+        b"[1, 2, 3]",
+        b'"epoch"',
+        b'{"kind": "note", "epoch": 1}',
+        b'{"kind": "epoch"}',
+        b'{"kind": "checkpoint", "epoch": "two"}',
+        b'{"kind": "checkpoint", "epoch": null}',
+        b"\xff\xfe\x00",
+    ],
+)
+def test_a_corrupt_line_in_the_middle_is_refused_naming_the_line_and_fresh(
+    tmp_path: Path, bad: bytes
+):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    journal = config.run_dir / "epochs.jsonl"
+    lines = journal.read_bytes().split(b"\n")
+    lines[3] = bad  # line 4 of 7
+    journal.write_bytes(b"\n".join(lines))
+    message = refusal(config)
+    assert f"the journal {journal} is corrupt at line 4" in message
+    assert "--fresh" in message
+
+
+def test_a_corrupt_last_line_that_was_fully_written_is_refused(tmp_path: Path):
+    # it ends with a newline, so the write completed: the file is damaged, not cut short
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    write_journal(config.run_dir, records, tail=b"garbage\n")
+    message = refusal(config)
+    assert "corrupt at line 8" in message
+    assert "--fresh" in message
+
+
+def test_blank_lines_are_skipped_and_still_counted(tmp_path: Path):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    journal = config.run_dir / "epochs.jsonl"
+    journal.write_bytes(b"\n" + journal.read_bytes().replace(b"\n", b"\n\n", 1))
+    assert look(config).records == [r for r in records if r["epoch"] <= 3]
+    journal.write_bytes(b"\n\nbroken\n" + journal.read_bytes())
+    assert "corrupt at line 3" in refusal(config)
+
+
+def test_an_empty_journal_starts_at_zero_without_a_note(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=0, checkpoints=[])
+    state = look(config)
+    assert (state.resume_epoch, state.records, state.notes) == (None, [], [])
+
+
+# ----------------------------------------------------------------------------- run.json
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["", "{", "[]", '{"run_id": "x"}', "\x00"],
+)
+def test_an_unreadable_run_json_is_refused_naming_it_and_fresh(tmp_path: Path, content: str):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=2, checkpoints=[1])
+    (config.run_dir / "run.json").write_text(content)
+    message = refusal(config)
+    assert str(config.run_dir / "run.json") in message
+    assert "--fresh" in message
+
+
+# Another tool's run.json in the directory (a config that is not an object) is refused clearly.
+@pytest.mark.parametrize(
+    "content", ['{"config": 3}', '{"config": null}', '{"config": "train.yaml"}', '{"config": [1]}']
+)
+def test_a_run_json_whose_config_is_not_an_object_is_refused(tmp_path: Path, content: str):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=2, checkpoints=[1])
+    (config.run_dir / "run.json").write_text(content)
+    message = refusal(config)
+    assert str(config.run_dir / "run.json") in message
+
+
+def test_the_stored_config_holds_no_token_and_paths_as_text(tmp_path: Path):
+    config = make_config(tmp_path, token="s3cret", checkpoint_dir=tmp_path / "c")
+    record = config_record(config)
+    assert "token" not in record
+    assert "s3cret" not in json.dumps(record)
+    assert record["run_dir"] == str(tmp_path / "run")
+    assert record["checkpoint_dir"] == str(tmp_path / "c")
+    assert json.loads(json.dumps(record)) == record
+    assert set(record) == {f.name for f in dataclasses.fields(CoordinatorConfig)} - {"token"}
+
+
+# every setting, and whether a resume may change it: (new value, the phrase naming it) or None
+REFUSED: dict[str, tuple[Any, str]] = {
+    "world_size": (3, "--world-size/--nproc is 3 now but 2 in the run"),
+    "epochs": (9, "--epochs is 9 now but 10 in the run"),
+    "job": ("other", "--job is 'other' now but 'epochal' in the run"),
+    "batch_policy": ("truncate", "--batch-policy is 'truncate' now but 'error' in the run"),
+    "smoothing": (0.25, "--smoothing is 0.25 now but 0.5 in the run"),
+    "validation_frequency": (2, "--validation-frequency is 2 now but 1 in the run"),
+    "lr_schedule": (
+        "exponential:gamma=0.5",
+        f"--lr-schedule is 'exponential:gamma=0.5' now but {SCHEDULE!r} in the run",
+    ),
+    "patience": (None, "--patience is None now but 3 in the run"),
+    "min_delta": (0.5, "--min-delta is 0.5 now but 0.0 in the run"),
+    "best_from": (0, "--best-from is 0 now but 1 in the run"),
+    "restore_best": (False, "is False now but True in the run"),
+    "checkpoint_every": (2, "--checkpoint-every is 2 now but 1 in the run"),
+    "checkpoint_dir": (
+        "elsewhere",
+        "--checkpoint-dir is '{tmp}/elsewhere' now but None in the run",
+    ),
+}
+MAY_CHANGE: dict[str, Any] = {
+    "run_dir": "moved",
+    "token": "new-token",
+    "rendezvous_timeout": 5.0,
+    "store_timeout": 5.0,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 3.0,
+    "finish_timeout": 2.0,
+    "backend": "gloo",
+    "keep_checkpoints": 7,
+}
+
+
+def test_every_setting_is_either_refused_or_allowed_to_change():
+    names = {f.name for f in dataclasses.fields(CoordinatorConfig)}
+    assert set(REFUSED) | set(MAY_CHANGE) == names
+    assert not set(REFUSED) & set(MAY_CHANGE)
+
+
+def changed(tmp_path: Path, name: str, value: Any) -> CoordinatorConfig:
+    if name in ("run_dir", "checkpoint_dir"):
+        value = tmp_path / value
+    return make_config(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_changed_setting_is_refused_naming_the_flag_and_both_values(tmp_path: Path, name: str):
+    value, phrase = REFUSED[name]
+    original = make_config(tmp_path)
+    write_run(original, epochs_done=2, checkpoints=[1])
+    message = refusal(changed(tmp_path, name, value))
+    assert phrase.format(tmp=tmp_path) in message
+    assert f"the run directory {original.run_dir} holds a run with other settings" in message
+    assert "--fresh" in message
+
+
+def test_several_changed_settings_are_all_named(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=2, checkpoints=[1])
+    message = refusal(make_config(tmp_path, epochs=9, smoothing=1.0, patience=None))
+    assert "--epochs is 9 now but 10 in the run" in message
+    assert "--smoothing is 1.0 now but 0.5 in the run" in message
+    assert "--patience is None now but 3 in the run" in message
+
+
+# The message names the flag that exists on the command line (--no-restore-best).
+def test_a_changed_restore_best_names_the_flag_that_exists(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=2, checkpoints=[1])
+    message = refusal(make_config(tmp_path, restore_best=False))
+    assert "--no-restore-best" in message
+
+
+@pytest.mark.parametrize("name", sorted(MAY_CHANGE))
+def test_a_setting_that_cannot_change_the_result_may_change(tmp_path: Path, name: str):
+    original = make_config(tmp_path)
+    write_run(original, epochs_done=5, checkpoints=[1, 3])
+    current = changed(tmp_path, name, MAY_CHANGE[name])
+    if name == "run_dir":  # the directory was moved: run.json still names the old path
+        original.run_dir.rename(current.run_dir)
+        assert json.loads((current.run_dir / "run.json").read_text())["config"]["run_dir"] == str(
+            original.run_dir
+        )
+    state = look(current)
+    assert state.resume_epoch == 3
+    assert state.notes == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "current", "expected"),
+    [
+        ({"epochs": 5}, {"epochs": 5}, []),
+        ({"epochs": 5}, {"epochs": 9}, ["--epochs is 9 now but 5 in the run"]),
+        ({"smoothing": 1}, {"smoothing": 1.0}, []),  # JSON may hand back an int for a float
+        ({"token": "a", "backend": "nccl"}, {"token": "b", "backend": "gloo"}, []),
+        ({}, {"best_from": 2}, ["--best-from is 2 now but None in the run"]),
+        ({"old_setting": 1}, {}, ["--old-setting is None now but 1 in the run"]),
+        (
+            {"world_size": 2, "epochs": 5},
+            {"world_size": 4, "epochs": 6},
+            [
+                "--epochs is 6 now but 5 in the run",
+                "--world-size/--nproc is 4 now but 2 in the run",
+            ],
+        ),
+    ],
+)
+def test_differences(stored: dict[str, Any], current: dict[str, Any], expected: list[str]):
+    assert differences(stored, current) == expected
+
+
+# ----------------------------------------------------------------------------- result.json
+
+
+def test_a_finished_run_is_reported_finished_and_not_replayed(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=6, checkpoints=[5])
+    result = {
+        "status": "finished",
+        "run_id": "0123456789ab",
+        "best_epoch": 4,
+        "best_loss": 4.5,
+        "epochs_run": 6,
+    }
+    (config.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    state = look(config)
+    assert state.finished == result
+    assert (state.resume_epoch, state.records) == (None, [])
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps({"status": "aborted", "run_id": "x", "reason": "rank 1 died"}),
+        "{",  # a half-written result: not a finished run
+        json.dumps({"run_id": "x"}),
+    ],
+)
+def test_a_result_that_is_not_finished_resumes(tmp_path: Path, content: str):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    (config.run_dir / "result.json").write_text(content)
+    state = look(config)
+    assert (state.finished, state.resume_epoch) == (None, 3)
+
+
+def test_a_finished_run_with_other_settings_is_still_refused(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=2, checkpoints=[1])
+    (config.run_dir / "result.json").write_text('{"status": "finished"}')
+    assert "--epochs is 3 now" in refusal(make_config(tmp_path, epochs=3))
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def damage_newest(path: Path, how: str) -> None:
+    match how:
+        case "flipped":
+            data = bytearray((path / "__0_0.distcp").read_bytes())
+            data[10] ^= 1
+            (path / "__0_0.distcp").write_bytes(bytes(data))
+        case "truncated":
+            (path / "__0_0.distcp").write_bytes((path / "__0_0.distcp").read_bytes()[:-1])
+        case "file missing":
+            (path / "rank00001.pt").unlink()
+        case "manifest missing":
+            (path / "MANIFEST.json").unlink()
+        case "manifest unreadable":
+            (path / "MANIFEST.json").write_text('{"epoch": 3, "files": {')
+        case "manifest without files":
+            (path / "MANIFEST.json").write_text('{"epoch": 3}')
+        case "directory missing":
+            for f in path.iterdir():
+                f.unlink()
+            path.rmdir()
+
+
+DAMAGE = {
+    "flipped": "__0_0.distcp does not match its manifest (corrupt or truncated)",
+    "truncated": "__0_0.distcp does not match its manifest (corrupt or truncated)",
+    "file missing": "rank00001.pt is unreadable",
+    "manifest missing": "MANIFEST.json is missing",
+    "manifest unreadable": "MANIFEST.json is unreadable",
+    "manifest without files": "MANIFEST.json is unreadable",
+    "directory missing": "MANIFEST.json is missing",
+}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_note(
+    tmp_path: Path, how: str
+):
+    config = make_config(tmp_path)
+    records = write_run(config, epochs_done=5, checkpoints=[1, 3])
+    newest = checkpoint_path(config.checkpoint_path, 3)
+    damage_newest(newest, how)
+    assert verify_checkpoint(newest) is not None
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch) == (1, 2)
+    assert state.records == [r for r in records if r["epoch"] <= 1]
+    assert state.loop == hand_loop(2)
+    assert len(state.notes) == 1
+    note = state.notes[0]
+    assert note.startswith("the checkpoint of epoch 3 is unusable: ")
+    assert DAMAGE[how] in note
+    assert note.endswith("falling back to the previous one")
+
+
+def test_no_usable_checkpoint_starts_from_zero_with_a_note(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    damage_newest(checkpoint_path(config.checkpoint_path, 3), "flipped")
+    damage_newest(checkpoint_path(config.checkpoint_path, 1), "manifest missing")
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.records) == (None, 0, [])
+    assert state.loop == hand_loop(0)
+    assert [n.split(":")[0] for n in state.notes[:2]] == [
+        "the checkpoint of epoch 3 is unusable",
+        "the checkpoint of epoch 1 is unusable",
+    ]
+    assert state.notes[2] == "no usable checkpoint: the run starts again from epoch 0"
+    assert len(state.notes) == 3
+
+
+def test_a_journal_without_any_checkpoint_starts_from_zero_with_a_note(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=3, checkpoints=[])
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.records) == (None, 0, [])
+    assert state.notes == ["no usable checkpoint: the run starts again from epoch 0"]
+
+
+def test_verify_accepts_a_checkpoint_that_matches_its_manifest(tmp_path: Path):
+    assert verify_checkpoint(write_checkpoint(tmp_path, 7)) is None
+
+
+def test_verify_accepts_files_in_subdirectories(tmp_path: Path):
+    path = tmp_path / "epoch-000002"
+    (path / "sub").mkdir(parents=True)
+    (path / "sub" / "shard").write_bytes(b"abc")
+    files = {"sub/shard": hashlib.sha256(b"abc").hexdigest()}
+    (path / "MANIFEST.json").write_text(json.dumps({"epoch": 2, "files": files}))
+    assert verify_checkpoint(path) is None
+    (path / "sub" / "shard").write_bytes(b"abd")
+    assert "does not match its manifest" in (verify_checkpoint(path) or "")
+
+
+# A manifest whose "files" is not an object is a problem to report, and to fall back from.
+@pytest.mark.parametrize("files", ["[]", "null", '"MANIFEST.json"'])
+def test_a_manifest_whose_files_is_not_an_object_is_reported_not_raised(tmp_path: Path, files: str):
+    path = write_checkpoint(tmp_path, 3)
+    (path / "MANIFEST.json").write_text('{"epoch": 3, "files": ' + files + "}")
+    problem = verify_checkpoint(path)
+    assert problem is not None and "MANIFEST.json" in problem
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+@pytest.mark.parametrize(
+    ("committed", "keep", "best", "expected"),
+    [
+        ([0, 1, 2, 3], 2, None, [0, 1]),
+        ([0, 1, 2, 3], 2, 0, [1]),  # the best is kept however old
+        ([0, 1, 2, 3], 2, 3, [0, 1]),  # the best among the newest: nothing extra kept
+        ([0, 1, 2, 3], 1, 1, [0, 2]),
+        ([0, 1, 2, 3], 4, None, []),
+        ([0, 1, 2], 5, 0, []),
+        ([5], 1, None, []),
+        ([5], 1, 5, []),
+        ([], 2, None, []),
+        ([3, 0, 2, 1], 2, None, [0, 1]),  # order does not matter
+        ([1, 1, 2, 3, 3], 2, None, [1]),  # nor repeats
+        ([0, 2, 4, 6, 8], 2, 2, [0, 4]),
+        ([0, 1, 2], 2, 7, [0]),  # a best without a checkpoint changes nothing
+    ],
+)
+def test_prunable_keeps_the_newest_n_and_the_best(
+    committed: list[int], keep: int, best: int | None, expected: list[int]
+):
+    assert prunable(committed, keep, best) == expected
+
+
+@pytest.mark.parametrize(
+    ("epoch", "name"),
+    [
+        (0, "epoch-000000"),
+        (7, "epoch-000007"),
+        (123456, "epoch-123456"),
+        (1234567, "epoch-1234567"),
+    ],
+)
+def test_checkpoint_path_matches_the_workers_layout(tmp_path: Path, epoch: int, name: str):
+    assert checkpoint_path(tmp_path, epoch) == tmp_path / name
+
+
+# ----------------------------------------------------------------------------- starting over
+
+
+def test_start_fresh_forgets_the_run_but_nothing_else(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    run_dir = config.run_dir
+    assert run_dir is not None
+    (run_dir / "result.json").write_text('{"status": "finished"}')
+    (run_dir / "notes.txt").write_text("mine")
+    start_fresh(config, config.checkpoint_path)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+    assert not config.checkpoint_path.exists()
+    state = look(config)
+    assert (state.resume_epoch, state.start_epoch, state.notes) == (None, 0, [])
+
+
+def test_start_fresh_removes_a_checkpoint_dir_outside_the_run_dir(tmp_path: Path):
+    config = make_config(tmp_path, checkpoint_dir=tmp_path / "ckpt")
+    write_run(config, epochs_done=2, checkpoints=[1])
+    assert (tmp_path / "ckpt" / "epoch-000001").exists()
+    start_fresh(config, config.checkpoint_path)
+    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_start_fresh_on_nothing_is_a_no_op(tmp_path: Path):
+    start_fresh(make_config(tmp_path, run_dir=None), None)
+    config = make_config(tmp_path)
+    config.run_dir.mkdir()
+    start_fresh(config, config.checkpoint_path)  # no files, no checkpoint dir: nothing to do
+    assert list(config.run_dir.iterdir()) == []
+
+
+def test_start_fresh_lets_a_run_with_other_settings_begin(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=2, checkpoints=[1])
+    other = make_config(tmp_path, epochs=3)
+    start_fresh(other, other.checkpoint_path)
+    assert look(other).start_epoch == 0
