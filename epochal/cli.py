@@ -19,7 +19,7 @@ from pathlib import Path
 
 from epochal import __version__
 from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
-from epochal.coordinator.service import new_run_id
+from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
 from epochal.errors import ConfigError, RunAborted
 
@@ -187,6 +187,30 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="silence after which a worker is declared lost (default: 15)",
     )
+    t.add_argument(
+        "--heartbeat-interval",
+        type=_seconds,
+        default=1.0,
+        metavar="S",
+        help="time between the coordinator's heartbeats to each worker (default: 1)",
+    )
+    t.add_argument(
+        "--stall-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="S",
+        help="when no rank has made progress for S seconds, print which rank is where "
+        "(default: 300)",
+    )
+    f = p.add_argument_group("failures")
+    f.add_argument(
+        "--max-restarts",
+        type=_nonnegative_int,
+        default=0,
+        metavar="K",
+        help="after a failure, hold a new rendezvous and resume from the last checkpoint, up to "
+        "K times (default: 0)",
+    )
 
 
 def _config(
@@ -212,6 +236,8 @@ def _config(
         run_dir=args.run_dir if args.run_dir is not None else Path("runs") / run_id,
         rendezvous_timeout=args.rendezvous_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+        stall_timeout=args.stall_timeout,
     )
 
 
@@ -269,12 +295,35 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
     )
+
+    w = sub.add_parser(
+        "worker",
+        help="run one worker on this machine under a supervisor that restarts it",
+        description="Run COMMAND as a worker of the coordinator at ADDR (it gets "
+        f"{COORDINATOR_ENV}=ADDR) and start it again when it fails, up to --max-restarts times.",
+        epilog="example: epochal worker --connect tcp://10.0.0.5:29400 --max-restarts 3 -- "
+        "python train.py --lr 0.1",
+    )
+    w.add_argument("--connect", required=True, metavar="ADDR", help="the coordinator's address")
+    w.add_argument(
+        "--max-restarts",
+        type=_nonnegative_int,
+        default=0,
+        metavar="K",
+        help="start COMMAND again after a failure, up to K times (default: 0)",
+    )
+    w.add_argument(
+        "--restart-delay",
+        type=_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds to wait before a restart (default: 1)",
+    )
+    w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     return parser
 
 
 async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
-    from epochal.coordinator import Coordinator
-
     config = _config(args, args.world_size, token, run_id)
     coordinator = Coordinator(config, bind=args.bind, run_id=run_id, fresh=args.fresh)
     endpoint = await coordinator.start()
@@ -293,11 +342,35 @@ async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        await coordinator.run()
-    except RunAborted:
-        return 128 + received[0] if received else 1
-    return 0
+    for attempt in range(args.max_restarts + 1):
+        try:
+            await coordinator.run()
+            return 0
+        except RunAborted:
+            if received:
+                return 128 + received[0]
+        if attempt == args.max_restarts:
+            break
+        coordinator.log(
+            f"restart {attempt + 1} of {args.max_restarts}: waiting at {endpoint} for the "
+            "workers to come back; the run resumes from its last committed checkpoint"
+        )
+        coordinator = Coordinator(config, bind=endpoint)
+        await _start_again(coordinator)
+    if args.max_restarts:
+        coordinator.log(f"FAILED: {args.max_restarts} restarts used up")
+    return 1
+
+
+async def _start_again(coordinator: Coordinator) -> None:
+    """Bind the same address again; the old socket may take a moment to let it go."""
+    for _ in range(50):
+        try:
+            await coordinator.start()
+            return
+        except OSError:
+            await asyncio.sleep(0.1)
+    await coordinator.start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,11 +381,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "coordinator":
             return asyncio.run(_serve(args, token, run_id))
+        if args.command == "worker":
+            from epochal.supervisor import supervise
+
+            command = args.worker_command
+            if command[:1] == ["--"]:
+                command = command[1:]
+            if not command:
+                parser.error("worker: give the command to run after --")
+            return supervise(
+                args.connect,
+                command,
+                max_restarts=args.max_restarts,
+                restart_delay=args.restart_delay,
+            )
         from epochal.launcher import launch, script_command
 
         command = script_command(args.script, args.script_args, module=args.module)
         config = _config(args, args.nproc, token, run_id)
-        return asyncio.run(launch(config, args.nproc, command, run_id=run_id, fresh=args.fresh))
+        return asyncio.run(
+            launch(
+                config,
+                args.nproc,
+                command,
+                run_id=run_id,
+                fresh=args.fresh,
+                max_restarts=args.max_restarts,
+            )
+        )
     except (ConfigError, FileNotFoundError) as exc:
         parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
     except OSError as exc:

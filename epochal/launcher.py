@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ from epochal.environment import (
     LOCAL_RANK_ENV,
     PROGRESS_ENV,
     RANK_ENV,
+    REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
     WORKER_ID_ENV,
 )
@@ -32,8 +34,11 @@ from epochal.errors import RunAborted
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-KILL_GRACE = 5.0
+KILL_GRACE = 3.0
 """Seconds workers get to leave on their own after the run ends, before they are killed."""
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal a child gets when its parent dies (Linux)."""
 
 
 class _Prefixer:
@@ -80,6 +85,15 @@ def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the launcher dies, however the launcher dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the process-group kill at exit still applies
+        pass
+
+
 async def launch(
     config: CoordinatorConfig,
     nproc: int,
@@ -89,19 +103,49 @@ async def launch(
     log: Callable[[str], None] | None = None,
     run_id: str | None = None,
     fresh: bool = False,
+    max_restarts: int = 0,
 ) -> int:
-    """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status."""
+    """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status.
+
+    After a failure, up to ``max_restarts`` times, the launcher starts a new coordinator on the
+    same run directory (which resumes from the last committed checkpoint) and new workers.
+    """
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
-    coordinator = Coordinator(config, log=say, run_id=run_id, fresh=fresh)
+    reasons: list[str] = []
+    for attempt in range(max_restarts + 1):
+        coordinator = Coordinator(
+            config, log=say, run_id=run_id if attempt == 0 else None, fresh=fresh and attempt == 0
+        )
+        status, reason = await _attempt(coordinator, config, nproc, command, out, say)
+        if status != EXIT_FAILED:
+            return status
+        reasons.append(reason)
+        if attempt < max_restarts:
+            say(f"restart {attempt + 1} of {max_restarts}: resuming from the last checkpoint")
+    if max_restarts:
+        say(f"FAILED: {max_restarts} restarts used up; the last failure: {reasons[-1]}")
+    return EXIT_FAILED
+
+
+async def _attempt(
+    coordinator: Coordinator,
+    config: CoordinatorConfig,
+    nproc: int,
+    command: list[str],
+    out: TextIO,
+    say: Callable[[str], None],
+) -> tuple[int, str]:
+    """One coordinator and one set of workers; (exit status, failure reason)."""
     endpoint = await coordinator.start()
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
-        return EXIT_OK
+        return EXIT_OK, ""
     say(f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers")
 
     env_base = dict(os.environ)
     env_base[COORDINATOR_ENV] = endpoint
     env_base[JOB_ENV] = config.job
+    env_base[REATTACH_TIMEOUT_ENV] = "0"  # this coordinator dies with the launcher: stop at once
     if config.token:
         env_base[TOKEN_ENV] = config.token
     env_base.setdefault("PYTHONUNBUFFERED", "1")
@@ -124,6 +168,7 @@ async def launch(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         procs.append(proc)
         assert proc.stdout is not None
@@ -152,7 +197,9 @@ async def launch(
                 if code >= 0
                 else f"was killed by {signal.Signals(-code).name}"
             )
-            coordinator.abort(f"worker {index} (pid {proc.pid}) {what} before the run finished")
+            coordinator.report_failure(
+                f"worker {index} (pid {proc.pid}) {what} before the run finished", cause=True
+            )
         return code
 
     watchers = [asyncio.create_task(watch(i, p)) for i, p in enumerate(procs)]
@@ -177,17 +224,17 @@ async def launch(
         say(f"{len(pending)} workers did not exit within {KILL_GRACE:g} s and were killed")
     if interrupted:
         say(f"interrupted by {interrupted[0]}")
-        return 128 + int(getattr(signal, interrupted[0]))
+        return 128 + int(getattr(signal, interrupted[0])), reason
     if summary is None:
         say(f"FAILED: {reason}")
-        return EXIT_FAILED
+        return EXIT_FAILED, reason
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     if bad:
         listed = ", ".join(f"worker {i}: status {c}" for i, c in bad)
         say(f"FAILED: the run finished but workers exited non-zero ({listed})")
-        return EXIT_FAILED
+        return EXIT_FAILED, f"workers exited non-zero ({listed})"
     say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}")
-    return EXIT_OK
+    return EXIT_OK, ""
 
 
 def script_command(script: str, args: list[str], *, module: bool = False) -> list[str]:

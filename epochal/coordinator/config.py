@@ -62,6 +62,8 @@ class CoordinatorConfig:
     # seconds between heartbeats the coordinator sends each worker
     heartbeat_timeout: float = 15.0
     # seconds of silence after which a worker is declared lost and the run aborted
+    stall_timeout: float = 300.0
+    # seconds without progress on any rank after which the coordinator prints where each rank is
     finish_timeout: float = 30.0
     # seconds the coordinator waits for every worker's Done after Finish
 
@@ -122,6 +124,7 @@ class CoordinatorConfig:
             "heartbeat_interval",
             "heartbeat_timeout",
             "finish_timeout",
+            "stall_timeout",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):

@@ -17,3 +17,24 @@ def lost(now: float, last_seen: Mapping[K, float], timeout: float) -> list[K]:
     """Every peer that has been silent for longer than ``timeout`` seconds, oldest first."""
     quiet = [(seen, peer) for peer, seen in last_seen.items() if expired(now, seen, timeout)]
     return [peer for _, peer in sorted(quiet, key=lambda item: item[0])]
+
+
+def stall_table(rows: list[tuple[int, str, str, int, int, float]]) -> str:
+    """Rows of (rank, host, phase, epoch, step, seconds since progress) as an aligned table.
+
+    The rank that has been still the longest is marked: it is the one to look at.
+    """
+    if not rows:
+        return "(no ranks)"
+    oldest = max(r[5] for r in rows)
+    header = ("rank", "host", "phase", "epoch", "step", "still for")
+    body = [
+        (str(r), h, p, str(e), str(s), f"{t:.1f} s" + ("  <- stuck longest" if t == oldest else ""))
+        for r, h, p, e, s, t in rows
+    ]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=False)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *body)
+    ]
+    return "\n".join(lines)

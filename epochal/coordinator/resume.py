@@ -39,6 +39,7 @@ _MAY_CHANGE = {
     "finish_timeout",
     "backend",
     "keep_checkpoints",
+    "stall_timeout",
 }
 
 

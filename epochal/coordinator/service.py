@@ -58,12 +58,16 @@ from epochal.protocol import (
     Message,
     OpenStore,
     Reject,
+    Status,
     StoreReady,
     Welcome,
     clip,
     decode,
     encode,
 )
+
+FAILURE_SETTLE = 0.25
+"""Seconds between the first failure report and the abort, so the cause can arrive too."""
 
 LINGER_MS = 2000
 """How long closing the socket may wait to flush the last Abort or Finish."""
@@ -169,6 +173,13 @@ class Coordinator:
         self._phase_started = 0.0
         self._epoch_started = 0.0
         self._requested_abort: str | None = None
+        self._failures: list[tuple[int, str]] = []
+        # (priority, what) reported in the settle window before an abort; a process exit (0)
+        # is the cause, a rank's error after it (1) usually its consequence
+        self._failure_deadline: float | None = None
+        self._status: dict[int, tuple[str, int, int, float]] = {}
+        # rank -> (phase, epoch, step, when that last changed)
+        self._stall_reported = 0.0
         self._outcome: RunSummary | RunAborted | None = None
         self._journal: Journal | None = None
         self.dropped_frames = 0
@@ -217,10 +228,25 @@ class Coordinator:
         """result.json of a run directory whose run already finished (nothing left to train)."""
         return self._state.finished
 
+    def log(self, line: str) -> None:
+        """Print a line the way the service prints its own."""
+        self._log(line)
+
     def abort(self, reason: str) -> None:
         """Ask the running service to abort the run (from the same event loop)."""
         if self._requested_abort is None:
             self._requested_abort = reason
+
+    def report_failure(self, what: str, *, cause: bool = False) -> None:
+        """A worker failed; abort after a short settle window that lets its cause come in.
+
+        ``cause`` marks a fact such as a worker process exiting, which goes first in the reason:
+        when a rank dies, the others' collectives fail a moment later, and their errors are
+        consequences.
+        """
+        self._failures.append((0 if cause else 1, what))
+        if self._failure_deadline is None:
+            self._failure_deadline = time.monotonic() + FAILURE_SETTLE
 
     async def run(self) -> RunSummary:
         """Serve until the run ends; return its summary or raise RunAborted."""
@@ -315,7 +341,7 @@ class Coordinator:
         rank = self._ranks.get(peer)
         if rank is None:
             if peer in self._rendezvous.members:
-                if isinstance(message, Heartbeat):
+                if isinstance(message, Heartbeat | Status):
                     return
                 if isinstance(message, Failed):
                     member = self._rendezvous.members[peer]
@@ -325,7 +351,7 @@ class Coordinator:
                     self._rendezvous.leave(peer)
                     self._last_seen.pop(peer, None)
                     return
-            if not isinstance(message, Heartbeat):
+            if not isinstance(message, Heartbeat | Status):
                 await self._send(
                     peer,
                     Reject(reason="not a member of this run: send hello first", code="not_member"),
@@ -334,6 +360,8 @@ class Coordinator:
         match message:
             case Heartbeat():
                 pass
+            case Status():
+                self._note_status(rank, message)
             case StoreReady() if self.phase is Phase.STORE and rank == 0:
                 self._store = message
                 await self._welcome_all()
@@ -358,7 +386,7 @@ class Coordinator:
                     self._end()
             case Failed():
                 member = self._members_by_rank[rank]
-                await self._abort(f"rank {rank} ({member.describe()}) failed: {message.reason}")
+                self.report_failure(f"rank {rank} ({member.describe()}) failed: {message.reason}")
             case _:
                 await self._abort(
                     f"rank {rank} sent {type(message).__name__} while the coordinator was in "
@@ -571,6 +599,23 @@ class Coordinator:
             self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
         self._outcome = RunAborted(reason)
 
+    def _note_status(self, rank: int, status: Status) -> None:
+        now = time.monotonic()
+        previous = self._status.get(rank)
+        if previous is None or (previous[0], previous[1], previous[2]) != (
+            status.phase,
+            status.epoch,
+            status.step,
+        ):
+            self._status[rank] = (status.phase, status.epoch, status.step, now)
+
+    def _stall_report(self, now: float) -> str:
+        rows = []
+        for rank, member in enumerate(self._members_by_rank):
+            phase, epoch, step, since = self._status.get(rank, ("?", 0, 0, self._phase_started))
+            rows.append((rank, member.hello.host, phase, epoch, step, now - since))
+        return liveness.stall_table(rows)
+
     def _set_phase(self, phase: Phase) -> None:
         self.phase = phase
         self._phase_started = time.monotonic()
@@ -579,6 +624,10 @@ class Coordinator:
 
     async def _check_clock(self, now: float) -> None:
         if self._outcome is not None:
+            return
+        if self._failure_deadline is not None and now >= self._failure_deadline:
+            ordered = [what for _, what in sorted(self._failures, key=lambda f: f[0])]
+            await self._abort("; then ".join(ordered))
             return
         cfg = self.config
         waited = now - self._phase_started
@@ -603,6 +652,15 @@ class Coordinator:
                 f"store within {cfg.store_timeout:g} s"
             )
             return
+        if self.phase in (Phase.READY, Phase.RUNNING) and self._status:
+            newest = max(entry[3] for entry in self._status.values())
+            if now - newest > cfg.stall_timeout and now - self._stall_reported > cfg.stall_timeout:
+                self._stall_reported = now
+                self._log(
+                    f"no rank has made progress for {now - newest:.0f} s "
+                    f"(--stall-timeout {cfg.stall_timeout:g}); where each rank is:\n"
+                    + self._stall_report(now)
+                )
         ranked = {peer: self._last_seen.get(peer, now) for peer in self._ranks}
         silent = liveness.lost(now, ranked, cfg.heartbeat_timeout)
         if silent:

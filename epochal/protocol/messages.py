@@ -197,6 +197,24 @@ class Done:
     """The worker has restored the best weights and is leaving."""
 
 
+PHASES = ("rendezvous", "waiting", "train", "validate", "checkpoint", "finishing")
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """A worker's heartbeat: where its training code is, so a stall can be located."""
+
+    phase: str
+    epoch: int
+    step: int
+    # batches done in this phase of this epoch
+
+    def __post_init__(self) -> None:
+        _check(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
+        _nonneg("epoch", self.epoch)
+        _nonneg("step", self.step)
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Liveness, both ways; any message also counts as a heartbeat."""
@@ -347,7 +365,15 @@ class Abort:
 
 
 WorkerMessage = (
-    Hello | StoreReady | EpochReady | EpochReport | Checkpointed | Failed | Done | Heartbeat
+    Hello
+    | StoreReady
+    | EpochReady
+    | EpochReport
+    | Checkpointed
+    | Failed
+    | Done
+    | Status
+    | Heartbeat
 )
 CoordinatorMessage = (
     Joined | OpenStore | Welcome | Reject | Go | Decision | Finish | Abort | Heartbeat
@@ -363,6 +389,7 @@ MESSAGE_TYPES: dict[str, type] = {
     "failed": Failed,
     "done": Done,
     "heartbeat": Heartbeat,
+    "status": Status,
     "joined": Joined,
     "open_store": OpenStore,
     "welcome": Welcome,

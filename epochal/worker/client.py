@@ -29,6 +29,7 @@ from epochal.protocol import (
     CoordinatorMessage,
     Heartbeat,
     Reject,
+    Status,
     WorkerMessage,
     decode,
     encode,
@@ -57,7 +58,7 @@ class ControlClient:
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 15.0,
-        abort_grace: float = 5.0,
+        abort_grace: float = 2.0,
         reattach: bool = True,
     ) -> None:
         self.endpoint = endpoint
@@ -77,6 +78,10 @@ class ControlClient:
         self._abort_taken = threading.Event()
         self._watch_coordinator = False
         self._reattach = reattach
+        self.phase = "rendezvous"
+        self.epoch = 0
+        self.step = 0
+        # where the training code is; set by the main thread, sent with every heartbeat
 
     # ------------------------------------------------------------------ main-thread API
 
@@ -128,8 +133,16 @@ class ControlClient:
             raise RunAborted(item.reason)
         return item
 
+    def at(self, phase: str, epoch: int) -> None:
+        """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat)."""
+        self.phase, self.epoch, self.step = phase, epoch, 0
+
     def check(self) -> None:
-        """Raise RunAborted if an abort has arrived; cheap enough to call between batches."""
+        """Raise RunAborted if an abort has arrived; cheap enough to call between batches.
+
+        Each call also counts one step of progress for the stall diagnostics.
+        """
+        self.step += 1
         reason = self._abort_reason
         if reason is not None:
             self._abort_taken.set()
@@ -218,7 +231,7 @@ class ControlClient:
         assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._outbox.put_nowait(Heartbeat())
+            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step))
             heard = self._last_heard
             if (
                 self._watch_coordinator

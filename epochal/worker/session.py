@@ -306,6 +306,7 @@ class Session:
             while True:
                 try:
                     if stopped:
+                        self.client.at("finishing", epoch)
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state)
@@ -352,6 +353,7 @@ class Session:
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
         if valid_epoch is None:
             valid_batches = None
+        self.client.at("waiting", epoch)
         self.client.send(EpochReady(epoch, train_batches, valid_batches))
         go = self._expect(Go, Finish)
         if isinstance(go, Finish):
@@ -366,10 +368,13 @@ class Session:
             session=self,
         )
         started = time.monotonic()
+        self.client.at("train", epoch)
         train = train_epoch(ctx)
         valid = LossSum(0.0, 0)
         if valid_epoch is not None and go.valid_batches > 0:
+            self.client.at("validate", epoch)
             valid = valid_epoch(ctx)
+        self.client.at("waiting", epoch)
         self.client.send(
             EpochReport(
                 epoch=epoch,
@@ -382,6 +387,7 @@ class Session:
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
         if decision.checkpoint and state is not None:
+            self.client.at("checkpoint", epoch)
             self._save(decision.epoch, state)
         record = EpochRecord(
             epoch=decision.epoch,
@@ -471,7 +477,7 @@ def join(
     collective_timeout: float = 600.0,
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 15.0,
-    abort_grace: float = 5.0,
+    abort_grace: float = 2.0,
     reattach_timeout: float | None = None,
 ) -> Session:
     """Join the run the coordinator holds and return this worker's Session.

@@ -444,6 +444,7 @@ MAY_CHANGE: dict[str, Any] = {
     "finish_timeout": 2.0,
     "backend": "gloo",
     "keep_checkpoints": 7,
+    "stall_timeout": 60.0,
 }
 
 
