@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from epochal import __version__
 from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
 from epochal.errors import ConfigError, RunAborted
+from epochal.security.cli import (
+    add_coordinator_arguments,
+    add_keys_command,
+    run_keys_command,
+    server_security_from_args,
+)
+from epochal.security.curve import ServerSecurity
 
 EXIT_USAGE = 2
 
@@ -273,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="number of workers in the run",
     )
+    c.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow binding an address other than loopback without CURVE keys (anyone who can "
+        "reach the port can then join or disturb the run)",
+    )
+    add_coordinator_arguments(c)
     _add_run_options(c)
 
     r = sub.add_parser(
@@ -320,12 +336,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait before a restart (default: 1)",
     )
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    add_keys_command(sub)
     return parser
 
 
-async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
+def check_exposure(bind: str, secured: bool, insecure: bool) -> str | None:
+    """Refuse a non-loopback bind without CURVE unless --insecure; return a warning to print."""
+    parts = urlsplit(bind)
+    host = parts.hostname or ""
+    if parts.scheme in ("ipc", "inproc") or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host or interface name: treat it as reachable from elsewhere
+    if secured:
+        return None
+    if not insecure:
+        raise ConfigError(
+            f"{bind} is reachable from other machines and the coordinator has no CURVE keys: "
+            "anyone who reaches the port could join the run or disturb it. Generate keys with "
+            "`epochal keys generate DIR` and pass --curve-key/--curve-allowed, or pass "
+            "--insecure on a network you trust"
+        )
+    return (
+        f"warning: {bind} is served without CURVE (--insecure): any process that reaches it can "
+        "join or disturb the run; set EPOCHAL_TOKEN on the coordinator and the workers at least"
+    )
+
+
+async def _serve(
+    args: argparse.Namespace, token: str, run_id: str, security: ServerSecurity | None
+) -> int:
     config = _config(args, args.world_size, token, run_id)
-    coordinator = Coordinator(config, bind=args.bind, run_id=run_id, fresh=args.fresh)
+    coordinator = Coordinator(
+        config, bind=args.bind, run_id=run_id, fresh=args.fresh, security=security
+    )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
     print(
@@ -355,7 +402,7 @@ async def _serve(args: argparse.Namespace, token: str, run_id: str) -> int:
             f"restart {attempt + 1} of {args.max_restarts}: waiting at {endpoint} for the "
             "workers to come back; the run resumes from its last committed checkpoint"
         )
-        coordinator = Coordinator(config, bind=endpoint)
+        coordinator = Coordinator(config, bind=endpoint, security=security)
         await _start_again(coordinator)
     if args.max_restarts:
         coordinator.log(f"FAILED: {args.max_restarts} restarts used up")
@@ -379,8 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     run_id = new_run_id()
     try:
+        if args.command == "keys":
+            return run_keys_command(args)
         if args.command == "coordinator":
-            return asyncio.run(_serve(args, token, run_id))
+            security = server_security_from_args(args)
+            warning = check_exposure(args.bind, security is not None, args.insecure)
+            if warning:
+                print(f"epochal: {warning}", file=sys.stderr, flush=True)
+            return asyncio.run(_serve(args, token, run_id, security))
         if args.command == "worker":
             from epochal.supervisor import supervise
 

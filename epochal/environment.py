@@ -14,6 +14,12 @@ JOB_ENV = "EPOCHAL_JOB"
 TOKEN_ENV = "EPOCHAL_TOKEN"
 """Shared secret the coordinator may require in every hello."""
 
+CURVE_KEY_ENV = "EPOCHAL_CURVE_KEY"
+"""A worker's CURVE secret key file (``workers/NAME.key_secret`` from ``epochal keys generate``)."""
+
+CURVE_SERVER_KEY_ENV = "EPOCHAL_CURVE_SERVER_KEY"
+"""The coordinator's CURVE public key file (``coordinator.key``), given to every worker."""
+
 WORKER_ID_ENV = "EPOCHAL_WORKER_ID"
 """Unique id of this worker process (default: ``HOST/PID``)."""
 

@@ -65,6 +65,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.security.curve import ServerSecurity, secure_server
 
 FAILURE_SETTLE = 0.25
 """Seconds between the first failure report and the abort, so the cause can arrive too."""
@@ -142,6 +143,7 @@ class Coordinator:
         context: zmq.asyncio.Context | None = None,
         run_id: str | None = None,
         fresh: bool = False,
+        security: ServerSecurity | None = None,
     ) -> None:
         self.config = config
         self.bind_address = bind
@@ -149,7 +151,15 @@ class Coordinator:
         self.run_id = run_id or new_run_id()
         self.phase = Phase.RENDEZVOUS
         self._log = log
-        self._context = context or zmq.asyncio.Context.instance()
+        self._security = security
+        # one ZAP authenticator per context: a secured coordinator gets a context of its own
+        self._own_context = security is not None and context is None
+        self._context = (
+            zmq.asyncio.Context()
+            if self._own_context
+            else context or zmq.asyncio.Context.instance()
+        )
+        self._auth: Any = None
         self._socket: zmq.asyncio.Socket | None = None
         self._rendezvous = Rendezvous(config)
         self._last_seen: dict[bytes, float] = {}
@@ -192,10 +202,17 @@ class Coordinator:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self._security is not None:
+            try:  # the authenticator runs before the socket binds: nobody slips in unchecked
+                self._auth = secure_server(self._context, sock, self._security)
+            except BaseException:
+                sock.close(linger=0)
+                raise
         try:
             sock.bind(self.bind_address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            self._stop_auth()
             raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
         self._socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -227,6 +244,12 @@ class Coordinator:
     def finished(self) -> dict[str, Any] | None:
         """result.json of a run directory whose run already finished (nothing left to train)."""
         return self._state.finished
+
+    def _stop_auth(self) -> None:
+        """Stop the authenticator (after the socket closed)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def log(self, line: str) -> None:
         """Print a line the way the service prints its own."""
@@ -288,6 +311,9 @@ class Coordinator:
                 self._journal.close()
             sock.close(linger=LINGER_MS)
             self._socket = None
+            self._stop_auth()
+            if self._own_context:
+                self._context.term()
         if isinstance(self._outcome, RunAborted):
             raise self._outcome
         assert self._outcome is not None

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from epochal.environment import CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
 from epochal.protocol import (
     MAX_FRAME_BYTES,
@@ -33,6 +35,14 @@ from epochal.protocol import (
     WorkerMessage,
     decode,
     encode,
+)
+from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
+
+_WATCHED_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 
 ABORT_EXIT_CODE = 75
@@ -60,6 +70,7 @@ class ControlClient:
         heartbeat_timeout: float = 15.0,
         abort_grace: float = 2.0,
         reattach: bool = True,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
@@ -78,6 +89,9 @@ class ControlClient:
         self._abort_taken = threading.Event()
         self._watch_coordinator = False
         self._reattach = reattach
+        self._security = security
+        self._disconnected: float | None = None
+        # when the connection to the coordinator closed (its process died?); None: connected
         self.phase = "rendezvous"
         self.epoch = 0
         self.step = 0
@@ -180,15 +194,21 @@ class ControlClient:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self._security is not None:
+            secure_client(sock, self._security)
+        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             ctx.term()
             raise EpochalError(f"cannot connect to coordinator {self.endpoint!r}: {exc}") from None
         self._started.set()
         reader = asyncio.create_task(self._read(sock))
         ticker = asyncio.create_task(self._tick())
+        watcher = asyncio.create_task(self._watch(monitor))
         try:
             while True:
                 message = await self._outbox.get()
@@ -198,7 +218,10 @@ class ControlClient:
         finally:
             reader.cancel()
             ticker.cancel()
-            await asyncio.gather(reader, ticker, return_exceptions=True)
+            watcher.cancel()
+            await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=2000)
             ctx.term()
 
@@ -208,6 +231,7 @@ class ControlClient:
                 continue
             data = await sock.recv()
             self._last_heard = time.monotonic()
+            self._disconnected = None
             try:
                 message = decode(data)
             except MalformedMessage as exc:
@@ -227,12 +251,38 @@ class ControlClient:
                 continue
             self._inbox.put(message)  # type: ignore[arg-type]
 
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Socket events: a refused handshake fails at once; a closed connection is suspicious."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            problem = describe_handshake_failure(event["event"], event["value"])
+            if problem is not None and self._security is None:
+                problem = (
+                    "the coordinator requires CURVE and this worker has no keys: set "
+                    f"{CURVE_KEY_ENV} (this worker's NAME.key_secret) and {CURVE_SERVER_KEY_ENV} "
+                    "(the coordinator.key) from the coordinator's key directory"
+                )
+            if problem is not None:
+                self._fail(problem)
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self._watch_coordinator:
+                self._disconnected = time.monotonic()
+
     async def _tick(self) -> None:
         assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._outbox.put_nowait(Status(self.phase, self.epoch, self.step))
             heard = self._last_heard
+            gone = self._disconnected
+            if (
+                self._watch_coordinator
+                and gone is not None
+                and time.monotonic() - gone > 2 * self.heartbeat_interval
+            ):
+                # the connection closed and nothing came back over a new one: the coordinator's
+                # process is gone (a network blip reconnects and clears this within the window)
+                self._lose(f"the connection to the coordinator at {self.endpoint} closed")
+                continue
             if (
                 self._watch_coordinator
                 and heard is not None

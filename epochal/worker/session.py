@@ -65,6 +65,7 @@ from epochal.protocol import (
     check_job_name,
     clip,
 )
+from epochal.security.curve import ClientSecurity
 from epochal.worker import faults
 from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
@@ -479,6 +480,8 @@ def join(
     heartbeat_timeout: float = 15.0,
     abort_grace: float = 2.0,
     reattach_timeout: float | None = None,
+    curve_key: str | os.PathLike[str] | None = None,
+    curve_server_key: str | os.PathLike[str] | None = None,
 ) -> Session:
     """Join the run the coordinator holds and return this worker's Session.
 
@@ -488,6 +491,9 @@ def join(
     rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
     ``reattach_timeout`` (default 60 s, 0: never) is how long a worker whose coordinator vanished
     waits for a restarted one to take it back; the run then resumes from its last checkpoint.
+    ``curve_key`` (this worker's ``.key_secret`` file, else ``EPOCHAL_CURVE_KEY``) and
+    ``curve_server_key`` (the coordinator's ``coordinator.key``, else
+    ``EPOCHAL_CURVE_SERVER_KEY``) turn on CURVE for a coordinator that has keys.
     """
     endpoint = coordinator or os.environ.get(COORDINATOR_ENV)
     if not endpoint:
@@ -528,6 +534,7 @@ def join(
     if heartbeat_timeout <= heartbeat_interval:
         raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
     dev = _device_for(local_rank, device)
+    security = ClientSecurity.from_env(key_file=curve_key, server_key_file=curve_server_key)
 
     client = ControlClient(
         endpoint,
@@ -536,6 +543,7 @@ def join(
         heartbeat_timeout=heartbeat_timeout,
         abort_grace=abort_grace,
         reattach=reattach > 0,
+        security=security,
     )
     client.start()
     try:
