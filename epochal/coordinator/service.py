@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -66,6 +67,21 @@ from epochal.protocol import (
     encode,
 )
 from epochal.security.curve import ServerSecurity, secure_server
+
+REFUSALS_LOGGED = 20
+"""Refused hellos logged per minute; the rest are counted."""
+
+BATCH = 256
+"""Frames handled before the service looks at its clock again."""
+
+STRANGER_REPLIES = 8
+"""Rejections a peer outside the run gets before its frames are dropped unanswered."""
+
+MAX_STRANGERS = 4096
+"""Peers outside the run whose rejections are counted; the least recent are forgotten."""
+
+RECEIVE_HWM = 64
+"""Frames queued per peer before libzmq drops more: bounds what one peer can make us hold."""
 
 FAILURE_SETTLE = 0.25
 """Seconds between the first failure report and the abort, so the cause can arrive too."""
@@ -193,6 +209,13 @@ class Coordinator:
         self._outcome: RunSummary | RunAborted | None = None
         self._journal: Journal | None = None
         self.dropped_frames = 0
+        # frames that could not be read (malformed, oversized, another protocol version)
+        self.ignored_frames = 0
+        # frames from strangers past their reply budget, dropped without an answer
+        self._strangers: OrderedDict[bytes, int] = OrderedDict()
+        self._refusal_window = 0.0
+        self._refusals_shown = 0
+        self._refusals_hidden = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,6 +225,7 @@ class Coordinator:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
                 self._auth = secure_server(self._context, sock, self._security)
@@ -294,7 +318,10 @@ class Coordinator:
         try:
             while self._outcome is None:
                 if await sock.poll(timeout=int(tick * 1000)):
-                    while self._outcome is None and _readable(sock):
+                    # a bounded batch, so a flood cannot starve heartbeats and the clock
+                    for _ in range(BATCH):
+                        if self._outcome is not None or not _readable(sock):
+                            break
                         frames = await sock.recv_multipart()
                         await self._receive(frames)
                 now = time.monotonic()
@@ -307,6 +334,11 @@ class Coordinator:
                 await self._check_clock(now)
         finally:
             self.phase = Phase.ENDED
+            if self.dropped_frames or self.ignored_frames:
+                self._log(
+                    f"dropped {self.dropped_frames} unreadable frames and ignored "
+                    f"{self.ignored_frames} more from peers outside the run"
+                )
             if self._journal is not None:
                 self._journal.close()
             sock.close(linger=LINGER_MS)
@@ -324,6 +356,34 @@ class Coordinator:
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
         assert self._socket is not None
         await self._socket.send_multipart([peer, encode(message)])
+
+    def _log_refusal(self, line: str) -> None:
+        """Log refusals, but at most REFUSALS_LOGGED a minute: a flood must not flood the log."""
+        now = time.monotonic()
+        if now - self._refusal_window > 60:
+            if self._refusals_hidden:
+                self._log(f"... and {self._refusals_hidden} more refusals in that minute")
+            self._refusal_window, self._refusals_shown, self._refusals_hidden = now, 0, 0
+        if self._refusals_shown < REFUSALS_LOGGED:
+            self._refusals_shown += 1
+            self._log(line)
+        else:
+            self._refusals_hidden += 1
+
+    async def _reject(self, peer: bytes, reason: str, code: str) -> None:
+        """Answer a peer that is not in the run, a few times; after that, drop it silently.
+
+        A misconfigured worker gets its explanation; a peer that keeps sending junk cannot make
+        the coordinator do unbounded work or hold unbounded state (at most MAX_STRANGERS counted).
+        """
+        sent = self._strangers.pop(peer, 0)
+        self._strangers[peer] = sent + 1  # most recent last
+        if len(self._strangers) > MAX_STRANGERS:
+            self._strangers.popitem(last=False)
+        if sent >= STRANGER_REPLIES:
+            self.ignored_frames += 1
+            return
+        await self._send(peer, Reject(reason=clip(reason), code=code))
 
     async def _send_all(self, message: CoordinatorMessage) -> None:
         data = encode(message)
@@ -344,7 +404,8 @@ class Coordinator:
         try:
             message = decode(data)
         except ProtocolVersionMismatch as exc:
-            await self._send(peer, Reject(reason=clip(str(exc)), code="version"))
+            self.dropped_frames += 1
+            await self._reject(peer, str(exc), "version")
             return
         except MalformedMessage as exc:
             self.dropped_frames += 1
@@ -352,9 +413,7 @@ class Coordinator:
             if rank is not None:
                 await self._abort(f"rank {rank} sent a malformed message: {exc}")
             else:
-                await self._send(
-                    peer, Reject(reason=clip(f"malformed message: {exc}"), code="malformed")
-                )
+                await self._reject(peer, f"malformed message: {exc}", "malformed")
             return
         if peer in self._last_seen or peer in self._ranks:
             self._last_seen[peer] = time.monotonic()
@@ -424,8 +483,8 @@ class Coordinator:
         verdict = self._rendezvous.offer(peer, hello)
         match verdict:
             case Refused(reason=reason):
-                self._log(f"refused worker {hello.worker_id} from {hello.host}: {reason}")
-                await self._send(peer, Reject(reason=clip(reason), code="refused"))
+                self._log_refusal(f"refused worker {hello.worker_id} from {hello.host}: {reason}")
+                await self._reject(peer, reason, "refused")
             case Fatal(reason=reason):
                 await self._send(peer, Abort(reason=clip(reason)))
                 await self._abort(reason)

@@ -197,7 +197,7 @@ async def test_bad_frames_get_a_clear_reply(ctx):
     await peer.send(EpochReady(epoch=0, train_batches=1, valid_batches=None))
     reply = await peer.recv()
     assert isinstance(reply, Reject) and "send hello first" in reply.reason
-    assert coordinator.dropped_frames == 1
+    assert coordinator.dropped_frames == 2  # the foreign version and the junk
     coordinator.abort("test over")
     with pytest.raises(RunAborted):
         await asyncio.wait_for(task, 5)
@@ -257,5 +257,32 @@ async def test_rendezvous_timeout_names_how_many_joined(ctx):
     abort = await w.recv()
     assert isinstance(abort, Abort)
     assert "only 1 of 3 workers joined within 0.3 s" in abort.reason
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_stranger_sending_junk_gets_a_few_answers_then_silence(ctx):
+    from epochal.coordinator.service import STRANGER_REPLIES
+
+    coordinator, task = await serve(ctx)
+    peer = FakeWorker(ctx, coordinator.endpoint, "noisy")
+    for _ in range(STRANGER_REPLIES + 12):
+        await peer.sock.send(b"\x93junk")
+    replies = 0
+    while True:
+        try:
+            reply = await peer.recv(timeout=0.5)
+        except TimeoutError:
+            break
+        assert isinstance(reply, Reject) and reply.code == "malformed"
+        replies += 1
+    assert replies == STRANGER_REPLIES
+    assert coordinator.ignored_frames == 12
+    assert coordinator.dropped_frames == STRANGER_REPLIES + 12
+    # the run itself is untouched: a worker can still join
+    w = FakeWorker(ctx, coordinator.endpoint, "legit")
+    await w.send(hello("legit"))
+    assert isinstance(await w.recv(), Joined)
+    coordinator.abort("test over")
     with pytest.raises(RunAborted):
         await asyncio.wait_for(task, 5)

@@ -1,0 +1,205 @@
+"""Thousands of malformed, oversized, truncated and replayed frames at a live coordinator.
+
+A real 2-worker job runs meanwhile; it must finish with exactly the weights of an undisturbed
+run, the coordinator must stay up, and its memory must stay bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    EpochReport,
+    Fingerprint,
+    Hello,
+    ParamSpec,
+    Status,
+    encode,
+)
+from tests.integration.conftest import SCRIPTS, Spawner
+
+pytestmark = pytest.mark.slow
+
+DEADLINE = 120.0
+POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
+PREFIX = "epochal coordinator listening on "
+
+
+def valid_frames() -> list[bytes]:
+    fp = Fingerprint(digest="f" * 64, params=(ParamSpec("w", (3,), "float32"),), torch_version="x")
+    hello = Hello(
+        job="epochal",
+        token="",
+        worker_id="intruder",
+        host="h",
+        pid=1,
+        rank_hint=None,
+        device="cpu",
+        fingerprint=fp,
+    )
+    return [
+        encode(hello),
+        encode(
+            EpochReport(
+                epoch=0, train_loss_sum=1.0, train_count=1, valid_loss_sum=0.0, valid_count=0
+            )
+        ),
+        encode(Status(phase="train", epoch=1, step=1)),
+    ]
+
+
+class Fuzzer(threading.Thread):
+    """Sends junk from many identities until stopped; counts what it sent."""
+
+    def __init__(self, endpoint: str, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.endpoint = endpoint
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.sent = {"random": 0, "truncated": 0, "replayed": 0, "foreign": 0, "oversized": 0}
+
+    def socket(self, ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"fuzz-{self.rng.randrange(1 << 30)}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.connect(self.endpoint)
+        return sock
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        good = valid_frames()
+        socks = [self.socket(ctx) for _ in range(8)]
+        try:
+            while not self.stop.is_set():
+                sock = self.rng.choice(socks)
+                kind = self.rng.choices(list(self.sent), weights=[40, 25, 20, 14, 1], k=1)[0]
+                if kind == "random":
+                    frame = self.rng.randbytes(self.rng.randrange(0, 2000))
+                elif kind == "truncated":
+                    whole = self.rng.choice(good)
+                    frame = whole[: self.rng.randrange(0, len(whole))]
+                elif kind == "replayed":
+                    frame = self.rng.choice(good)
+                elif kind == "foreign":
+                    frame = msgpack.packb({"v": self.rng.randrange(2, 99), "t": "hello"})
+                else:  # libzmq drops the frame and the connection: a throwaway socket
+                    frame = b"\0" * (MAX_FRAME_BYTES + 4096)
+                    sock = self.socket(ctx)
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                    self.sent[kind] += 1
+                except zmq.Again:
+                    pass
+                if kind == "oversized":
+                    sock.close(linger=1000)  # libzmq still delivers it, then lets go
+                    continue
+                while True:  # drain the rejections, as a real peer would
+                    try:
+                        sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                if sum(self.sent.values()) % 200 == 0:
+                    time.sleep(0.01)  # leave the 2 cores some room for the job itself
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+            ctx.term()
+
+
+def peak_memory_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
+    # the undisturbed run
+    reference = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        *POLICY,
+        "--run-dir",
+        str(tmp_path / "ref"),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "ref-out"),
+    )
+    code, output = spawn.finish(reference, DEADLINE)
+    assert code == 0, output
+
+    run_dir = tmp_path / "run"
+    coordinator = spawn.epochal(
+        "coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)
+    )
+    line = coordinator.stdout.readline()
+    assert line.startswith(PREFIX), line
+    endpoint = line[len(PREFIX) :].strip()
+    log: list[str] = []  # read as it comes: a full pipe would stall the coordinator
+    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
+    reader.start()
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.03",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+        )
+        for rank in (0, 1)
+    ]
+    # fuzz once the run is under way (a hello before the rendezvous completes would be a worker)
+    epochs = run_dir / "epochs.jsonl"
+    deadline = time.monotonic() + 60
+    while not (epochs.exists() and epochs.read_text().strip()):
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.05)
+    fuzzers = [Fuzzer(endpoint, seed) for seed in (1, 2)]
+    for f in fuzzers:
+        f.start()
+    peak = 0
+    while any(w.poll() is None for w in workers):
+        peak = max(peak, peak_memory_kb(coordinator.pid))
+        assert time.monotonic() < deadline + DEADLINE, "the job did not finish"
+        time.sleep(0.1)
+    for f in fuzzers:
+        f.stop.set()
+        f.join(timeout=10)
+    sent = {k: sum(f.sent[k] for f in fuzzers) for k in fuzzers[0].sent}
+
+    for worker in workers:
+        code, output = spawn.finish(worker, 30)
+        assert code == 0, output
+    code = coordinator.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(log)
+    assert code == 0, output
+    assert "finished after 4 epochs" in output
+    assert output.count("refused worker") <= 20  # the log is rate-limited, not flooded
+    assert "unreadable frames" in output
+    assert sum(sent.values()) >= 2000, sent
+    assert peak < 200_000, f"coordinator peak memory {peak} kB"  # python + zmq is ~40 MB
+    (tmp_path / "fuzz.json").write_text(json.dumps({"sent": sent, "peak_kb": peak}))
+    print(f"fuzz volume {sent}, coordinator peak RSS {peak / 1024:.1f} MiB")
+
+    for rank in (0, 1):
+        a = torch.load(tmp_path / "ref-out" / f"rank{rank}.pt")
+        b = torch.load(tmp_path / "out" / f"rank{rank}.pt")
+        assert a["best_epoch"] == b["best_epoch"]
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), name
+    spawn.assert_none_left()
