@@ -19,22 +19,24 @@ def lost(now: float, last_seen: Mapping[K, float], timeout: float) -> list[K]:
     return [peer for _, peer in sorted(quiet, key=lambda item: item[0])]
 
 
-def stall_table(rows: list[tuple[int, str, str, int, int, float]]) -> str:
-    """Rows of (rank, host, phase, epoch, step, seconds since progress) as an aligned table.
+def stall_table(rows: list[tuple[int, str, str, int, int, float, str]]) -> str:
+    """Rows of (rank, host, phase, epoch, step, seconds since progress, where) as a table.
 
-    The rank that has been still the longest is marked: it is the one to look at.
+    ``where`` is the line each rank's training code is executing: a rank blocked in a collective
+    waits in the framework (backward, all_reduce), the culprit elsewhere. The rank whose progress
+    is oldest is marked.
     """
     if not rows:
         return "(no ranks)"
     oldest = max(r[5] for r in rows)
-    header = ("rank", "host", "phase", "epoch", "step", "still for")
+    header = ("rank", "host", "phase", "epoch", "step", "still for", "at")
     body = [
-        (str(r), h, p, str(e), str(s), f"{t:.1f} s" + ("  <- stuck longest" if t == oldest else ""))
-        for r, h, p, e, s, t in rows
+        (str(r), h, p, str(e), str(s), f"{t:.1f} s" + (" *" if t == oldest else ""), w)
+        for r, h, p, e, s, t, w in rows
     ]
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=False)]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
         for line in (header, *body)
     ]
-    return "\n".join(lines)
+    return "\n".join([*lines, "(* no progress for the longest)"])

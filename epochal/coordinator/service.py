@@ -205,6 +205,8 @@ class Coordinator:
         self._failure_deadline: float | None = None
         self._status: dict[int, tuple[str, int, int, float]] = {}
         # rank -> (phase, epoch, step, when that last changed)
+        self._where: dict[int, str] = {}
+        # rank -> the line its training code was at in its last heartbeat
         self._stall_reported = 0.0
         self._outcome: RunSummary | RunAborted | None = None
         self._journal: Journal | None = None
@@ -686,6 +688,7 @@ class Coordinator:
 
     def _note_status(self, rank: int, status: Status) -> None:
         now = time.monotonic()
+        self._where[rank] = status.where
         previous = self._status.get(rank)
         if previous is None or (previous[0], previous[1], previous[2]) != (
             status.phase,
@@ -698,7 +701,8 @@ class Coordinator:
         rows = []
         for rank, member in enumerate(self._members_by_rank):
             phase, epoch, step, since = self._status.get(rank, ("?", 0, 0, self._phase_started))
-            rows.append((rank, member.hello.host, phase, epoch, step, now - since))
+            where = self._where.get(rank, "")
+            rows.append((rank, member.hello.host, phase, epoch, step, now - since, where))
         return liveness.stall_table(rows)
 
     def _set_phase(self, phase: Phase) -> None:

@@ -208,9 +208,12 @@ class Status:
     epoch: int
     step: int
     # batches done in this phase of this epoch
+    where: str
+    # the line the training code's thread is executing ("file.py:12 in fn"), for stall reports
 
     def __post_init__(self) -> None:
         _check(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
+        _text("where", self.where, empty=True)
         _nonneg("epoch", self.epoch)
         _nonneg("step", self.step)
 

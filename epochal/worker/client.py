@@ -33,6 +33,7 @@ from epochal.protocol import (
     Reject,
     Status,
     WorkerMessage,
+    clip,
     decode,
     encode,
 )
@@ -92,6 +93,7 @@ class ControlClient:
         self._security = security
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
+        self._main_thread = threading.get_ident()  # made on the training code's thread
         self.phase = "rendezvous"
         self.epoch = 0
         self.step = 0
@@ -271,7 +273,7 @@ class ControlClient:
         assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step))
+            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
             heard = self._last_heard
             gone = self._disconnected
             if (
@@ -293,6 +295,14 @@ class ControlClient:
                     f"the coordinator at {self.endpoint} sent nothing for "
                     f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
                 )
+
+    def _where(self) -> str:
+        """Where the main thread is right now: its innermost frame, as ``file.py:12 in fn``."""
+        frame = sys._current_frames().get(self._main_thread)
+        if frame is None:
+            return ""
+        code = frame.f_code
+        return clip(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}", 200)
 
     def _fail(self, reason: str) -> None:
         self._begin_abort(reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from contextlib import nullcontext
 from typing import Any
 
@@ -20,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.worker import faults
+from epochal.worker.initialization import initialize_on_rank
 from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
+from epochal.worker.strategies import ModeOptions, to_device, wrap
 
 Loader = Iterable[Any]
 LoaderArg = Loader | Callable[[int, int], Loader]
@@ -115,6 +117,9 @@ def fit(
     *,
     progress: bool | None = None,
     accumulate: int = 1,
+    mode: str = "replicated",
+    mode_options: ModeOptions | Mapping[str, Any] | None = None,
+    initialize: Callable[[torch.nn.Module], None] | None = None,
     configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
     **ddp_options: Any,
 ) -> RunResult:
@@ -125,12 +130,17 @@ def fit(
     assert train_data is not None
     valid_data = _resolve(valid_loader, session, "validation")
     device = session.device
-    model.to(device)
-    ddp = DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None, **ddp_options
+    if initialize is not None and session.resume_epoch is None:  # a resume loads its weights
+        to_device(model, device)
+        initialize_on_rank(model, initialize)
+    strategy = wrap(
+        model, optimizer, device, mode=mode, options=mode_options, ddp_options=ddp_options
     )
+    model, optimizer = strategy.model, strategy.optimizer
     if configure_ddp is not None:
-        configure_ddp(ddp)
+        if strategy.ddp is None:
+            raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
+        strategy.configure = configure_ddp
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     show_progress = _progress_enabled(session.rank, progress)
     best_state: dict[str, torch.Tensor] | None = None
@@ -139,7 +149,8 @@ def fit(
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * ctx.lr_factor
         _set_epoch(train_data, ctx.epoch)
-        ddp.train()  # type: ignore[no-untyped-call]
+        strategy.begin_epoch()
+        strategy.module.train()
         total = torch.zeros((), dtype=torch.float64, device=device)
         count = 0
         bar = None
@@ -159,14 +170,14 @@ def fit(
             group_end = min(step - step % accumulate + accumulate, ctx.train_batches)
             stepping = step + 1 == group_end
             if first:
-                optimizer.zero_grad(set_to_none=True)
-            # DDP all-reduces only on the batch that steps; the others accumulate locally
-            with nullcontext() if stepping else ddp.no_sync():
-                loss = loss_fn(ddp(inputs), targets)
+                strategy.zero_grad()
+            # gradients are exchanged only for the batch that steps; the others accumulate locally
+            with nullcontext() if stepping else strategy.no_sync():
+                loss = loss_fn(strategy.module(inputs), targets)
                 micro = group_end - (step - step % accumulate)  # batches in this step
                 (loss / micro if micro > 1 else loss).backward()  # type: ignore[no-untyped-call]
             if stepping:
-                optimizer.step()
+                strategy.step()
             total += loss.detach().double() * n
             count += n
             if bar is not None:
@@ -192,9 +203,9 @@ def fit(
 
     def keep_best(epoch: int) -> None:
         nonlocal best_state
-        best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        best_state = strategy.snapshot()
 
-    train_state = TrainState(model, optimizer)
+    train_state = strategy.state
 
     def counts(epoch: int) -> tuple[int, int | None]:
         return len(train_data), (None if valid_data is None else len(valid_data))  # type: ignore[arg-type]
@@ -208,11 +219,9 @@ def fit(
     )
     if result.restore_best and result.best_epoch is not None:
         if best_state is not None:
-            model.load_state_dict(best_state)
+            strategy.restore(best_state)
         else:  # the best epoch ran before a restart: its weights are in its checkpoint
-            session.load_checkpoint(
-                result.best_epoch, TrainState(model, optimizer, model_only=True)
-            )
+            session.load_checkpoint(result.best_epoch, strategy.model_state)
     return result
 
 
@@ -225,6 +234,9 @@ def train(
     *,
     progress: bool | None = None,
     accumulate: int = 1,
+    mode: str = "replicated",
+    mode_options: ModeOptions | Mapping[str, Any] | None = None,
+    initialize: Callable[[torch.nn.Module], None] | None = None,
     configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
     ddp_options: dict[str, Any] | None = None,
     **join_options: Any,
@@ -237,8 +249,17 @@ def train(
     starts each epoch, sets the learning-rate factor, and picks the best epoch by the smoothed
     validation loss (the train loss when there is no validation loader); the best weights are
     loaded into ``model`` before this returns. ``accumulate=N`` sums gradients over N batches
-    and steps once (DDP all-reduces only on the stepping batch); ``configure_ddp(ddp)`` may
-    register a communication hook or the like on the DDP wrapper. ``join_options`` go to
+    and steps once (gradients are exchanged only on the stepping batch).
+
+    ``mode`` is how gradients are combined and who holds the optimizer state: ``"replicated"``
+    (DDP, every rank steps), ``"main"`` (rank 0 alone steps), ``"sharded"`` (ZeRO: optimizer
+    state split across ranks) or ``"fully_sharded"`` (FSDP2: parameters split too); see
+    :mod:`epochal.worker.strategies`. ``mode_options`` are its :class:`ModeOptions`
+    (``bucket_cap_mb``, ``find_unused_parameters``, ``sync_batchnorm``, ...); ``ddp_options``
+    further keyword arguments of DDP, and ``configure_ddp(ddp)`` may register a communication hook
+    or the like on the DDP wrapper (replicated, sharded). ``initialize(model)`` runs on rank 0
+    before training (not on a resume) and its parameters and buffers are broadcast to every rank:
+    initial parameters computed from data, e.g. k-means centroids. ``join_options`` go to
     :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
     """
     session = join(model, **join_options)
@@ -252,6 +273,9 @@ def train(
             loss_fn,
             progress=progress,
             accumulate=accumulate,
+            mode=mode,
+            mode_options=mode_options,
+            initialize=initialize,
             configure_ddp=configure_ddp,
             **(ddp_options or {}),
         )

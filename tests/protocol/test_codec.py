@@ -80,7 +80,7 @@ EXAMPLES: dict[type, Any] = {
     Failed: Failed(reason="ValueError: boom"),
     Done: Done(),
     Heartbeat: Heartbeat(),
-    Status: Status(phase="train", epoch=3, step=17),
+    Status: Status(phase="train", epoch=3, step=17, where="train.py:168 in train_epoch"),
     Joined: Joined(joined=2, world_size=4),
     OpenStore: OpenStore(run_id="run-1"),
     Welcome: Welcome(
@@ -210,6 +210,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         phase=st.sampled_from(["rendezvous", "waiting", "train", "validate", "checkpoint"]),
         epoch=nonneg,
         step=nonneg,
+        where=text,
     ),
     Joined: joineds(),
     OpenStore: st.builds(OpenStore, run_id=nonempty),

@@ -1,0 +1,315 @@
+"""Faults for real, with 3 workers: every scenario stops everything within its bound, or recovers.
+
+Bounds asserted here are generous deadlines for a loaded 2-core machine; bench/faults.py measures
+the actual times.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
+
+pytestmark = pytest.mark.slow
+
+POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
+DEADLINE = 120.0
+STOP_BOUND = 15.0  # seconds from the fault to every process gone (the default target is 3 s)
+
+
+def run_cmd(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float = 0.02, **env):
+    return spawn.epochal(
+        "run",
+        "--nproc",
+        "3",
+        *POLICY,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(out),
+        "--delay",
+        str(delay),
+        **env,
+    )
+
+
+class Output:
+    """Reads a process's output as it comes, so a test can wait for a line."""
+
+    def __init__(self, proc) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, text: str, deadline: float = 60.0) -> None:
+        end = time.monotonic() + deadline
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < end, f"never saw {text!r}:\n{self.text}"
+            time.sleep(0.05)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def worker_pid(spawn: Spawner, rank: int) -> int:
+    needle = f"EPOCHAL_RANK={rank}".encode()
+    for pid in marked_pids(spawn.mark):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in env and b"resumable.py" in cmd:
+            return pid
+    raise AssertionError(f"no worker process of rank {rank}")
+
+
+def wait_for_epoch(run_dir: Path, deadline: float = 60.0) -> None:
+    """Until the coordinator has decided an epoch (the journal exists from its start)."""
+    path = run_dir / "epochs.jsonl"
+    end = time.monotonic() + deadline
+    while not (path.exists() and '"kind": "epoch"' in path.read_text()):
+        assert time.monotonic() < end, "no epoch was decided in time"
+        time.sleep(0.05)
+
+
+def stop_time(proc, since: float) -> float:
+    code = proc.wait(timeout=DEADLINE)
+    assert code != 0
+    return time.monotonic() - since
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("reference")
+    spawner = Spawner("ref3-" + os.urandom(4).hex(), tmp)
+    try:
+        code, output = spawner.finish(run_cmd(spawner, tmp / "run", tmp / "out", delay=0), DEADLINE)
+        assert code == 0, output
+    finally:
+        spawner.cleanup()
+    return tmp / "out"
+
+
+def same_weights(a: Path, b: Path) -> None:
+    for rank in range(3):
+        x, y = torch.load(a / f"rank{rank}.pt"), torch.load(b / f"rank{rank}.pt")
+        assert x["best_epoch"] == y["best_epoch"]
+        for name in x["model"]:
+            assert torch.equal(x["model"][name], y["model"][name]), name
+
+
+@pytest.mark.parametrize("seed", [11, 23])
+def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
+    rng = random.Random(seed)
+    proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out")
+    out = Output(proc)
+    out.wait_for("epoch 0 [1/4]")
+    time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside epoch 1
+    victim = rng.randrange(3)
+    os.kill(worker_pid(spawn, victim), signal.SIGKILL)
+    took = stop_time(proc, time.monotonic())
+    spawn.assert_none_left()
+    out.thread.join(timeout=5)
+    assert f"worker {victim} (pid" in out.text and "was killed by SIGKILL" in out.text
+    assert took < STOP_BOUND, f"{took:.1f} s from SIGKILL to every process stopped"
+
+
+def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):
+    proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1")
+    out = Output(proc)
+    out.wait_for("epoch 1 [2/4]")
+    os.kill(worker_pid(spawn, 2), signal.SIGKILL)
+    assert proc.wait(timeout=DEADLINE) == 0, out.text
+    out.thread.join(timeout=5)
+    assert "restart 1 of 1" in out.text and "resuming" in out.text
+    same_weights(reference, tmp_path / "out")
+    spawn.assert_none_left()
+
+
+def test_restarts_used_up_give_a_clear_final_error(spawn, tmp_path):
+    proc = run_cmd(
+        spawn,
+        tmp_path / "run",
+        tmp_path / "out",
+        "--max-restarts",
+        "1",
+        EPOCHAL_FAULT="raise@train-step:rank=1:epoch=1:step=1",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1
+    assert "FAILED: 1 restarts used up; the last failure:" in output
+    assert "InjectedFault" in output
+    spawn.assert_none_left()
+
+
+def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
+    proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--heartbeat-timeout", "3")
+    out = Output(proc)
+    out.wait_for("epoch 0 [1/4]")
+    os.kill(worker_pid(spawn, 1), signal.SIGSTOP)
+    took = stop_time(proc, time.monotonic())
+    spawn.assert_none_left()
+    out.thread.join(timeout=5)
+    assert "rank 1 (worker" in out.text and "sent nothing for" in out.text
+    assert took < STOP_BOUND + 3
+
+
+def test_a_killed_coordinator_stops_its_workers(spawn, tmp_path):
+    coordinator = spawn.epochal(
+        "coordinator", "--world-size", "3", *POLICY, "--run-dir", str(tmp_path / "run")
+    )
+    endpoint = coordinator.stdout.readline().split()[-1]
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.02",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(r),
+            EPOCHAL_REATTACH_TIMEOUT="0",
+        )
+        for r in range(3)
+    ]
+    wait_for_epoch(tmp_path / "run")
+    coordinator.kill()
+    killed = time.monotonic()
+    for w in workers:
+        code, output = spawn.finish(w, DEADLINE)
+        assert code != 0
+        assert "the connection to the coordinator at" in output, output
+    assert time.monotonic() - killed < STOP_BOUND
+    spawn.assert_none_left()
+
+
+class CuttableProxy(threading.Thread):
+    """A TCP relay that can stop relaying while keeping its connections open: a cut link."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(daemon=True)
+        self.target = ("127.0.0.1", target_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.closing = threading.Event()
+        self.sockets: list[socket.socket] = [self.server]
+
+    def run(self) -> None:
+        self.server.settimeout(0.2)
+        while not self.closing.is_set():
+            try:
+                client, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self.pump, args=(a, b), daemon=True).start()
+
+    def pump(self, a: socket.socket, b: socket.socket) -> None:
+        a.settimeout(0.2)
+        while not self.closing.is_set():
+            if not self.flowing.is_set():
+                time.sleep(0.05)  # cut: hold everything, close nothing
+                continue
+            try:
+                data = a.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                b.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.closing.set()
+        for s in self.sockets:
+            s.close()
+
+
+def test_a_cut_control_link_stops_everything(spawn, tmp_path):
+    coordinator = spawn.epochal(
+        "coordinator",
+        "--world-size",
+        "3",
+        *POLICY,
+        "--heartbeat-timeout",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
+    endpoint = coordinator.stdout.readline().split()[-1]
+    proxy = CuttableProxy(int(endpoint.rsplit(":", 1)[1]))
+    proxy.start()
+    try:
+        workers = [
+            spawn.script(
+                "resumable.py",
+                "--out",
+                str(tmp_path / "out"),
+                "--delay",
+                "0.02",
+                EPOCHAL_COORDINATOR=f"tcp://127.0.0.1:{proxy.port}" if r == 2 else endpoint,
+                EPOCHAL_RANK=str(r),
+                EPOCHAL_REATTACH_TIMEOUT="0",
+            )
+            for r in range(3)
+        ]
+        wait_for_epoch(tmp_path / "run")
+        proxy.flowing.clear()
+        cut = time.monotonic()
+        code, output = spawn.finish(coordinator, DEADLINE)
+        assert code == 1
+        assert "rank 2 (worker" in output and "sent nothing for" in output
+        for w in workers:
+            code, _ = spawn.finish(w, DEADLINE)
+            assert code != 0
+        assert time.monotonic() - cut < STOP_BOUND + 3
+        spawn.assert_none_left()
+    finally:
+        proxy.close()
+
+
+def test_a_stall_is_located_in_a_table(spawn, tmp_path):
+    proc = run_cmd(
+        spawn,
+        tmp_path / "run",
+        tmp_path / "out",
+        "--stall-timeout",
+        "2",
+        EPOCHAL_FAULT="hang@train-step:rank=2:epoch=1:step=3",
+    )
+    out = Output(proc)
+    out.wait_for("no rank has made progress for", deadline=60)
+    out.wait_for("no progress for the longest")
+    time.sleep(2.5)  # the next report: by then every rank's heartbeat says where it waits
+    text = out.text
+    table = text[text.rindex("no rank has made progress") :].splitlines()
+    rows = {line.split()[0]: line for line in table if line[:1].isdigit()}
+    assert set(rows) == {"0", "1", "2"}, table
+    # the hung rank is caught in its own code; the others wait inside the framework
+    assert "faults.py" in rows["2"] and "in hit" in rows["2"]
+    assert "faults.py" not in rows["0"] and "faults.py" not in rows["1"]
+    assert all(" train " in row for row in rows.values())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    spawn.assert_none_left()
