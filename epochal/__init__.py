@@ -25,17 +25,23 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from epochal.worker import (
         EpochContext,
+        LayeredModel,
         LossSum,
+        ModeOptions,
         RunResult,
         Session,
         ShardSampler,
         TrainState,
         fit,
+        initialize_on_rank,
         join,
         train,
     )
 
 _WORKER_NAMES = {
+    "LayeredModel",
+    "ModeOptions",
+    "initialize_on_rank",
     "EpochContext",
     "LossSum",
     "RunResult",
@@ -62,8 +68,10 @@ __all__ = [
     "EpochContext",
     "EpochalError",
     "JoinRefused",
+    "LayeredModel",
     "LossSum",
     "MalformedMessage",
+    "ModeOptions",
     "RunAborted",
     "RunResult",
     "Session",
@@ -71,6 +79,7 @@ __all__ = [
     "TrainState",
     "__version__",
     "fit",
+    "initialize_on_rank",
     "join",
     "train",
 ]

@@ -697,6 +697,36 @@ class Coordinator:
         ):
             self._status[rank] = (status.phase, status.epoch, status.step, now)
 
+    def _lost_message(self, now: float) -> str | None:
+        """A rank that says it is waiting for us although its message never arrived.
+
+        Only a wait first seen after the current phase began counts, and only after a margin of
+        several heartbeats, so a slow or starved heartbeat thread never looks like a loss.
+        """
+        have: set[int]
+        if self.phase is Phase.READY:
+            have, what, answer = set(self._ready), "batch counts", "Go"
+        elif self.phase is Phase.RUNNING:
+            have, what, answer = set(self._reports), "loss report", "decision"
+        else:
+            return None
+        margin = max(3 * self.config.heartbeat_interval, 2.0)
+        for rank in range(self.config.world_size):
+            status = self._status.get(rank)
+            if rank in have or status is None:
+                continue
+            phase, epoch, _, since = status
+            waiting = phase == "waiting" and epoch == self._epoch
+            if waiting and since > self._phase_started and now - since > margin:
+                member = self._members_by_rank[rank]
+                return (
+                    f"rank {rank} ({member.describe()}) has waited {now - since:.1f} s for "
+                    f"epoch {epoch}'s {answer}, but its {what} never arrived: a control "
+                    "message was lost (a faulty link or proxy, or a bug), and the ranks "
+                    "cannot agree on this epoch without it"
+                )
+        return None
+
     def _stall_report(self, now: float) -> str:
         rows = []
         for rank, member in enumerate(self._members_by_rank):
@@ -750,6 +780,10 @@ class Coordinator:
                     f"(--stall-timeout {cfg.stall_timeout:g}); where each rank is:\n"
                     + self._stall_report(now)
                 )
+        lost = self._lost_message(now)
+        if lost is not None:
+            await self._abort(lost)
+            return
         ranked = {peer: self._last_seen.get(peer, now) for peer in self._ranks}
         silent = liveness.lost(now, ranked, cfg.heartbeat_timeout)
         if silent:

@@ -5,6 +5,8 @@ Synchronous, as training scripts are written: :func:`train` for the common case,
 must agree on: it asks the coordinator.
 """
 
+from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.placement import LayeredModel
 from epochal.worker.session import (
     EpochContext,
     EpochRecord,
@@ -14,17 +16,24 @@ from epochal.worker.session import (
     join,
 )
 from epochal.worker.sharding import ShardSampler
+from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
 from epochal.worker.train import TrainState, fit, train
 
 __all__ = [
+    "MODES",
     "EpochContext",
     "EpochRecord",
+    "LayeredModel",
     "LossSum",
+    "ModeOptions",
     "RunResult",
     "Session",
     "ShardSampler",
+    "Strategy",
     "TrainState",
     "fit",
+    "initialize_on_rank",
     "join",
     "train",
+    "wrap",
 ]

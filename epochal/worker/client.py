@@ -37,7 +37,9 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.messages import TYPE_NAMES
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
+from epochal.worker import faults
 
 _WATCHED_EVENTS = (
     zmq.EVENT_DISCONNECTED
@@ -94,6 +96,8 @@ class ControlClient:
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
+        self.rank: int | None = None
+        # this worker's rank once it has one (for fault injection)
         self.phase = "rendezvous"
         self.epoch = 0
         self.step = 0
@@ -216,7 +220,9 @@ class ControlClient:
                 message = await self._outbox.get()
                 if message is None:
                     break
-                await sock.send(encode(message))
+                data = faults.on_send(TYPE_NAMES[type(message)], encode(message), rank=self.rank)
+                if data is not None:
+                    await sock.send(data)
         finally:
             reader.cancel()
             ticker.cancel()

@@ -7,6 +7,9 @@ Actions: ``kill`` (SIGKILL this process: a crash with no cleanup), ``raise`` (an
 training code), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP: the whole process freezes, its
 heartbeats too), ``hang`` (the training code blocks for an hour while heartbeats go on: a stall),
 ``delay`` (the training code sleeps ``ms`` milliseconds, e.g. ``delay@train-step:rank=1:ms=200``).
+``drop`` and ``corrupt`` act on the control messages this worker sends at point ``send``: the
+message named by ``type=`` (an index into :data:`MESSAGE_KINDS`) is dropped or replaced by
+garbage, e.g. ``drop@send:rank=1:type=3`` loses rank 1's epoch reports.
 Points: ``train-step`` (before a training step),
 ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed into
 place), ``epoch-end`` (after the epoch's report). Without the variable every check is a dict
@@ -21,9 +24,11 @@ import signal
 import time
 
 FAULT_ENV = "EPOCHAL_FAULT"
-ACTIONS = ("kill", "raise", "exit", "stop", "hang", "delay")
+ACTIONS = ("kill", "raise", "exit", "stop", "hang", "delay", "drop", "corrupt")
 _PARAMETERS = ("ms",)  # settings of the action, not conditions on where it fires
-POINTS = ("train-step", "checkpoint-commit", "epoch-end")
+MESSAGE_KINDS = ("hello", "store_ready", "epoch_ready", "epoch_report", "checkpointed", "status")
+"""Control messages a ``drop``/``corrupt`` fault can name, by index (``type=3``: epoch_report)."""
+POINTS = ("train-step", "checkpoint-commit", "epoch-end", "send")
 
 
 class InjectedFault(RuntimeError):
@@ -48,6 +53,20 @@ def _plan() -> tuple[str, str, dict[str, int], dict[str, int]] | None:
         key, _, value = condition.partition("=")
         (settings if key in _PARAMETERS else where)[key] = int(value)
     return action, point, where, settings
+
+
+def on_send(kind: str, data: bytes, *, rank: int | None) -> bytes | None:
+    """A control frame about to be sent: None to drop it, garbage to corrupt it, else as is."""
+    plan = _plan()
+    if plan is None or plan[1] != "send" or plan[0] not in ("drop", "corrupt"):
+        return data
+    action, _, where, _ = plan
+    at = {"type": MESSAGE_KINDS.index(kind) if kind in MESSAGE_KINDS else -1}
+    if rank is not None:
+        at["rank"] = rank
+    if any(at.get(k) != v for k, v in where.items()):
+        return data
+    return None if action == "drop" else b"\xc1" + data[1:]
 
 
 def hit(point: str, **at: int) -> None:

@@ -220,6 +220,7 @@ class Session:
         self._reattach_timeout = reattach_timeout
         self._store_timeout = store_timeout
         self._closed = False
+        client.rank = self.rank
         self._adopt(welcome)
 
     def _adopt(self, welcome: Welcome) -> None:

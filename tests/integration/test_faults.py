@@ -313,3 +313,23 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     spawn.assert_none_left()
+
+
+def test_a_lost_control_message_is_named_not_waited_for(spawn, tmp_path):
+    proc = run_cmd(
+        spawn, tmp_path / "run", tmp_path / "out", EPOCHAL_FAULT="drop@send:rank=1:type=3"
+    )  # rank 1's loss reports vanish
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1
+    assert "rank 1 (worker" in output and "its loss report never arrived" in output
+    spawn.assert_none_left()
+
+
+def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
+    proc = run_cmd(
+        spawn, tmp_path / "run", tmp_path / "out", EPOCHAL_FAULT="corrupt@send:rank=2:type=2"
+    )  # rank 2's batch counts garbled
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1
+    assert "rank 2 sent a malformed message" in output
+    spawn.assert_none_left()
