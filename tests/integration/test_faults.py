@@ -49,8 +49,15 @@ class Output:
 
     def __init__(self, proc) -> None:
         self.lines: list[str] = []
-        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self.thread.start()
+
+    def _read(self, proc) -> None:
+        try:
+            for line in proc.stdout:
+                self.lines.append(line)
+        except (OSError, ValueError):  # the fixture closed the pipe at teardown
+            pass
 
     def wait_for(self, text: str, deadline: float = 60.0) -> None:
         end = time.monotonic() + deadline
@@ -312,6 +319,7 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     assert all(" train " in row for row in rows.values())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    out.thread.join(timeout=10)
     spawn.assert_none_left()
 
 

@@ -54,7 +54,7 @@ def valid_frames() -> list[bytes]:
                 epoch=0, train_loss_sum=1.0, train_count=1, valid_loss_sum=0.0, valid_count=0
             )
         ),
-        encode(Status(phase="train", epoch=1, step=1)),
+        encode(Status(phase="train", epoch=1, step=1, where="")),
     ]
 
 
@@ -66,6 +66,7 @@ class Fuzzer(threading.Thread):
         self.endpoint = endpoint
         self.rng = random.Random(seed)
         self.stop = threading.Event()
+        self.error: BaseException | None = None
         self.sent = {"random": 0, "truncated": 0, "replayed": 0, "foreign": 0, "oversized": 0}
 
     def socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -77,8 +78,14 @@ class Fuzzer(threading.Thread):
         return sock
 
     def run(self) -> None:
-        ctx = zmq.Context()
+        try:
+            self._run()
+        except BaseException as exc:  # reported by the test, not lost in a thread
+            self.error = exc
+
+    def _run(self) -> None:
         good = valid_frames()
+        ctx = zmq.Context()
         socks = [self.socket(ctx) for _ in range(8)]
         try:
             while not self.stop.is_set():
@@ -180,6 +187,7 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
         f.stop.set()
         f.join(timeout=10)
     sent = {k: sum(f.sent[k] for f in fuzzers) for k in fuzzers[0].sent}
+    assert all(f.error is None for f in fuzzers), [f.error for f in fuzzers]
 
     for worker in workers:
         code, output = spawn.finish(worker, 30)
