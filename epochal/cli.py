@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from epochal import __version__
+from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
@@ -35,41 +36,11 @@ from epochal.security.curve import ServerSecurity
 EXIT_USAGE = 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run policy")
     g.add_argument(
         "--epochs",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         metavar="E",
         help="epochs to train (default: 10)",
@@ -91,7 +62,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--validation-frequency",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="K",
         help="validate on epoch 0 and every K-th epoch (default: 1, every epoch)",
@@ -107,7 +78,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--patience",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=None,
         metavar="P",
         help="stop early once more than P validated epochs in a row bring no improvement of "
@@ -122,7 +93,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--best-from",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=0,
         metavar="EPOCH",
         help="epochs before EPOCH cannot become the best epoch (default: 0)",
@@ -144,14 +115,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("checkpoints and resume")
     c.add_argument(
         "--checkpoint-every",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=1,
         metavar="K",
         help="checkpoint every K-th epoch, the best and the last (0: never; default: 1)",
     )
     c.add_argument(
         "--keep-checkpoints",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         metavar="N",
         help="keep the N newest checkpoints plus the best one (default: 2)",
@@ -184,28 +155,28 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("timeouts (seconds)")
     t.add_argument(
         "--rendezvous-timeout",
-        type=_seconds,
+        type=seconds,
         default=300.0,
         metavar="S",
         help="time for every worker to join (default: 300)",
     )
     t.add_argument(
         "--heartbeat-timeout",
-        type=_seconds,
+        type=seconds,
         default=15.0,
         metavar="S",
         help="silence after which a worker is declared lost (default: 15)",
     )
     t.add_argument(
         "--heartbeat-interval",
-        type=_seconds,
+        type=seconds,
         default=1.0,
         metavar="S",
         help="time between the coordinator's heartbeats to each worker (default: 1)",
     )
     t.add_argument(
         "--stall-timeout",
-        type=_seconds,
+        type=seconds,
         default=300.0,
         metavar="S",
         help="when no rank has made progress for S seconds, print which rank is where "
@@ -214,7 +185,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("failures")
     f.add_argument(
         "--max-restarts",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=0,
         metavar="K",
         help="after a failure, hold a new rendezvous and resume from the last checkpoint, up to "
@@ -277,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         required=True,
         metavar="N",
         help="number of workers in the run",
@@ -298,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with every output line prefixed by its rank.",
     )
     r.add_argument(
-        "--nproc", type=_positive_int, required=True, metavar="N", help="number of worker processes"
+        "--nproc", type=positive_int, required=True, metavar="N", help="number of worker processes"
     )
     r.add_argument(
         "-m",
@@ -323,14 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--connect", required=True, metavar="ADDR", help="the coordinator's address")
     w.add_argument(
         "--max-restarts",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=0,
         metavar="K",
         help="start COMMAND again after a failure, up to K times (default: 0)",
     )
     w.add_argument(
         "--restart-delay",
-        type=_seconds,
+        type=seconds,
         default=1.0,
         metavar="S",
         help="seconds to wait before a restart (default: 1)",

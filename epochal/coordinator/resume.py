@@ -11,7 +11,6 @@ manifest's SHA-256 sums, not loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -23,9 +22,9 @@ from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 from epochal.coordinator.policy import LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
+from epochal.manifest import checkpoint_path, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
 
-MANIFEST = "MANIFEST.json"
 MODEL_FILE = "model.json"
 
 # settings that may change between a run and its resumption without changing its result
@@ -47,45 +46,10 @@ _FLAGS = {"restore_best": "--no-restore-best", "world_size": "--world-size/--npr
 """Config fields whose command-line flag is not simply --field-name."""
 
 
-def checkpoint_path(checkpoint_dir: Path, epoch: int) -> Path:
-    """Where the committed checkpoint of ``epoch`` lives."""
-    return checkpoint_dir / f"epoch-{epoch:06d}"
-
-
 def prunable(committed: list[int], keep: int, best: int | None) -> list[int]:
     """Committed checkpoints that may go: all but the newest ``keep`` and the best one."""
     newest = set(sorted(set(committed))[-keep:])
     return sorted(e for e in set(committed) if e not in newest and e != best)
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """None when the checkpoint at ``path`` matches its manifest, else what is wrong with it."""
-    manifest = path / MANIFEST
-    try:
-        files = json.loads(manifest.read_text())["files"]
-        if not isinstance(files, dict):
-            raise TypeError(f"its files entry is a {type(files).__name__}, not an object")
-    except FileNotFoundError:
-        return f"{manifest} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{manifest} is unreadable ({exc})"
-    for name, digest in files.items():
-        target = path / name
-        try:
-            actual = file_digest(target)
-        except OSError as exc:
-            return f"{target} is unreadable ({exc.strerror})"
-        if actual != digest:
-            return f"{target} does not match its manifest (corrupt or truncated)"
-    return None
 
 
 def config_record(config: CoordinatorConfig) -> dict[str, Any]:

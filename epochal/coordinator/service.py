@@ -41,6 +41,7 @@ from epochal.coordinator.policy import (
 from epochal.coordinator.policy import aggregate as aggregate_losses
 from epochal.coordinator.rendezvous import Admitted, Fatal, Member, Refused, Rendezvous
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
+from epochal.manifest import checkpoint_path
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -637,7 +638,7 @@ class Coordinator:
                 self._committed, self.config.keep_checkpoints, self._loop.best_epoch
             )
             for old in pruned:
-                shutil.rmtree(resume.checkpoint_path(self._checkpoint_dir, old), ignore_errors=True)
+                shutil.rmtree(checkpoint_path(self._checkpoint_dir, old), ignore_errors=True)
             self._committed = [e for e in self._committed if e not in pruned]
 
     async def _finish(self) -> None:

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from epochal.argtypes import positive_int
 from epochal.environment import CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
 from epochal.errors import ConfigError
 from epochal.security.curve import ServerSecurity
@@ -22,16 +23,6 @@ SERVER_KEY_FLAG = "--curve-key"
 
 ALLOWED_FLAG = "--curve-allowed"
 """Coordinator flag: the directory of worker public keys it admits."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_keys_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,7 +50,7 @@ def add_keys_command(subparsers: Any) -> argparse.ArgumentParser:
     who = gen.add_mutually_exclusive_group()
     who.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="number of worker key pairs, named worker-0 ... worker-{N-1} (default: 1)",

@@ -24,14 +24,8 @@ from typing import Any
 import torch
 
 from epochal.errors import EpochalError
+from epochal.manifest import MANIFEST, checkpoint_path, file_digest
 from epochal.worker import faults
-
-MANIFEST = "MANIFEST.json"
-
-
-def checkpoint_path(directory: Path, epoch: int) -> Path:
-    """Where the committed checkpoint of ``epoch`` lives (the coordinator uses the same rule)."""
-    return directory / f"epoch-{epoch:06d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -65,16 +59,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _digest(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Checkpointer:
     """Saves and loads one rank's part of the run's checkpoints under ``directory``."""
 
@@ -101,7 +85,9 @@ class Checkpointer:
         save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
         if self.rank != 0:
             return None
-        files = {str(p.relative_to(tmp)): _digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {
+            str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
             json.dump({"epoch": epoch, "files": files}, f, indent=1, sort_keys=True)
             f.flush()

@@ -24,16 +24,15 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.resume import (
     RunState,
-    checkpoint_path,
     config_record,
     differences,
     inspect,
     prunable,
     start_fresh,
-    verify_checkpoint,
 )
 from epochal.coordinator.schedule import parse_schedule
 from epochal.errors import ConfigError
+from epochal.manifest import checkpoint_path, verify_checkpoint
 
 SCHEDULE = "plateau:patience=0,factor=0.5,threshold=0"
 
