@@ -223,6 +223,8 @@ class CuttableProxy(threading.Thread):
                 client, _ = self.server.accept()
             except TimeoutError:
                 continue
+            except OSError:  # closed by close()
+                return
             upstream = socket.create_connection(self.target)
             self.sockets += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
@@ -249,6 +251,7 @@ class CuttableProxy(threading.Thread):
 
     def close(self) -> None:
         self.closing.set()
+        self.join(timeout=5)  # the accept loop notices within its 0.2 s timeout
         for s in self.sockets:
             s.close()
 
