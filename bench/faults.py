@@ -45,7 +45,16 @@ def marked(mark: str) -> list[int]:
 
 
 def worker_pids(mark: str) -> list[int]:
-    return [p for p in marked(mark) if b"resumable.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    """The workers: the launcher has the script on its command line too, but no rank."""
+    pids = []
+    for pid in marked(mark):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"EPOCHAL_RANK=") for v in env):
+            pids.append(pid)
+    return pids
 
 
 def trial(rng: random.Random, nproc: int, restarts: bool, tmp: Path) -> float:
