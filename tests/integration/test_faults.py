@@ -344,3 +344,18 @@ def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
     assert code == 1
     assert "rank 2 sent a malformed message" in output
     spawn.assert_none_left()
+
+
+def test_with_restarts_a_frozen_worker_costs_nothing(spawn, tmp_path, reference):
+    proc = run_cmd(
+        spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1", "--heartbeat-timeout", "3"
+    )
+    out = Output(proc)
+    out.wait_for("epoch 1 [2/4]")
+    os.kill(worker_pid(spawn, 0), signal.SIGSTOP)
+    assert proc.wait(timeout=DEADLINE) == 0, out.text
+    out.thread.join(timeout=5)
+    assert "rank 0 (worker" in out.text and "sent nothing for" in out.text
+    assert "restart 1 of 1" in out.text
+    same_weights(reference, tmp_path / "out")
+    spawn.assert_none_left()
