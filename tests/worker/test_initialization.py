@@ -11,9 +11,6 @@ computation that raises on rank 0 fails every rank instead of leaving them in a 
 
 from __future__ import annotations
 
-import faulthandler
-import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,6 +25,7 @@ from epochal.errors import EpochalError
 from epochal.worker.initialization import buckets, initialize_on_rank
 from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.train import fit
+from tests.worker.ranks import run_ranks, start_rank
 
 DEADLINE = 90.0
 WORLD = 3
@@ -79,15 +76,7 @@ class OneEpoch:
 
 
 def init_rank(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(DEADLINE - 10, exit=True)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    start_rank(rank, world, store, DEADLINE)
     try:
         data = rank_data(rank)
         result: dict[str, Any] = {"centroids": kmeans(data, K)}
@@ -145,23 +134,7 @@ def init_rank(rank: int, world: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("init")
-    ctx = mp.start_processes(
-        init_rank,
-        args=(WORLD, str(tmp / "store"), str(tmp)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"ranks still running after {DEADLINE:g} s (stacks above)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
+    run_ranks(init_rank, WORLD, tmp, str(tmp), deadline=DEADLINE)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 

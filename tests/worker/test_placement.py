@@ -7,20 +7,17 @@ activations' moves with the meta device, which computes shapes only.
 
 from __future__ import annotations
 
-import faulthandler
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from epochal.errors import ConfigError
 from epochal.worker.placement import LayeredModel, even_split, memory_split
 from epochal.worker.strategies import wrap
+from tests.worker.ranks import run_ranks, start_rank
 
 DEADLINE = 90.0
 CUDA = [torch.device("cuda", i) for i in range(3)]  # names only: nothing is allocated on them
@@ -158,15 +155,7 @@ def test_a_model_over_several_devices_is_not_fully_sharded():
 
 
 def placed_rank(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(DEADLINE - 10, exit=True)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    start_rank(rank, world, store, DEADLINE)
     try:
         g = torch.Generator().manual_seed(rank)
         data = [(torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)) for _ in range(4)]
@@ -197,23 +186,7 @@ def placed_rank(rank: int, world: int, store: str, out: str) -> None:
 
 def test_a_layered_model_trains_data_parallel_like_the_plain_model(tmp_path):
     world = 2
-    ctx = mp.start_processes(
-        placed_rank,
-        args=(world, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"ranks still running after {DEADLINE:g} s (stacks above)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
+    run_ranks(placed_rank, world, tmp_path, str(tmp_path), deadline=DEADLINE)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for mode in ("replicated", "main"):
         for rank in ranks:

@@ -9,10 +9,6 @@ The tests then read what each rank wrote. Each group runs under a deadline and i
 
 from __future__ import annotations
 
-import faulthandler
-import time
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from epochal.errors import ConfigError
@@ -29,6 +24,7 @@ from epochal.worker.initialization import is_dtensor
 from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.strategies import MODES, ModeOptions, mode_options, wrap
 from epochal.worker.train import fit
+from tests.worker.ranks import run_ranks, start_rank
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6
@@ -36,43 +32,6 @@ ACCUMULATE = 2
 
 
 # ---------------------------------------------------------------- running ranks
-
-
-def run_ranks(fn: Callable[..., None], world: int, tmp: Path, *args: Any) -> None:
-    """Run ``fn(rank, world, store_file, *args)`` in ``world`` spawned processes.
-
-    Fails the test (after killing every rank) when they are not done by the deadline; a rank that
-    raises fails it with that rank's traceback.
-    """
-    ctx = mp.start_processes(
-        fn,
-        args=(world, str(tmp / "store"), *args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{world} ranks still running after {DEADLINE:g} s (stacks above)")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-
-
-def start_rank(rank: int, world: int, store: str) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(DEADLINE - 10, exit=True)  # a hang dumps its stacks
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
 
 
 # ---------------------------------------------------------------- what each rank runs
@@ -206,7 +165,7 @@ def bare_strategy(mode: str, rank: int) -> dict[str, Any]:
 
 
 def modes_rank(rank: int, world: int, store: str, out: str) -> None:
-    start_rank(rank, world, store)
+    start_rank(rank, world, store, DEADLINE)
     try:
         results = {}
         for mode in MODES:
@@ -223,7 +182,7 @@ def modes_rank(rank: int, world: int, store: str, out: str) -> None:
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     world = request.param
     tmp = tmp_path_factory.mktemp(f"modes{world}")
-    run_ranks(modes_rank, world, tmp, str(tmp))
+    run_ranks(modes_rank, world, tmp, str(tmp), deadline=DEADLINE)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
