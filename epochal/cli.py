@@ -277,6 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SCRIPT is a module name to run as `python -m SCRIPT`",
     )
+    r.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line the workers print, also the tracebacks and noise that follow an "
+        "abort (hidden by default: the cause is printed once)",
+    )
+    r.add_argument(
+        "--exit-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="after the run finished, kill workers still running S seconds later and exit 1 "
+        "(default: none, the scripts end in their own time)",
+    )
     _add_run_options(r)
     r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     r.add_argument(
@@ -431,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_id=run_id,
                 fresh=args.fresh,
                 max_restarts=args.max_restarts,
+                verbose=args.verbose,
+                exit_timeout=args.exit_timeout,
             )
         )
     except (ConfigError, FileNotFoundError) as exc:

@@ -1,10 +1,13 @@
 """``epochal run``: an in-process coordinator plus N local worker processes running a script.
 
 The launcher starts the coordinator on loopback port 0, starts each worker with
-``EPOCHAL_COORDINATOR`` pointing at it and ``EPOCHAL_RANK`` set to its index, prefixes every line a
-worker prints with its rank, and ends with status 0 only when the run finished and every worker
-exited cleanly. A worker that dies early aborts the run for the others; whatever happens, no
-worker process outlives the launcher (each runs in its own process group, killed at the end).
+``EPOCHAL_COORDINATOR`` pointing at it and ``EPOCHAL_RANK`` (and torchrun's ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) set, prefixes every line a worker prints with
+its rank (:mod:`epochal.output` hides the noise that follows an abort), and ends with status 0
+only when the run finished and every worker exited cleanly. The workers of a finished run exit in
+their own time; those of an aborted run get ``abort_grace`` plus a margin. A worker that dies early
+aborts the run for the others; whatever happens, no worker process outlives the launcher (each
+runs in its own process group, killed at the end).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -31,50 +35,30 @@ from epochal.environment import (
     WORKER_ID_ENV,
 )
 from epochal.errors import RunAborted
+from epochal.output import RankStream, Relay
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-KILL_GRACE = 3.0
-"""Seconds workers get to leave on their own after the run ends, before they are killed."""
+WORKER_ABORT_GRACE = 2.0
+"""A worker's default ``abort_grace``: the seconds its training code has to return to epochal after
+an abort before the worker exits by itself (see :func:`epochal.join`)."""
+EXIT_MARGIN = 10.0
+"""Seconds, on top of ``abort_grace``, an aborted worker gets to shut its interpreter down (garbage
+collection alone took up to 11 s on a loaded 2-core machine). Only an aborted or interrupted run
+is bounded: the workers of a finished run exit in their own time, their own post-training work
+included, unless ``--exit-timeout`` says otherwise."""
+ABORT_EXIT_TIMEOUT = WORKER_ABORT_GRACE + EXIT_MARGIN
+"""How long the launcher waits for the workers of an aborted run before it kills them."""
+NEVER_CALLED_HINT = (
+    "; did the script call epochal.train() or epochal.join()? (an `if __name__ == "
+    "'__main__':` guard around a function that is never called does this too)"
+)
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal a child gets when its parent dies (Linux)."""
 
 
-class _Prefixer:
-    """Copies a worker's output to ``out`` line by line, each line prefixed with its rank.
-
-    Carriage returns (progress bars) are kept, so a bar redraws in place on a terminal.
-    """
-
-    def __init__(self, prefix: str, out: TextIO) -> None:
-        self.prefix = prefix
-        self.out = out
-        self.pending = ""
-
-    def feed(self, text: str) -> None:
-        self.pending += text
-        while True:
-            cut = min(
-                (i for i in (self.pending.find("\n"), self.pending.find("\r")) if i >= 0),
-                default=-1,
-            )
-            if cut < 0:
-                return
-            line, end = self.pending[:cut], self.pending[cut]
-            self.pending = self.pending[cut + 1 :]
-            if line or end == "\n":
-                self.out.write(f"{self.prefix}{line}{end}")
-                self.out.flush()
-
-    def close(self) -> None:
-        if self.pending:
-            self.out.write(f"{self.prefix}{self.pending}\n")
-            self.out.flush()
-            self.pending = ""
-
-
-async def _pump(stream: asyncio.StreamReader, prefixer: _Prefixer) -> None:
+async def _pump(stream: asyncio.StreamReader, prefixer: RankStream) -> None:
     while chunk := await stream.read(65536):
         prefixer.feed(chunk.decode(errors="replace"))
     prefixer.close()
@@ -104,11 +88,16 @@ async def launch(
     run_id: str | None = None,
     fresh: bool = False,
     max_restarts: int = 0,
+    verbose: bool = False,
+    exit_timeout: float | None = None,
 ) -> int:
     """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status.
 
     After a failure, up to ``max_restarts`` times, the launcher starts a new coordinator on the
     same run directory (which resumes from the last committed checkpoint) and new workers.
+    Once the run has finished, the workers exit in their own time; ``exit_timeout`` (seconds,
+    default: no bound) kills those still running that long after the finish. ``verbose`` shows
+    every line the workers print, also the noise that follows an abort.
     """
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
     reasons: list[str] = []
@@ -116,15 +105,68 @@ async def launch(
         coordinator = Coordinator(
             config, log=say, run_id=run_id if attempt == 0 else None, fresh=fresh and attempt == 0
         )
-        status, reason = await _attempt(coordinator, config, nproc, command, out, say)
-        if status != EXIT_FAILED:
-            return status
-        reasons.append(reason)
+        outcome = await _attempt(
+            coordinator,
+            config,
+            nproc,
+            command,
+            out,
+            say,
+            verbose=verbose,
+            exit_timeout=exit_timeout,
+        )
+        if not outcome.retry:
+            return outcome.status
+        reasons.append(outcome.reason)
         if attempt < max_restarts:
             say(f"restart {attempt + 1} of {max_restarts}: resuming from the last checkpoint")
     if max_restarts:
         say(f"FAILED: {max_restarts} restarts used up; the last failure: {reasons[-1]}")
     return EXIT_FAILED
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    status: int
+    reason: str = ""
+    retry: bool = False
+    """The run itself failed (not the workers after it finished): a restart may resume it."""
+
+
+def worker_environment(
+    base: dict[str, str], index: int, nproc: int, worker_id: str
+) -> dict[str, str]:
+    """The environment of local worker ``index`` of ``nproc``: epochal's variables, and
+    torchrun's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) so that scripts
+    written for torchrun read what they expect."""
+    env = dict(base)
+    env[RANK_ENV] = str(index)
+    env[LOCAL_RANK_ENV] = str(index)
+    env[WORKER_ID_ENV] = worker_id
+    env["RANK"] = env["LOCAL_RANK"] = str(index)
+    env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = str(nproc)
+    return env
+
+
+async def _wait_for_exit(
+    watchers: list[asyncio.Task[int]], bound: float | None, interrupted: list[str]
+) -> None:
+    """Wait for every worker to exit, at most ``bound`` seconds (None: no bound); a signal
+    received meanwhile bounds the wait to ``ABORT_EXIT_TIMEOUT`` from then on."""
+    loop = asyncio.get_running_loop()
+    deadline = None if bound is None else loop.time() + bound
+    signalled_at: float | None = None
+    while pending := [w for w in watchers if not w.done()]:
+        if interrupted and signalled_at is None:
+            signalled_at = loop.time()
+            limit = signalled_at + ABORT_EXIT_TIMEOUT
+            deadline = limit if deadline is None else min(deadline, limit)
+        step = 0.5
+        if deadline is not None:
+            step = min(step, deadline - loop.time())
+            if step <= 0:
+                return
+        await asyncio.wait(pending, timeout=step)
 
 
 async def _attempt(
@@ -134,12 +176,15 @@ async def _attempt(
     command: list[str],
     out: TextIO,
     say: Callable[[str], None],
-) -> tuple[int, str]:
-    """One coordinator and one set of workers; (exit status, failure reason)."""
+    *,
+    verbose: bool,
+    exit_timeout: float | None,
+) -> _Outcome:
+    """One coordinator and one set of workers."""
     endpoint = await coordinator.start()
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
-        return EXIT_OK, ""
+        return _Outcome(EXIT_OK)
     say(f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers")
 
     env_base = dict(os.environ)
@@ -153,17 +198,14 @@ async def _attempt(
     if out.isatty():
         env_base.setdefault(PROGRESS_ENV, "1")
 
+    relay = Relay(out, verbose=verbose)
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
     width = len(str(nproc - 1))
     for index in range(nproc):
-        env = dict(env_base)
-        env[RANK_ENV] = str(index)
-        env[LOCAL_RANK_ENV] = str(index)
-        env[WORKER_ID_ENV] = f"{coordinator.run_id}/local-{index}"
         proc = await asyncio.create_subprocess_exec(
             *command,
-            env=env,
+            env=worker_environment(env_base, index, nproc, f"{coordinator.run_id}/local-{index}"),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -173,14 +215,19 @@ async def _attempt(
         procs.append(proc)
         assert proc.stdout is not None
         pumps.append(
-            asyncio.create_task(_pump(proc.stdout, _Prefixer(f"[rank {index:>{width}}] ", out)))
+            asyncio.create_task(_pump(proc.stdout, relay.stream(f"[rank {index:>{width}}] ")))
         )
 
     interrupted: list[str] = []
 
     def on_signal(signum: int) -> None:
+        if interrupted:  # a second Ctrl-C: stop waiting for anyone
+            for p in procs:
+                _kill_group(p, signal.SIGKILL)
+            return
         name = signal.Signals(signum).name
         interrupted.append(name)
+        relay.stop()
         coordinator.abort(f"the launcher received {name}")
         for p in procs:
             _kill_group(p, signum)
@@ -191,14 +238,17 @@ async def _attempt(
 
     async def watch(index: int, proc: asyncio.subprocess.Process) -> int:
         code = await proc.wait()
-        if coordinator.phase.value not in ("finishing", "ended"):
+        phase = coordinator.phase.value
+        if phase not in ("finishing", "ended"):
             what = (
                 f"exited with status {code}"
                 if code >= 0
                 else f"was killed by {signal.Signals(-code).name}"
             )
+            hint = NEVER_CALLED_HINT if code == 0 and phase == "rendezvous" else ""
             coordinator.report_failure(
-                f"worker {index} (pid {proc.pid}) {what} before the run finished", cause=True
+                f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}",
+                cause=True,
             )
         return code
 
@@ -209,32 +259,57 @@ async def _attempt(
         summary = await coordinator.run()
     except RunAborted as exc:
         reason = exc.reason
+        relay.stop()
     finally:
-        _, pending = await asyncio.wait(watchers, timeout=KILL_GRACE)
-        for p in procs:
-            if p.returncode is None:
-                _kill_group(p, signal.SIGKILL)
+        bound = exit_timeout if summary is not None else ABORT_EXIT_TIMEOUT
+        await _wait_for_exit(watchers, bound, interrupted)
+        stuck = [i for i, p in enumerate(procs) if p.returncode is None]
+        for i in stuck:
+            _kill_group(procs[i], signal.SIGKILL)
         codes = [await w for w in watchers]
         for p in procs:  # the workers' children (data loader workers) go too
             _kill_group(p, signal.SIGKILL)
         await asyncio.gather(*pumps, return_exceptions=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-    if pending:
-        say(f"{len(pending)} workers did not exit within {KILL_GRACE:g} s and were killed")
+        relay.release(known_reasons=reason)
+    hidden = (
+        f"; {relay.hidden} lines of worker output that follow from it are hidden "
+        "(--verbose shows them)"
+        if relay.hidden
+        else ""
+    )
+    killed = (
+        f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck and bound else ""
+    )
     if interrupted:
-        say(f"interrupted by {interrupted[0]}")
-        return 128 + int(getattr(signal, interrupted[0])), reason
+        say(f"interrupted by {interrupted[0]}{killed}{hidden}")
+        return _Outcome(128 + int(getattr(signal, interrupted[0])), reason)
     if summary is None:
-        say(f"FAILED: {reason}")
-        return EXIT_FAILED, reason
+        say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}")
+        return _Outcome(EXIT_FAILED, reason, retry=True)
+    if stuck:
+        say(
+            f"FAILED: the run finished (result.json says so), but {_workers(stuck)} still "
+            f"running {bound:g} s later (--exit-timeout) and killed"
+        )
+        return _Outcome(EXIT_FAILED, "workers did not exit after the finish")
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     if bad:
         listed = ", ".join(f"worker {i}: status {c}" for i, c in bad)
-        say(f"FAILED: the run finished but workers exited non-zero ({listed})")
-        return EXIT_FAILED, f"workers exited non-zero ({listed})"
+        say(
+            "FAILED: the run finished (result.json says so), but the script failed after "
+            f"epochal.train() returned ({listed})"
+        )
+        return _Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
     say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}")
-    return EXIT_OK, ""
+    return _Outcome(EXIT_OK)
+
+
+def _workers(indices: list[int]) -> str:
+    if len(indices) == 1:
+        return f"worker {indices[0]} was"
+    return f"workers {', '.join(map(str, indices))} were"
 
 
 def script_command(script: str, args: list[str], *, module: bool = False) -> list[str]:

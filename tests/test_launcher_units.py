@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launcher import _Prefixer
+from epochal.output import RankStream as _Prefixer
 
 
 def test_prefixer_splits_lines_and_keeps_carriage_returns():

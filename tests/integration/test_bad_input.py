@@ -39,8 +39,17 @@ def test_uneven_batch_counts_abort_naming_each_rank(spawn: Spawner, tmp_path: Pa
     assert code == 1, output
     assert "epoch 0: rank 0 has 4, rank 1 has 3 train batches" in output
     assert "--batch-policy truncate" in output
-    # the workers raise RunAborted with the same reason
+    # an expected abort says its cause once, without the workers' RunAborted tracebacks
+    assert output.count("rank 1 has 3 train batches") == 1, output
+    assert "Traceback" not in output
+    assert len(output.splitlines()) <= 8, output
+
+
+def test_verbose_shows_the_workers_tracebacks(spawn: Spawner, tmp_path: Path):
+    code, output, _ = run_broken(spawn, tmp_path, "uneven", "--verbose")
+    assert code == 1, output
     assert "RunAborted: epoch 0: rank 0 has 4, rank 1 has 3 train batches" in output
+    assert output.count("Traceback (most recent call last)") == 2, output
 
 
 def test_empty_loader_is_refused(spawn: Spawner, tmp_path: Path):
@@ -61,6 +70,10 @@ def test_a_failing_rank_stops_the_others(spawn: Spawner, tmp_path: Path):
     code, output, _ = run_broken(spawn, tmp_path, "raise")
     assert code == 1, output
     assert "failed: ValueError: boom: a deliberate failure in the loss" in output
+    # the user's traceback once, from the rank that raised; the other rank's gloo error is hidden
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert "[rank 1] [rank1]: ValueError: boom" in output
+    assert "Connection closed by peer" not in output.split("run aborted:")[1].split("\n", 1)[1]
 
 
 def test_bad_flags_are_usage_errors(spawn: Spawner):

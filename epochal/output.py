@@ -1,0 +1,173 @@
+"""How ``epochal run`` shows its workers' output: one stream, each line prefixed with its rank.
+
+When a run fails, every rank has something to say, and most of it is noise: a rank whose peer
+died prints gloo's "Connection closed by peer" traceback, every rank of an aborted run prints a
+``RunAborted`` traceback that repeats the coordinator's reason, Ctrl-C leaves ``KeyboardInterrupt``
+tracebacks and half-drawn progress bars. So a worker's traceback is held back until the worker
+has exited, and then judged by its last exception line:
+
+- a user's own exception is shown, once (from the first rank that printed it);
+- epochal's own errors (``RunAborted``, ``JoinRefused``, ...) are shown as their one exception
+  line, once, unless the coordinator already gave the same reason;
+- ``KeyboardInterrupt`` and the data plane's errors about a peer that went away are consequences
+  of a cause the coordinator has already named, and are hidden.
+
+Once the run is aborted or interrupted, whatever else the workers print is hidden too; the
+launcher's last line says how many lines it hid. ``--verbose`` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import TextIO
+
+TRACEBACK_START = "Traceback (most recent call last):"
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+"""torch.distributed's excepthook prefixes every traceback line with ``[rankN]: ``."""
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
+_EPOCHAL_ERROR = re.compile(r"^epochal\.errors\.\w+: ")
+_CONSEQUENCES = (
+    "KeyboardInterrupt",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "DistBackendError",
+    "DistNetworkError",
+    "Broken pipe",
+)
+"""Exception lines that follow from a cause reported elsewhere (a signal, a dead peer)."""
+
+
+class Kind(enum.Enum):
+    USER = "user"
+    EPOCHAL = "epochal"
+    CONSEQUENCE = "consequence"
+
+
+def classify(exception_line: str) -> Kind:
+    """What a traceback ending in ``exception_line`` (without torch's prefix) is."""
+    if _EPOCHAL_ERROR.match(exception_line):
+        return Kind.EPOCHAL
+    if any(mark in exception_line for mark in _CONSEQUENCES):
+        return Kind.CONSEQUENCE
+    return Kind.USER
+
+
+@dataclass(slots=True)
+class _Held:
+    """A rank's output from its first traceback line to its end."""
+
+    prefix: str
+    lines: list[str] = field(default_factory=list)
+    exception: str = ""
+
+
+class Relay:
+    """The workers' output of one attempt of ``epochal run``, shared by the ranks' streams."""
+
+    def __init__(self, out: TextIO, *, verbose: bool = False) -> None:
+        self.out = out
+        self.verbose = verbose
+        self.stopped = False
+        """Set once the run is aborted or interrupted: what the workers print after is hidden."""
+        self.hidden = 0
+        self._held: list[_Held] = []
+
+    def stream(self, prefix: str) -> RankStream:
+        return RankStream(prefix, self.out, self)
+
+    def stop(self) -> None:
+        """The run was aborted or interrupted: from now on, worker output is noise."""
+        self.stopped = True
+
+    def hold(self, prefix: str) -> _Held:
+        held = _Held(prefix)
+        self._held.append(held)
+        return held
+
+    def release(self, known_reasons: str = "") -> None:
+        """Show the held tracebacks that say something new; call once every worker has ended.
+
+        ``known_reasons`` is what the coordinator already printed: an epochal error repeating it
+        is not shown again.
+        """
+        shown: set[str] = set()
+        for held in self._held:
+            kind = classify(held.exception)
+            if kind is Kind.USER and held.exception not in shown:
+                shown.add(held.exception)
+                for line in held.lines:
+                    self.out.write(line)
+                continue
+            if kind is Kind.EPOCHAL and held.exception not in shown:
+                reason = held.exception.split(": ", 1)[1]
+                shown.add(held.exception)
+                if reason[:60] not in known_reasons:
+                    self.out.write(f"{held.prefix}{held.exception}\n")
+                    self.hidden += len(held.lines) - 1
+                    continue
+            self.hidden += len(held.lines)
+        self._held.clear()
+        self.out.flush()
+
+
+class RankStream:
+    """Copies one worker's output to ``out`` line by line, each line prefixed with its rank.
+
+    Carriage returns (progress bars) are kept, so a bar redraws in place on a terminal. Without a
+    relay every line is copied; with one, the relay's rules above apply.
+    """
+
+    def __init__(self, prefix: str, out: TextIO, relay: Relay | None = None) -> None:
+        self.prefix = prefix
+        self.out = out
+        self.relay = relay
+        self.pending = ""
+        self._held: _Held | None = None
+        self._in_frames = False
+
+    def feed(self, text: str) -> None:
+        self.pending += text
+        while True:
+            cut = min(
+                (i for i in (self.pending.find("\n"), self.pending.find("\r")) if i >= 0),
+                default=-1,
+            )
+            if cut < 0:
+                return
+            line, end = self.pending[:cut], self.pending[cut]
+            self.pending = self.pending[cut + 1 :]
+            if line or end == "\n":
+                self._line(line, end)
+
+    def close(self) -> None:
+        if self.pending:
+            self._line(self.pending, "\n")
+            self.pending = ""
+        self.out.flush()
+
+    def _line(self, line: str, end: str) -> None:
+        text = f"{self.prefix}{line}{end}"
+        relay = self.relay
+        if relay is None or relay.verbose:
+            self.out.write(text)
+            self.out.flush()
+            return
+        bare = _TORCH_PREFIX.sub("", line)
+        if self._held is None and bare.startswith(TRACEBACK_START):
+            self._held = relay.hold(self.prefix)
+        if self._held is not None:
+            self._held.lines.append(text if end == "\n" else f"{text}\n")
+            if bare.startswith(TRACEBACK_START):
+                self._in_frames = True
+            elif self._in_frames and not bare.startswith(" "):
+                self._in_frames = False
+                if _EXCEPTION_LINE.match(bare):
+                    self._held.exception = bare
+            return
+        if relay.stopped:
+            relay.hidden += 1
+            return
+        self.out.write(text)
+        self.out.flush()
