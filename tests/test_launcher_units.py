@@ -9,12 +9,13 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.output import RankStream as _Prefixer
+from epochal.launcher import worker_environment
+from epochal.output import Kind, RankStream, Relay, classify
 
 
 def test_prefixer_splits_lines_and_keeps_carriage_returns():
     out = io.StringIO()
-    p = _Prefixer("[rank 1] ", out)
+    p = RankStream("[rank 1] ", out)
     p.feed("hel")
     assert out.getvalue() == ""
     p.feed("lo\nbar 1\rbar 2\rdone\n\ntail")
@@ -41,3 +42,87 @@ def test_cli_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _traceback(rank: int, exception: str) -> str:
+    return (
+        f"[rank{rank}]: Traceback (most recent call last):\n"
+        f'[rank{rank}]:   File "train.py", line 3, in <module>\n'
+        f"[rank{rank}]:     main()\n"
+        f"[rank{rank}]: {exception}\n"
+    )
+
+
+def test_relay_shows_the_users_traceback_once_and_hides_the_consequences():
+    out = io.StringIO()
+    relay = Relay(out)
+    r0, r1, r2 = (relay.stream(f"[rank {i}] ") for i in range(3))
+    r0.feed("epoch line\n")
+    r1.feed(_traceback(1, "ValueError: boom"))
+    r0.feed(_traceback(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    r2.feed(_traceback(2, "ValueError: boom"))  # the same exception again: shown once
+    assert out.getvalue() == "[rank 0] epoch line\n"  # tracebacks wait for the workers' end
+    relay.stop()
+    r0.feed("teardown chatter\n")
+    for r in (r0, r1, r2):
+        r.close()
+    relay.release()
+    assert out.getvalue() == "[rank 0] epoch line\n" + "".join(
+        f"[rank 1] {line}\n" for line in _traceback(1, "ValueError: boom").splitlines()
+    )
+    assert relay.hidden == (4 + 1) + 4  # rank 0 (its traceback, then the chatter), rank 2
+
+
+def test_relay_turns_an_epochal_error_into_one_line_unless_the_coordinator_said_it():
+    out = io.StringIO()
+    relay = Relay(out)
+    a, b = relay.stream("[rank 0] "), relay.stream("[rank 1] ")
+    a.feed(_traceback(0, "epochal.errors.RunAborted: rank 1 has 3 batches"))
+    b.feed(_traceback(1, "epochal.errors.JoinRefused: the workers' models differ"))
+    a.close()
+    b.close()
+    relay.release(known_reasons="rank 1 has 3 batches")
+    assert out.getvalue() == "[rank 1] epochal.errors.JoinRefused: the workers' models differ\n"
+
+
+def test_relay_hides_keyboard_interrupts_and_shows_everything_when_verbose():
+    for verbose, expected in ((False, ""), (True, _traceback(0, "KeyboardInterrupt"))):
+        out = io.StringIO()
+        relay = Relay(out, verbose=verbose)
+        stream = relay.stream("")
+        stream.feed(_traceback(0, "KeyboardInterrupt"))
+        stream.close()
+        relay.release()
+        assert out.getvalue() == expected
+
+
+def test_chained_exceptions_are_judged_by_the_last_one():
+    out = io.StringIO()
+    relay = Relay(out)
+    stream = relay.stream("")
+    stream.feed(
+        _traceback(0, "KeyboardInterrupt")
+        + "\nDuring handling of the above exception, another exception occurred:\n\n"
+        + _traceback(0, "OSError: disk full")
+    )
+    stream.close()
+    relay.release()
+    assert "OSError: disk full" in out.getvalue() and "KeyboardInterrupt" in out.getvalue()
+    assert classify("OSError: disk full") is Kind.USER
+    assert classify("epochal.errors.CoordinatorLost: gone") is Kind.EPOCHAL
+
+
+def test_workers_get_torchruns_variables_beside_epochals():
+    env = worker_environment({"PATH": "/bin"}, 1, 3, "run/local-1")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "3",
+        "LOCAL_WORLD_SIZE": "3",
+    }
+    assert (env["EPOCHAL_RANK"], env["EPOCHAL_WORKER_ID"], env["PATH"]) == (
+        "1",
+        "run/local-1",
+        "/bin",
+    )
+    assert "TORCHELASTIC_RUN_ID" not in env  # that would claim a real torchrun launch

@@ -1,0 +1,42 @@
+"""The README's quick start, run as written: its first command trains the digits example."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import REPO, Spawner
+
+pytestmark = pytest.mark.slow
+
+DEADLINE = 300.0
+"""Twenty epochs of a small classifier; only a hang should reach this."""
+
+
+def quick_start_command() -> list[str]:
+    """The ``epochal run ...`` part of the first command in the README's quick start."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block is not None, "the quick start has no bash block"
+    first = block.group(1).splitlines()[0]
+    command = first.split("&&")[-1].strip()
+    words = shlex.split(command)
+    assert words[:2] == ["epochal", "run"], f"the quick start's first command changed: {first}"
+    return words[1:]
+
+
+def test_the_quick_start_runs_as_the_readme_says(spawn: Spawner, tmp_path: Path):
+    args = [str(REPO / a) if (REPO / a).is_file() else a for a in quick_start_command()]
+    proc = spawn.epochal(*args)
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    assert re.search(r"\[rank 0\] best epoch \d+ of 20: .* test accuracy 0\.\d+", output), output
+    assert "done: best epoch" in output
+    (result,) = (tmp_path / "runs").glob("*/result.json")
+    assert json.loads(result.read_text())["status"] == "finished"
