@@ -32,9 +32,25 @@ def run(epochs: int, every: int, run_dir: Path) -> list[float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
     env["OMP_NUM_THREADS"] = "1"
     subprocess.run(
-        [sys.executable, "-m", "epochal", "run", "--nproc", "2", "--epochs", str(epochs),
-         "--checkpoint-every", str(every), "--run-dir", str(run_dir), str(EXAMPLE)],
-        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "epochal",
+            "run",
+            "--nproc",
+            "2",
+            "--epochs",
+            str(epochs),
+            "--checkpoint-every",
+            str(every),
+            "--run-dir",
+            str(run_dir),
+            str(EXAMPLE),
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return intervals(run_dir)
 

@@ -71,35 +71,76 @@ class Run:
         return [float(s) for s in self.record["epoch_seconds"][1:]]
 
 
-def command(mode: str, args: argparse.Namespace, out: Path, run_dir: Path,
-            workload: list[str]) -> list[str]:
+def command(
+    mode: str, args: argparse.Namespace, out: Path, run_dir: Path, workload: list[str]
+) -> list[str]:
     """The launcher command line for ``mode``; both start from this interpreter's ``-m``."""
     epochs = str(args.epochs)
     if mode == "torchrun":
         return [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1", "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-            "--rdzv-id", uuid.uuid4().hex,
-            str(BENCH / "train_ddp.py"), "--epochs", epochs, "--out", str(out), *workload,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(args.nproc),
+            "--max-restarts",
+            "0",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            "--rdzv-id",
+            uuid.uuid4().hex,
+            str(BENCH / "train_ddp.py"),
+            "--epochs",
+            epochs,
+            "--out",
+            str(out),
+            *workload,
         ]
     return [
-        sys.executable, "-m", "epochal", "run", "--nproc", str(args.nproc), "--epochs", epochs,
-        "--run-dir", str(run_dir), *shlex.split(args.epochal_args),
-        str(BENCH / "train_epochal.py"), "--out", str(out), *workload,
+        sys.executable,
+        "-m",
+        "epochal",
+        "run",
+        "--nproc",
+        str(args.nproc),
+        "--epochs",
+        epochs,
+        "--run-dir",
+        str(run_dir),
+        *shlex.split(args.epochal_args),
+        str(BENCH / "train_epochal.py"),
+        "--out",
+        str(out),
+        *workload,
     ]
 
 
-def launch(mode: str, repeat: int, args: argparse.Namespace, workload: list[str],
-           scratch: Path, env: dict[str, str]) -> Run:
+def launch(
+    mode: str,
+    repeat: int,
+    args: argparse.Namespace,
+    workload: list[str],
+    scratch: Path,
+    env: dict[str, str],
+) -> Run:
     """Run one launcher to completion; exit the benchmark if it fails."""
     tag = f"{mode}-{repeat}"
     out, log = scratch / f"{tag}.json", scratch / f"{tag}.log"
     argv = command(mode, args, out, scratch / f"{tag}-run", workload)
     with log.open("wb") as sink:
         started = time.time()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink,
-                                stderr=subprocess.STDOUT, env=env, cwd=scratch)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=scratch,
+        )
         code = proc.wait()
         ended = time.time()
     if code != 0 or not out.is_file():
@@ -114,20 +155,23 @@ def ratio_line(name: str, base: float, ours: float, target: float, unit: str = "
     """One summary line: both medians, their ratio, the target and the verdict."""
     ratio = ours / base
     verdict = "PASS" if ratio <= target else "MISS"
-    return (f"{name:<26} {base:>9.3f} {unit}  {ours:>9.3f} {unit}  {ratio:>7.3f}   "
-            f"<= {target:<5g} {verdict}")
+    return (
+        f"{name:<26} {base:>9.3f} {unit}  {ours:>9.3f} {unit}  {ratio:>7.3f}   "
+        f"<= {target:<5g} {verdict}"
+    )
 
 
 def report(runs: list[Run]) -> tuple[float, float]:
     """Print the per-run table and the summary; return the two ratios (epoch, startup)."""
     heads = "".join(f"{name:>8}" for name, *_ in PHASES)
-    print(f"\n{'run':<12}{heads}{'=first':>9}{'epoch med':>11}{'epochs':>8}{'exit':>7}"
-          f"{'total':>8}")
+    print(f"\n{'run':<12}{heads}{'=first':>9}{'epoch med':>11}{'epochs':>8}{'exit':>7}{'total':>8}")
     for run in runs:
         phases = "".join(f"{run.at(b) - run.at(a):>8.2f}" for _, a, b, _ in PHASES)
-        print(f"{run.mode + ' ' + str(run.repeat):<12}{phases}{run.to_first_step:>9.2f}"
-              f"{statistics.median(run.epochs):>11.3f}{len(run.epochs):>8}"
-              f"{run.exit - run.at('finished'):>7.2f}{run.exit - run.launch:>8.2f}")
+        print(
+            f"{run.mode + ' ' + str(run.repeat):<12}{phases}{run.to_first_step:>9.2f}"
+            f"{statistics.median(run.epochs):>11.3f}{len(run.epochs):>8}"
+            f"{run.exit - run.at('finished'):>7.2f}{run.exit - run.launch:>8.2f}"
+        )
     legend = [f"{n}: {d}" for n, _, _, d in PHASES] + [
         "=first: launch to first step (the sum of the above)",
         "epoch med: median epoch time, epoch 0 left out",
@@ -144,14 +188,22 @@ def report(runs: list[Run]) -> tuple[float, float]:
         medians = [statistics.median(r.at(b) - r.at(a) for r in rs) for _, a, b, _ in PHASES]
         print(f"  {m:<24}" + "".join(f"{v:>8.2f}" for v in medians))
 
-    gaps = [iv - own for r in by_mode["epochal"]
-            for iv, own in zip(r.record["epoch_seconds"][1:], r.record["epochal_seconds"][1:],
-                               strict=False)]
-    print("\nepochal between epochs (epoch interval - the epoch seconds epochal reports: "
-          "best-weights copy, checkpoint if any, ready/go), median: "
-          f"{1000 * statistics.median(gaps):.1f} ms")
-    pairs = [(base, next(r for r in by_mode["epochal"] if r.repeat == base.repeat))
-             for base in by_mode["torchrun"]]
+    gaps = [
+        iv - own
+        for r in by_mode["epochal"]
+        for iv, own in zip(
+            r.record["epoch_seconds"][1:], r.record["epochal_seconds"][1:], strict=False
+        )
+    ]
+    print(
+        "\nepochal between epochs (epoch interval - the epoch seconds epochal reports: "
+        "best-weights copy, checkpoint if any, ready/go), median: "
+        f"{1000 * statistics.median(gaps):.1f} ms"
+    )
+    pairs = [
+        (base, next(r for r in by_mode["epochal"] if r.repeat == base.repeat))
+        for base in by_mode["torchrun"]
+    ]
     epoch_pairs = [statistics.median(e.epochs) / statistics.median(t.epochs) for t, e in pairs]
     first_pairs = [e.to_first_step / t.to_first_step for t, e in pairs]
     print("per-repeat ratios epochal / torchrun (their spread is the run-to-run noise):")
@@ -171,20 +223,38 @@ def main() -> int:
         epilog="Unknown options are passed to both training scripts (see bench/workload.py).",
     )
     parser.add_argument("--nproc", type=int, default=2, help="workers per run (default: 2)")
-    parser.add_argument("--epochs", type=int, default=10,
-                        help="epochs per run (default: 10); timed: all but epoch 0 (warm-up) "
-                             "and the last (no next epoch start ends it)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=10,
+        help="epochs per run (default: 10); timed: all but epoch 0 (warm-up) "
+        "and the last (no next epoch start ends it)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode (default: 3)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the untimed 3-epoch run of each mode that warms the caches")
-    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                        help="keep every run's JSON and log in DIR (default: a temporary folder)")
-    parser.add_argument("--epochal-args", default="--checkpoint-every 0", metavar="'OPTIONS'",
-                        help="extra `epochal run` options, one quoted string (default: "
-                             "'--checkpoint-every 0', like the baseline, which does not "
-                             "checkpoint; bench/checkpoint_cost.py measures checkpoints)")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when a ratio misses its target")
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed 3-epoch run of each mode that warms the caches",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep every run's JSON and log in DIR (default: a temporary folder)",
+    )
+    parser.add_argument(
+        "--epochal-args",
+        default="--checkpoint-every 0",
+        metavar="'OPTIONS'",
+        help="extra `epochal run` options, one quoted string (default: "
+        "'--checkpoint-every 0', like the baseline, which does not "
+        "checkpoint; bench/checkpoint_cost.py measures checkpoints)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when a ratio misses its target"
+    )
     args, workload = parser.parse_known_args()
     workload = [a for a in workload if a != "--"]
     if args.epochs < 3 or args.repeats < 1 or args.nproc < 1:
@@ -198,9 +268,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="epochal-bench-") as tmp:
         scratch = args.keep or Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
-        print(f"{args.nproc} workers, {args.epochs} epochs, {args.repeats} repeats, "
-              f"OMP_NUM_THREADS=1, workload options: {' '.join(workload) or '(defaults)'}, "
-              f"epochal run options: {args.epochal_args or '(defaults)'}")
+        print(
+            f"{args.nproc} workers, {args.epochs} epochs, {args.repeats} repeats, "
+            f"OMP_NUM_THREADS=1, workload options: {' '.join(workload) or '(defaults)'}, "
+            f"epochal run options: {args.epochal_args or '(defaults)'}"
+        )
         if args.warmup:
             warm = argparse.Namespace(**{**vars(args), "epochs": 3})
             for mode in MODES:
@@ -212,8 +284,11 @@ def main() -> int:
             for mode in order:
                 run = launch(mode, repeat, args, workload, scratch, env)
                 runs.append(run)
-                print(f"{mode} {repeat}: first step after {run.to_first_step:.2f} s, "
-                      f"epoch median {statistics.median(run.epochs):.3f} s", flush=True)
+                print(
+                    f"{mode} {repeat}: first step after {run.to_first_step:.2f} s, "
+                    f"epoch median {statistics.median(run.epochs):.3f} s",
+                    flush=True,
+                )
         epoch_ratio, startup_ratio = report(runs)
     missed = epoch_ratio > EPOCH_TARGET or startup_ratio > STARTUP_TARGET
     return 1 if args.check and missed else 0

@@ -62,13 +62,24 @@ def trial(rng: random.Random, nproc: int, restarts: bool, tmp: Path) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
     env.update({MARK: mark, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     run_dir = tmp / mark
-    cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc), "--epochs", "6",
-           "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "epochal",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--epochs",
+        "6",
+        "--run-dir",
+        str(run_dir),
+    ]
     if restarts:
         cmd += ["--max-restarts", "1"]
     cmd += [str(SCRIPT), "--out", str(run_dir / "out"), "--delay", "0.02"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -107,11 +118,16 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="epochal-faults-") as tmp:
-        for restarts, what in ((False, "kill -> every process stopped"),
-                               (True, "kill -> new workers welcomed (restart)")):
+        for restarts, what in (
+            (False, "kill -> every process stopped"),
+            (True, "kill -> new workers welcomed (restart)"),
+        ):
             times = [trial(rng, args.nproc, restarts, Path(tmp)) for _ in range(args.kills)]
-            print(f"{what:40s} median {statistics.median(times):.2f} s, max {max(times):.2f} s "
-                  f"({len(times)} kills, {args.nproc} workers)", flush=True)
+            print(
+                f"{what:40s} median {statistics.median(times):.2f} s, max {max(times):.2f} s "
+                f"({len(times)} kills, {args.nproc} workers)",
+                flush=True,
+            )
     return 0
 
 

@@ -81,8 +81,9 @@ def main() -> None:
                 valid_total += loss_fn(net(inputs), targets).double() * n
                 valid_count += n
 
-        sums = torch.tensor([float(total), count, float(valid_total), valid_count],
-                            dtype=torch.float64)
+        sums = torch.tensor(
+            [float(total), count, float(valid_total), valid_count], dtype=torch.float64
+        )
         dist.all_reduce(sums)
         train_losses.append(float(sums[0] / sums[1]))
         valid_losses.append(float(sums[2] / sums[3]))
@@ -94,8 +95,12 @@ def main() -> None:
         net.load_state_dict(best_state)
     timings.finished = time.time()
     if rank == 0:
-        timings.write(args.out, "torchrun", world_size,
-                      {"train_losses": train_losses, "valid_losses": valid_losses})
+        timings.write(
+            args.out,
+            "torchrun",
+            world_size,
+            {"train_losses": train_losses, "valid_losses": valid_losses},
+        )
     # Drop DDP (its Reducer holds the process group) before the group: if the Reducer holds the
     # last reference, its destructor joins gloo's threads with the GIL held while one of them
     # waits for the GIL to free a finished all-reduce, and the process hangs (torch 2.13).

@@ -61,15 +61,21 @@ def main() -> None:
     def valid_loader(rank: int, world_size: int) -> DataLoader[Any]:
         return built["valid"]  # type: ignore[no-any-return]
 
-    result = train(net, opt, train_loader, valid_loader, nn.functional.cross_entropy,
-                   progress=False)
+    result = train(
+        net, opt, train_loader, valid_loader, nn.functional.cross_entropy, progress=False
+    )
     timings.finished = time.time()
     if result.rank == 0:
-        timings.write(args.out, "epochal", result.world_size, {
-            "train_losses": [r.train_loss for r in result.curve],
-            "valid_losses": [r.valid_loss for r in result.curve],
-            "epochal_seconds": [r.seconds for r in result.curve],
-        })
+        timings.write(
+            args.out,
+            "epochal",
+            result.world_size,
+            {
+                "train_losses": [r.train_loss for r in result.curve],
+                "valid_losses": [r.valid_loss for r in result.curve],
+                "epochal_seconds": [r.seconds for r in result.curve],
+            },
+        )
 
 
 if __name__ == "__main__":

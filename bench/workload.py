@@ -92,8 +92,14 @@ class Timings:
 
     def write(self, path: Path, mode: str, world_size: int, extra: dict[str, Any]) -> None:
         """Write the timings plus ``extra`` as JSON (atomically, so a reader never sees half)."""
-        record = {"mode": mode, "world_size": world_size, "pid": os.getpid(), **asdict(self),
-                  "epoch_seconds": self.epoch_seconds(), **extra}
+        record = {
+            "mode": mode,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            **asdict(self),
+            "epoch_seconds": self.epoch_seconds(),
+            **extra,
+        }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)
@@ -136,8 +142,7 @@ def loaders(
     valid_sampler: DistributedSampler[Any] = DistributedSampler(
         valid_set, num_replicas=world_size, rank=rank, shuffle=False, seed=SEED, drop_last=True
     )
-    train = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
-                       drop_last=True)
+    train = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler, drop_last=True)
     valid = DataLoader(valid_set, batch_size=args.batch_size, sampler=valid_sampler)
     timings.joined = time.time()
     return TimedLoader(train, timings), valid
