@@ -292,6 +292,10 @@ class Strategy:
         """Bytes of optimizer state tensors this rank holds."""
         return _state_bytes(self.optimizer)
 
+    def finish(self) -> None:
+        """When training ends, while the process group lives: leave ``model`` whole on every rank,
+        a plain module usable without the group. Collective in modes that shard the model."""
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's model state, for :meth:`restore` (the best epoch's)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
@@ -567,10 +571,11 @@ class FullySharded(Strategy):
     """FSDP2: ``fully_shard`` on each unit and the root; parameters, gradients and optimizer
     state are each split across ranks (the optimizer is rebuilt over the sharded parameters).
 
-    The model stays sharded after the run: its parameters are this rank's DTensor shards, usable
-    only while the process group lives. The whole model is in the checkpoints (DCP reshards on
-    load), or gather it with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(
-    model, options=StateDictOptions(full_state_dict=True))`` before the session closes.
+    While it trains, the model's parameters are this rank's DTensor shards. When training ends
+    (:meth:`finish`) every rank gathers the whole model and the model becomes the plain module it
+    was (:func:`epochal.worker.unshard.unshard`), so ``model`` holds full weights after
+    ``train()`` returns, as in the other modes. The checkpoints hold it sharded (DCP reshards on
+    load).
     """
 
     mode = "fully_sharded"
@@ -629,6 +634,11 @@ class FullySharded(Strategy):
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self._no_sync()
+
+    def finish(self) -> None:
+        from epochal.worker.unshard import unshard
+
+        unshard(self.model)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         # each rank keeps its own shards: no collective, and no rank ever holds the whole model

@@ -222,6 +222,7 @@ def fit(
             strategy.restore(best_state)
         else:  # the best epoch ran before a restart: its weights are in its checkpoint
             session.load_checkpoint(result.best_epoch, strategy.model_state)
+    strategy.finish()  # fully_sharded: the whole model on every rank, while the group lives
     return result
 
 

@@ -118,8 +118,11 @@ class LocalSession:
         self.checkpointer.load(epoch, state, rng=False)
 
 
-def fit_twice(mode: str, rank: int, world: int, directory: Path) -> dict[str, Any]:
-    """A two-epoch run, then a run resumed after epoch 0 on a fresh model."""
+def fit_twice(
+    mode: str, rank: int, world: int, directory: Path, kept: list[nn.Module]
+) -> dict[str, Any]:
+    """A two-epoch run, then a run resumed after epoch 0 on a fresh model; the first model is
+    appended to ``kept``."""
     out: dict[str, Any] = {}
     for name, resume, seed in (("run", None, 10 + rank), ("resumed", 0, 77 + rank)):
         model = make_model(seed)
@@ -137,6 +140,12 @@ def fit_twice(mode: str, rank: int, world: int, directory: Path) -> dict[str, An
             progress=False,
         )
         out[f"{name}_last"] = session.last  # after epoch 1
+        if name == "run":  # what the model holds once fit returned, read without a collective
+            state = model.state_dict()
+            out["sharded_after_fit"] = [k for k, v in state.items() if is_dtensor(v)]
+            out["classes_after_fit"] = sorted({type(m).__name__ for m in model.modules()})
+            out["state_after_fit"] = {k: v.detach().clone() for k, v in state.items()}
+            kept.append(model)
         out[f"{name}_best"] = full_state(model)  # epoch 0's weights, restored by fit
     return out
 
@@ -168,14 +177,20 @@ def modes_rank(rank: int, world: int, store: str, out: str) -> None:
     start_rank(rank, world, store, DEADLINE)
     try:
         results = {}
+        kept: list[nn.Module] = []
         for mode in MODES:
             results[mode] = {
-                **fit_twice(mode, rank, world, Path(out) / f"ck-{mode}"),
+                **fit_twice(mode, rank, world, Path(out) / f"ck-{mode}", kept),
                 **bare_strategy(mode, rank),
             }
-        torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    probe = make_data(0)[0][0]
+    for mode, model in zip(MODES, kept, strict=True):  # usable without the process group
+        model.eval()
+        with torch.no_grad():
+            results[mode]["output_without_group"] = model(probe)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
@@ -224,6 +239,21 @@ def test_every_mode_resumes_to_the_weights_of_the_uninterrupted_run(ranks, mode)
         close(keep(rank[mode]["resumed_last"]), keep(rank[mode]["run_last"]), exact)
         # the best epoch ran before the restart: fit restores it from its checkpoint
         close(keep(rank[mode]["resumed_best"]), keep(rank[mode]["run_best"]), exact)
+
+
+def test_fully_sharded_leaves_the_whole_model_in_plain_tensors(ranks):
+    ref = ranks[0]["replicated"]
+    for rank in ranks:
+        fully = rank["fully_sharded"]
+        assert fully["sharded_after_fit"] == [], "DTensor shards left in the model after fit"
+        assert fully["classes_after_fit"] == ref["classes_after_fit"]  # no FSDP<...> classes left
+        state = params_only(fully["state_after_fit"])
+        close(state, params_only(ranks[0]["fully_sharded"]["state_after_fit"]), exact=True)
+        close(state, params_only(ref["state_after_fit"]))
+        close(params_only(state), params_only(fully["run_best"]), exact=True)
+        torch.testing.assert_close(
+            fully["output_without_group"], ranks[0]["fully_sharded"]["output_without_group"]
+        )
 
 
 def test_optimizer_state_per_rank(ranks):
