@@ -283,7 +283,8 @@ async def _attempt(
         f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck and bound else ""
     )
     if interrupted:
-        say(f"interrupted by {interrupted[0]}{killed}{hidden}")
+        when = " after the run finished (result.json says so)" if summary is not None else ""
+        say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}")
         return _Outcome(128 + int(getattr(signal, interrupted[0])), reason)
     if summary is None:
         say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}")

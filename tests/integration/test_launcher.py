@@ -4,6 +4,8 @@ take to end, torchrun's variables are set, and a script that never joins is told
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,38 @@ def test_a_script_that_never_calls_epochal_is_told_so(spawn: Spawner, tmp_path: 
     assert code == 1, output
     assert "exited with status 0 before the run finished" in output
     assert "did the script call epochal.train() or epochal.join()?" in output
+
+
+def test_ctrl_c_says_so_once_without_tracebacks(spawn: Spawner, tmp_path: Path):
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "50",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--delay",
+        "0.05",
+        EPOCHAL_PROGRESS="1",  # progress bars too: their fragments must not leak either
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the launcher is alive until it has printed this
+        lines.append(line)
+        if "epoch 0 [1/50]" in line:
+            break
+    else:
+        pytest.fail("the run ended before its first epoch:\n" + "".join(lines))
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to the launcher
+    code, rest = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    output = "".join(lines) + rest
+    after = rest.splitlines()
+    assert code == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "GLHF" not in output, output
+    assert output.count("SIGINT") == 2, output  # the coordinator's abort, the launcher's last line
+    assert len(after) <= 4, output
