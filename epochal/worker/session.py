@@ -59,6 +59,7 @@ from epochal.protocol import (
     Hello,
     Joined,
     OpenStore,
+    Phase,
     Reject,
     StoreReady,
     Welcome,
@@ -308,7 +309,7 @@ class Session:
             while True:
                 try:
                     if stopped:
-                        self.client.at("finishing", epoch)
+                        self.client.at(Phase.FINISHING, epoch)
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state)
@@ -355,7 +356,7 @@ class Session:
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
         if valid_epoch is None:
             valid_batches = None
-        self.client.at("waiting", epoch)
+        self.client.at(Phase.WAITING, epoch)
         self.client.send(EpochReady(epoch, train_batches, valid_batches))
         go = self._expect(Go, Finish)
         if isinstance(go, Finish):
@@ -370,13 +371,13 @@ class Session:
             session=self,
         )
         started = time.monotonic()
-        self.client.at("train", epoch)
+        self.client.at(Phase.TRAIN, epoch)
         train = train_epoch(ctx)
         valid = LossSum(0.0, 0)
         if valid_epoch is not None and go.valid_batches > 0:
-            self.client.at("validate", epoch)
+            self.client.at(Phase.VALIDATE, epoch)
             valid = valid_epoch(ctx)
-        self.client.at("waiting", epoch)
+        self.client.at(Phase.WAITING, epoch)
         self.client.send(
             EpochReport(
                 epoch=epoch,
@@ -389,7 +390,7 @@ class Session:
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
         if decision.checkpoint and state is not None:
-            self.client.at("checkpoint", epoch)
+            self.client.at(Phase.CHECKPOINT, epoch)
             self._save(decision.epoch, state)
         record = EpochRecord(
             epoch=decision.epoch,
