@@ -67,6 +67,8 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.messages import Phase as WorkerPhase
+from epochal.protocol.messages import check_phase
 from epochal.security.curve import ServerSecurity, secure_server
 
 REFUSALS_LOGGED = 20
@@ -736,6 +738,14 @@ class Coordinator:
             rows.append((rank, member.hello.host, phase, epoch, step, now - since, where))
         return liveness.stall_table(rows)
 
+    def _doing(self, rank: int) -> str:
+        """What ``rank`` last said it was doing (" while connecting the data plane"), or ""."""
+        status = self._status.get(rank)
+        phase = WorkerPhase.RENDEZVOUS if status is None else check_phase(status[0])
+        if phase is WorkerPhase.RENDEZVOUS and self._store is not None:
+            phase = WorkerPhase.CONNECT  # welcomed: a worker connects its data plane next
+        return f" while {phase.description}"
+
     def _set_phase(self, phase: Phase) -> None:
         self.phase = phase
         self._phase_started = time.monotonic()
@@ -792,7 +802,8 @@ class Coordinator:
             member = self._members_by_rank[rank]
             await self._abort(
                 f"rank {rank} ({member.describe()}) sent nothing for "
-                f"{now - ranked[silent[0]]:.1f} s: it died, hung or lost its network"
+                f"{now - ranked[silent[0]]:.1f} s{self._doing(rank)}: it died, hung or lost its "
+                "network"
             )
             return
         if self.phase is Phase.FINISHING and waited > cfg.finish_timeout:

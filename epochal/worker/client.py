@@ -164,9 +164,19 @@ class ControlClient:
     def at(self, phase: Phase, epoch: int) -> None:
         """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat).
 
-        Raises ValueError for anything but a :class:`~epochal.protocol.Phase` (or its value).
+        A change of phase is reported at once, so the coordinator's view is current even if the
+        main thread now blocks for long (in the data plane's connect, say). Raises ValueError
+        for anything but a :class:`~epochal.protocol.Phase` (or its value).
         """
-        self.phase, self.epoch, self.step = check_phase(phase), epoch, 0
+        new = check_phase(phase)
+        changed = new is not self.phase
+        self.phase, self.epoch, self.step = new, epoch, 0
+        loop = self._loop
+        if changed and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._beat)
+            except RuntimeError:  # the loop closed meanwhile: nobody to tell
+                pass
 
     def check(self) -> None:
         """Raise RunAborted if an abort has arrived; cheap enough to call between batches.
@@ -310,7 +320,7 @@ class ControlClient:
         assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
+            self._beat()
             heard = self._last_heard
             gone = self._disconnected
             if (
@@ -332,6 +342,11 @@ class ControlClient:
                     f"the coordinator at {self.endpoint} sent nothing for "
                     f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
                 )
+
+    def _beat(self) -> None:
+        """Queue a heartbeat saying where the training code is (on this thread)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
 
     def _where(self) -> str:
         """Where the main thread is right now: its innermost frame, as ``file.py:12 in fn``."""

@@ -71,6 +71,7 @@ from epochal.worker import faults
 from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
+from epochal.worker.waiting import WaitNotices, exit_on_unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,6 +563,7 @@ def join(
         welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
+        faults.hit("connect", rank=welcome.rank)
         dist.init_process_group(
             backend=welcome.backend,
             store=PrefixStore(f"epochal/{welcome.run_id}", store.store),
@@ -570,7 +572,13 @@ def join(
             timeout=timedelta(seconds=collective_timeout),
             device_id=dev if dev.type == "cuda" else None,
         )
-    except BaseException:
+        client.at(Phase.SETUP, welcome.start_epoch)
+    except CoordinatorUnreachable:
+        client.close(flush=0.5)
+        exit_on_unreachable()
+        raise
+    except BaseException as exc:
+        _tell_join_failure(client, exc)
         client.close(flush=0.5)
         raise
     return Session(
@@ -583,6 +591,18 @@ def join(
         reattach_timeout=reattach,
         store_timeout=collective_timeout,
     )
+
+
+def _tell_join_failure(client: ControlClient, exc: BaseException) -> None:
+    """Send the coordinator the error that ended this worker's join, naming the phase it hit.
+
+    Without it, a worker whose data plane cannot connect (gloo's ``connectFullMesh failed``) is
+    seen by the coordinator only as a silence. A refused worker is not told again.
+    """
+    if isinstance(exc, JoinRefused) or not isinstance(exc, Exception):
+        return
+    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    client.send(Failed(reason=clip(f"{client.phase.description} failed: {error}")))
 
 
 @dataclass(slots=True)
@@ -606,7 +626,9 @@ def _rendezvous(
 
     ``store`` is the store of a running process group (a re-attach): it is reused, not reopened.
     """
-    deadline = time.monotonic() + deadline_s
+    started = time.monotonic()
+    deadline = started + deadline_s
+    notices = WaitNotices(endpoint, deadline_s, started, announced=store is not None)
     backoff = 0.1
     joined = False
     client.send(hello)
@@ -614,13 +636,18 @@ def _rendezvous(
         try:
             message = client.receive(timeout=None if joined else backoff)
         except TimeoutError:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise CoordinatorUnreachable(
                     f"no coordinator answered at {endpoint} within {deadline_s:g} s: start it "
-                    f"first (epochal coordinator --bind ...) or check the address "
-                    f"({COORDINATOR_ENV}) and that nothing blocks the port"
+                    f"first (epochal coordinator --bind ...), or check the address "
+                    f"({COORDINATOR_ENV}) and that no firewall blocks the port; "
+                    f"{CONNECT_TIMEOUT_ENV} sets how long a worker waits"
                 ) from None
-            backoff = min(backoff * 2, 2.0)
+            notice = notices.due(now)
+            if notice is not None:
+                print(notice, file=sys.stderr, flush=True)
+            backoff = min(backoff * 2, 2.0, max(0.1, deadline - now))
             client.send(hello)
             continue
         match message:
@@ -634,6 +661,7 @@ def _rendezvous(
                 raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
             case OpenStore():
                 if store is None:
+                    client.at(Phase.CONNECT, 0)
                     host = advertised_host(endpoint)
                     master = TCPStore(
                         host,
@@ -646,6 +674,7 @@ def _rendezvous(
                 client.send(StoreReady(host=store.host, port=store.port))
             case Welcome():
                 if store is None:
+                    client.at(Phase.CONNECT, message.start_epoch)
                     found = TCPStore(
                         message.store_host,
                         message.store_port,
