@@ -12,6 +12,7 @@ An abort from any phase sends Abort to every worker and ends the run with RunAbo
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
 import shutil
@@ -69,7 +70,7 @@ from epochal.protocol import (
 )
 from epochal.protocol.messages import Phase as WorkerPhase
 from epochal.protocol.messages import check_phase
-from epochal.security.curve import ServerSecurity, secure_server
+from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 REFUSALS_LOGGED = 20
 """Refused hellos logged per minute; the rest are counted."""
@@ -179,6 +180,8 @@ class Coordinator:
             else context or zmq.asyncio.Context.instance()
         )
         self._auth: Any = None
+        self.refused_handshakes = RefusedHandshakes()
+        # CURVE handshakes the allow-list refused: logged, and named by a rendezvous timeout
         self._socket: zmq.asyncio.Socket | None = None
         self._rendezvous = Rendezvous(config)
         self._last_seen: dict[bytes, float] = {}
@@ -233,7 +236,14 @@ class Coordinator:
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
-                self._auth = secure_server(self._context, sock, self._security)
+                self._auth = secure_server(
+                    self._context,
+                    sock,
+                    self._security,
+                    on_refused=self.refused_handshakes.reporter(
+                        asyncio.get_running_loop(), self._log
+                    ),
+                )
             except BaseException:
                 sock.close(linger=0)
                 raise
@@ -773,7 +783,7 @@ class Coordinator:
                 await self._abort(
                     f"only {joined} of {cfg.world_size} workers joined within "
                     f"{cfg.rendezvous_timeout:g} s: start the missing workers, or lower "
-                    "--world-size"
+                    f"--world-size{self.refused_handshakes.rendezvous_note()}"
                 )
             return
         if self.phase is Phase.STORE and waited > cfg.store_timeout:
