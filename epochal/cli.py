@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp://127.0.0.1:0",
         metavar="ADDR",
         help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:0, loopback on a "
-        "free port; use tcp://0.0.0.0:PORT for workers on other machines)",
+        "free port; use tcp://0.0.0.0:PORT with --curve-key and --curve-allowed for workers "
+        "on other machines)",
     )
     c.add_argument(
         "--world-size",

@@ -70,8 +70,8 @@ def attach_hint(
             f"{CURVE_KEY_ENV}={workers / 'NAME.key_secret'}",
         ]
         notes.append(
-            "copy coordinator.key to every worker machine and each worker's NAME.key_secret to "
-            "its own machine only (the paths above are where `epochal keys generate` wrote them)"
+            "copy coordinator.key to every worker machine, and each worker's NAME.key_secret to "
+            "its own machine only; the paths above are where `epochal keys generate` wrote them"
         )
     lines = ["attach workers with: " + " ".join(variables) + " python SCRIPT"]
     lines += [f"  ({note})" for note in notes]

@@ -597,9 +597,9 @@ def _tell_join_failure(client: ControlClient, exc: BaseException) -> None:
     """Send the coordinator the error that ended this worker's join, naming the phase it hit.
 
     Without it, a worker whose data plane cannot connect (gloo's ``connectFullMesh failed``) is
-    seen by the coordinator only as a silence. A refused worker is not told again.
+    seen by the coordinator only as a silence. A refused or aborted worker is not told again.
     """
-    if isinstance(exc, JoinRefused) or not isinstance(exc, Exception):
+    if isinstance(exc, JoinRefused | RunAborted) or not isinstance(exc, Exception):
         return
     error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     client.send(Failed(reason=clip(f"{client.phase.description} failed: {error}")))
