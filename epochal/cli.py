@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from epochal import __version__
 from epochal.argtypes import nonnegative_int, positive_int, seconds
+from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp://127.0.0.1:0",
         metavar="ADDR",
         help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:0, loopback on a "
-        "free port; use tcp://0.0.0.0:PORT for workers on other machines)",
+        "free port; use tcp://0.0.0.0:PORT with --curve-key and --curve-allowed for workers "
+        "on other machines)",
     )
     c.add_argument(
         "--world-size",
@@ -325,8 +327,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BIND_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def check_bind(bind: str) -> str:
+    """Return ``bind`` if it is an endpoint the coordinator can bind, else a ConfigError.
+
+    Caught here rather than by ZeroMQ, whose "Invalid argument" names neither the flag nor
+    the fix.
+    """
+    scheme, sep, rest = bind.partition("://")
+    if sep and scheme in ("ipc", "inproc") and rest:
+        return bind
+    host, colon, port = rest.rpartition(":")
+    valid_port = port == "*" or (port.isdigit() and int(port) <= 65535)
+    if scheme == "tcp" and sep and colon and host and valid_port:
+        return bind
+    raise ConfigError(
+        f"--bind needs tcp://HOST:PORT (got {bind!r}): e.g. tcp://127.0.0.1:29400 for workers "
+        "on this machine, tcp://0.0.0.0:29400 (with CURVE keys) for workers on others, port 0 "
+        "for a free one; ipc://PATH also works on one machine"
+    )
+
+
 def check_exposure(bind: str, secured: bool, insecure: bool) -> str | None:
-    """Refuse a non-loopback bind without CURVE unless --insecure; return a warning to print."""
+    """Refuse a non-loopback bind without CURVE unless --insecure; return a warning to print.
+
+    A malformed ``bind`` is refused first (see :func:`check_bind`).
+    """
+    check_bind(bind)
     parts = urlsplit(bind)
     host = parts.hostname or ""
     if parts.scheme in ("ipc", "inproc") or host == "localhost":
@@ -361,7 +390,12 @@ async def _serve(
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
     print(
-        f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT",
+        attach_hint(
+            endpoint,
+            address=local_address(),
+            server_secret_key=args.curve_key and Path(args.curve_key),
+            allowed_dir=args.curve_allowed and Path(args.curve_allowed),
+        ),
         file=sys.stderr,
         flush=True,
     )

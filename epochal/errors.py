@@ -42,6 +42,10 @@ class ProtocolVersionMismatch(MalformedMessage):
 class CoordinatorUnreachable(EpochalError):
     """No coordinator answered the worker's hello before its connect deadline."""
 
+    exit_code = 69
+    """Exit status of a worker process that ends with this uncaught (EX_UNAVAILABLE): a
+    supervisor does not restart it, since the next attempt would wait the same way."""
+
 
 class JoinRefused(EpochalError):
     """The coordinator refused this worker at rendezvous (wrong job, surplus, duplicate, ...)."""

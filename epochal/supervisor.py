@@ -3,8 +3,10 @@
 The supervisor runs the training command with ``EPOCHAL_COORDINATOR`` set, prefixes nothing (the
 output is the worker's own), and when the command fails starts it again, up to ``--max-restarts``
 times: a coordinator started with ``--max-restarts`` holds a new rendezvous after a failure and
-resumes the run from its last committed checkpoint. The child runs in its own process group and
-dies with the supervisor (``PR_SET_PDEATHSIG`` on Linux); SIGINT and SIGTERM are passed on to it.
+resumes the run from its last committed checkpoint. A worker that gave up on an unreachable
+coordinator (status :attr:`~epochal.errors.CoordinatorUnreachable.exit_code`) is not restarted:
+it would only wait again. The child runs in its own process group and dies with the supervisor
+(``PR_SET_PDEATHSIG`` on Linux); SIGINT and SIGTERM are passed on to it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from epochal.environment import COORDINATOR_ENV, WORKER_ID_ENV
+from epochal.errors import CoordinatorUnreachable
 from epochal.launcher import _die_with_parent
 
 
@@ -57,6 +60,14 @@ def supervise(
                 return 128 + received[0]
             if code == 0:
                 return 0
+            if code == CoordinatorUnreachable.exit_code:
+                # the worker already waited its whole connect timeout: a restart would only
+                # wait again, silently multiplying the time before the user hears of it
+                _say(
+                    f"the worker could not reach the coordinator at {endpoint}; not restarting "
+                    "it: start the coordinator (or fix --connect), then run this again"
+                )
+                return code
             what = f"status {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
             if attempt == max_restarts:
                 if max_restarts:

@@ -12,6 +12,7 @@ An abort from any phase sends Abort to every worker and ends the run with RunAbo
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
 import shutil
@@ -67,7 +68,9 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from epochal.security.curve import ServerSecurity, secure_server
+from epochal.protocol.messages import Phase as WorkerPhase
+from epochal.protocol.messages import check_phase
+from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 REFUSALS_LOGGED = 20
 """Refused hellos logged per minute; the rest are counted."""
@@ -177,6 +180,8 @@ class Coordinator:
             else context or zmq.asyncio.Context.instance()
         )
         self._auth: Any = None
+        self.refused_handshakes = RefusedHandshakes()
+        # CURVE handshakes the allow-list refused: logged, and named by a rendezvous timeout
         self._socket: zmq.asyncio.Socket | None = None
         self._rendezvous = Rendezvous(config)
         self._last_seen: dict[bytes, float] = {}
@@ -231,7 +236,14 @@ class Coordinator:
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
-                self._auth = secure_server(self._context, sock, self._security)
+                self._auth = secure_server(
+                    self._context,
+                    sock,
+                    self._security,
+                    on_refused=self.refused_handshakes.reporter(
+                        asyncio.get_running_loop(), self._log
+                    ),
+                )
             except BaseException:
                 sock.close(linger=0)
                 raise
@@ -736,6 +748,14 @@ class Coordinator:
             rows.append((rank, member.hello.host, phase, epoch, step, now - since, where))
         return liveness.stall_table(rows)
 
+    def _doing(self, rank: int) -> str:
+        """What ``rank`` last said it was doing (" while connecting the data plane"), or ""."""
+        status = self._status.get(rank)
+        phase = WorkerPhase.RENDEZVOUS if status is None else check_phase(status[0])
+        if phase is WorkerPhase.RENDEZVOUS and self._store is not None:
+            phase = WorkerPhase.CONNECT  # welcomed: a worker connects its data plane next
+        return f" while {phase.description}"
+
     def _set_phase(self, phase: Phase) -> None:
         self.phase = phase
         self._phase_started = time.monotonic()
@@ -763,7 +783,7 @@ class Coordinator:
                 await self._abort(
                     f"only {joined} of {cfg.world_size} workers joined within "
                     f"{cfg.rendezvous_timeout:g} s: start the missing workers, or lower "
-                    "--world-size"
+                    f"--world-size{self.refused_handshakes.rendezvous_note()}"
                 )
             return
         if self.phase is Phase.STORE and waited > cfg.store_timeout:
@@ -792,7 +812,8 @@ class Coordinator:
             member = self._members_by_rank[rank]
             await self._abort(
                 f"rank {rank} ({member.describe()}) sent nothing for "
-                f"{now - ranked[silent[0]]:.1f} s: it died, hung or lost its network"
+                f"{now - ranked[silent[0]]:.1f} s{self._doing(rank)}: it died, hung or lost its "
+                "network"
             )
             return
         if self.phase is Phase.FINISHING and waited > cfg.finish_timeout:

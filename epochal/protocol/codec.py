@@ -8,6 +8,7 @@ A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, <field>: 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -84,6 +85,8 @@ def _plain(value: Any) -> Any:
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -128,6 +131,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type, tp), value, where)
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        allowed = [member.value for member in tp]
+        if isinstance(value, str) and value in allowed:
+            return tp(value)
+        raise MalformedMessage(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -8,11 +8,12 @@ its own field ranges in ``__post_init__`` (raising ``ValueError``); the codec in
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -197,14 +198,60 @@ class Done:
     """The worker has restored the best weights and is leaving."""
 
 
-PHASES = ("rendezvous", "waiting", "train", "validate", "checkpoint", "finishing")
+class Phase(enum.StrEnum):
+    """Where a worker's training code is; sent with every heartbeat (:class:`Status`).
+
+    A ``str`` on the wire; the codec refuses any other value, so a misspelt phase fails where it is
+    made, not as a silence the coordinator later blames on the worker.
+    """
+
+    RENDEZVOUS = "rendezvous"
+    # saying hello and waiting for the other workers
+    CONNECT = "connect"
+    # opening or joining the data-plane store and initialising the process group
+    SETUP = "setup"
+    # in the process group, preparing to train (wrapping the model, loading a checkpoint)
+    WAITING = "waiting"
+    # waiting for the coordinator's answer (Go, Decision, Finish)
+    TRAIN = "train"
+    VALIDATE = "validate"
+    CHECKPOINT = "checkpoint"
+    FINISHING = "finishing"
+
+    @property
+    def description(self) -> str:
+        """The phase in words, for messages: "connecting the data plane"."""
+        return _PHASE_WORDS[self]
+
+
+_PHASE_WORDS = {
+    Phase.RENDEZVOUS: "joining the run",
+    Phase.CONNECT: "connecting the data plane",
+    Phase.SETUP: "setting up before the first epoch",
+    Phase.WAITING: "waiting for the coordinator",
+    Phase.TRAIN: "training",
+    Phase.VALIDATE: "validating",
+    Phase.CHECKPOINT: "writing a checkpoint",
+    Phase.FINISHING: "finishing",
+}
+
+PHASES = tuple(p.value for p in Phase)
+
+
+def check_phase(phase: object) -> Phase:
+    """``phase`` as a :class:`Phase`, or ValueError naming the phases there are."""
+    if isinstance(phase, Phase):
+        return phase
+    if isinstance(phase, str) and phase in PHASES:
+        return Phase(phase)
+    raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {phase!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class Status:
     """A worker's heartbeat: where its training code is, so a stall can be located."""
 
-    phase: str
+    phase: Phase
     epoch: int
     step: int
     # batches done in this phase of this epoch
@@ -212,7 +259,7 @@ class Status:
     # the line the training code's thread is executing ("file.py:12 in fn"), for stall reports
 
     def __post_init__(self) -> None:
-        _check(self.phase in PHASES, f"phase must be one of {PHASES}, got {self.phase!r}")
+        object.__setattr__(self, "phase", check_phase(self.phase))  # "train" -> Phase.TRAIN
         _text("where", self.where, empty=True)
         _nonneg("epoch", self.epoch)
         _nonneg("step", self.step)

@@ -14,12 +14,13 @@ handler is ever gone, handshakes fail instead of passing.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -109,19 +110,98 @@ class ServerSecurity:
         return cls(public=public, secret=secret, allowed=load_allowed(allowed_dir), domain=domain)
 
 
+REFUSED_KEYS_LOGGED = 20
+"""Refused CURVE handshakes logged per minute (each key at most once a minute); the rest are
+counted and summed up in the next line that is logged."""
+
+
+class RefusedHandshakes:
+    """Counts the CURVE handshakes the allow-list refused, and says which ones to log.
+
+    A worker with a key that is not on the list retries its handshake every second or two, and a
+    stranger may try many keys: each key is logged at most once a minute and at most
+    :data:`REFUSED_KEYS_LOGGED` lines a minute in all, with the count of the rest. :meth:`refused`
+    takes the clock as an argument and returns the line, so the rule is tested without sockets.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        # handshakes refused since the coordinator started
+        self._window = float("-inf")
+        self._shown: set[bytes] = set()
+        # keys logged in this window
+        self._hidden = 0
+        # refusals in this window not logged
+
+    def refused(self, key: bytes, now: float) -> str | None:
+        """Record one refused handshake by ``key`` (Z85) at ``now``; the line to log, or None."""
+        self.total += 1
+        summary = ""
+        if now - self._window >= 60.0:
+            if self._hidden:
+                summary = f" ({self._hidden} more refused handshakes in the minute before)"
+            self._window, self._shown, self._hidden = now, set(), 0
+        if key in self._shown or len(self._shown) >= REFUSED_KEYS_LOGGED:
+            self._hidden += 1
+            return None
+        self._shown.add(key)
+        return (
+            f"refused a CURVE handshake: worker key {key.decode(errors='replace')} is not on the "
+            "allow-list (if it is one of your workers, put its NAME.key into the --curve-allowed "
+            f"directory and restart the coordinator){summary}"
+        )
+
+    def reporter(
+        self, loop: asyncio.AbstractEventLoop, log: Callable[[str], None]
+    ) -> Callable[[bytes], None]:
+        """An ``on_refused`` for :func:`secure_server` that counts and logs on ``loop``'s thread.
+
+        The authenticator calls it on its own thread; the count and the log line are left to
+        the loop that owns them.
+        """
+
+        def note(key: bytes) -> None:
+            line = self.refused(key, time.monotonic())
+            if line is not None:
+                log(line)
+
+        def on_refused(key: bytes) -> None:
+            try:
+                loop.call_soon_threadsafe(note, key)
+            except RuntimeError:  # the loop has closed: the coordinator is going away
+                pass
+
+        return on_refused
+
+    def rendezvous_note(self) -> str:
+        """What a rendezvous timeout adds when handshakes were refused: a likely cause."""
+        if not self.total:
+            return ""
+        return (
+            f"; {self.total} CURVE handshakes were refused meanwhile (logged above): a missing "
+            "worker may hold a key that is not on the allow-list (--curve-allowed)"
+        )
+
+
 class _AllowList:
     """The credentials provider pyzmq's authenticator asks about each CURVE client key.
 
-    It runs on the authenticator's thread and only reads a frozenset, so it needs no lock.
+    It runs on the authenticator's thread; it reads a frozenset and hands refusals to
+    ``on_refused`` (which must be safe to call from that thread).
     """
 
-    def __init__(self, allowed: frozenset[bytes]) -> None:
+    def __init__(
+        self, allowed: frozenset[bytes], on_refused: Callable[[bytes], None] | None = None
+    ) -> None:
         self.allowed = allowed
+        self.on_refused = on_refused
 
     def callback(self, domain: str, key: bytes) -> bool:
         admitted = key in self.allowed
         if not admitted:
             _log.info("refused a CURVE client key not on the allow-list: %s", key.decode())
+            if self.on_refused is not None:
+                self.on_refused(key)
         return admitted
 
 
@@ -175,9 +255,16 @@ def _start(auth: _Authenticator) -> None:
 
 
 def secure_server(
-    context: zmq.Context[Any], socket: zmq.Socket[Any], security: ServerSecurity
+    context: zmq.Context[Any],
+    socket: zmq.Socket[Any],
+    security: ServerSecurity,
+    *,
+    on_refused: Callable[[bytes], None] | None = None,
 ) -> ThreadAuthenticator:
     """Start the ZAP authenticator and make ``socket`` a CURVE server; call before ``bind``.
+
+    ``on_refused(key)`` is called, on the authenticator's thread, with the Z85 public key of
+    each handshake the allow-list refuses.
 
     Returns the running authenticator (a ``zmq.auth.thread.ThreadAuthenticator``). The caller
     owns it: ``stop()`` it after closing ``socket`` and before terminating ``context``.
@@ -207,7 +294,7 @@ def secure_server(
     auth = _Authenticator(context=context, log=logging.getLogger("epochal.security.zap"))
     # the policy is in place before the handler can receive its first request
     auth.configure_curve_callback(
-        domain=security.domain, credentials_provider=_AllowList(security.allowed)
+        domain=security.domain, credentials_provider=_AllowList(security.allowed, on_refused)
     )
     _start(auth)
     try:

@@ -3,7 +3,10 @@
 The training code's main thread calls :meth:`ControlClient.send` and :meth:`ControlClient.receive`;
 the thread keeps heartbeats flowing while the main thread is busy in a step or a collective, and
 turns an Abort or a vanished coordinator into :class:`~epochal.errors.RunAborted` at the main
-thread's next call (or its next :meth:`check`, made between batches). If the main thread does not
+thread's next call (or its next :meth:`check`, made between batches). Each of the thread's tasks
+is watched: one that dies fails the worker at once, with its cause, both here (the next call
+raises) and at the coordinator (a Failed message), instead of leaving a silence that the
+coordinator would later blame on the worker's network. If the main thread does not
 come back within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the
 thread prints the reason and ends the process with :data:`ABORT_EXIT_CODE`: a bounded abort
 instead of a hang.
@@ -12,12 +15,15 @@ instead of a hang.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -29,7 +35,9 @@ from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
     CoordinatorMessage,
+    Failed,
     Heartbeat,
+    Phase,
     Reject,
     Status,
     WorkerMessage,
@@ -37,7 +45,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from epochal.protocol.messages import TYPE_NAMES
+from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
 from epochal.worker import faults
 
@@ -98,7 +106,7 @@ class ControlClient:
         self._main_thread = threading.get_ident()  # made on the training code's thread
         self.rank: int | None = None
         # this worker's rank once it has one (for fault injection)
-        self.phase = "rendezvous"
+        self.phase = Phase.RENDEZVOUS
         self.epoch = 0
         self.step = 0
         # where the training code is; set by the main thread, sent with every heartbeat
@@ -153,9 +161,22 @@ class ControlClient:
             raise RunAborted(item.reason)
         return item
 
-    def at(self, phase: str, epoch: int) -> None:
-        """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat)."""
-        self.phase, self.epoch, self.step = phase, epoch, 0
+    def at(self, phase: Phase, epoch: int) -> None:
+        """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat).
+
+        A change of phase is reported at once, so the coordinator's view is current even if the
+        main thread now blocks for long (in the data plane's connect, say). Raises ValueError
+        for anything but a :class:`~epochal.protocol.Phase` (or its value).
+        """
+        new = check_phase(phase)
+        changed = new is not self.phase
+        self.phase, self.epoch, self.step = new, epoch, 0
+        loop = self._loop
+        if changed and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._beat)
+            except RuntimeError:  # the loop closed meanwhile: nobody to tell
+                pass
 
     def check(self) -> None:
         """Raise RunAborted if an abort has arrived; cheap enough to call between batches.
@@ -212,9 +233,9 @@ class ControlClient:
             ctx.term()
             raise EpochalError(f"cannot connect to coordinator {self.endpoint!r}: {exc}") from None
         self._started.set()
-        reader = asyncio.create_task(self._read(sock))
-        ticker = asyncio.create_task(self._tick())
-        watcher = asyncio.create_task(self._watch(monitor))
+        reader = self._watched(self._read(sock), "reading the coordinator's messages")
+        ticker = self._watched(self._tick(), "sending heartbeats")
+        watcher = self._watched(self._watch(monitor), "watching the connection")
         try:
             while True:
                 message = await self._outbox.get()
@@ -232,6 +253,26 @@ class ControlClient:
             monitor.close(linger=0)
             sock.close(linger=2000)
             ctx.term()
+
+    def _watched(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        """Run ``work`` as a task of this thread whose end, other than by cancelling, fails us."""
+        task = asyncio.create_task(work, name=f"epochal-control: {what}")
+        task.add_done_callback(functools.partial(self._task_ended, what))
+        return task
+
+    def _task_ended(self, what: str, task: asyncio.Task[None]) -> None:
+        """A task's done-callback (on this thread): every task is meant to run until cancelled."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        cause = "it returned" if exc is None else f"{type(exc).__name__}: {exc}"
+        reason = (
+            f"this worker's control client stopped {what} ({cause}); the worker cannot go on "
+            "without it (a bug in epochal or in code calling its client: please report it)"
+        )
+        if self._outbox is not None:  # the coordinator learns the cause, not just a silence
+            self._outbox.put_nowait(Failed(reason=clip(reason)))
+        self._fail(reason)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -279,7 +320,7 @@ class ControlClient:
         assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
+            self._beat()
             heard = self._last_heard
             gone = self._disconnected
             if (
@@ -301,6 +342,11 @@ class ControlClient:
                     f"the coordinator at {self.endpoint} sent nothing for "
                     f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
                 )
+
+    def _beat(self) -> None:
+        """Queue a heartbeat saying where the training code is (on this thread)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
 
     def _where(self) -> str:
         """Where the main thread is right now: its innermost frame, as ``file.py:12 in fn``."""

@@ -10,7 +10,8 @@ heartbeats too), ``hang`` (the training code blocks for an hour while heartbeats
 ``drop`` and ``corrupt`` act on the control messages this worker sends at point ``send``: the
 message named by ``type=`` (an index into :data:`MESSAGE_KINDS`) is dropped or replaced by
 garbage, e.g. ``drop@send:rank=1:type=3`` loses rank 1's epoch reports.
-Points: ``train-step`` (before a training step),
+Points: ``connect`` (before the data-plane process group is initialised), ``train-step`` (before a
+training step),
 ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed into
 place), ``epoch-end`` (after the epoch's report). Without the variable every check is a dict
 lookup that finds nothing.
@@ -28,7 +29,7 @@ ACTIONS = ("kill", "raise", "exit", "stop", "hang", "delay", "drop", "corrupt")
 _PARAMETERS = ("ms",)  # settings of the action, not conditions on where it fires
 MESSAGE_KINDS = ("hello", "store_ready", "epoch_ready", "epoch_report", "checkpointed", "status")
 """Control messages a ``drop``/``corrupt`` fault can name, by index (``type=3``: epoch_report)."""
-POINTS = ("train-step", "checkpoint-commit", "epoch-end", "send")
+POINTS = ("connect", "train-step", "checkpoint-commit", "epoch-end", "send")
 
 
 class InjectedFault(RuntimeError):

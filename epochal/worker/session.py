@@ -59,6 +59,7 @@ from epochal.protocol import (
     Hello,
     Joined,
     OpenStore,
+    Phase,
     Reject,
     StoreReady,
     Welcome,
@@ -70,6 +71,7 @@ from epochal.worker import faults
 from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
+from epochal.worker.waiting import WaitNotices, exit_on_unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +310,7 @@ class Session:
             while True:
                 try:
                     if stopped:
-                        self.client.at("finishing", epoch)
+                        self.client.at(Phase.FINISHING, epoch)
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state)
@@ -355,7 +357,7 @@ class Session:
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
         if valid_epoch is None:
             valid_batches = None
-        self.client.at("waiting", epoch)
+        self.client.at(Phase.WAITING, epoch)
         self.client.send(EpochReady(epoch, train_batches, valid_batches))
         go = self._expect(Go, Finish)
         if isinstance(go, Finish):
@@ -370,13 +372,13 @@ class Session:
             session=self,
         )
         started = time.monotonic()
-        self.client.at("train", epoch)
+        self.client.at(Phase.TRAIN, epoch)
         train = train_epoch(ctx)
         valid = LossSum(0.0, 0)
         if valid_epoch is not None and go.valid_batches > 0:
-            self.client.at("validate", epoch)
+            self.client.at(Phase.VALIDATE, epoch)
             valid = valid_epoch(ctx)
-        self.client.at("waiting", epoch)
+        self.client.at(Phase.WAITING, epoch)
         self.client.send(
             EpochReport(
                 epoch=epoch,
@@ -389,7 +391,7 @@ class Session:
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
         if decision.checkpoint and state is not None:
-            self.client.at("checkpoint", epoch)
+            self.client.at(Phase.CHECKPOINT, epoch)
             self._save(decision.epoch, state)
         record = EpochRecord(
             epoch=decision.epoch,
@@ -561,6 +563,7 @@ def join(
         welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
+        faults.hit("connect", rank=welcome.rank)
         dist.init_process_group(
             backend=welcome.backend,
             store=PrefixStore(f"epochal/{welcome.run_id}", store.store),
@@ -569,7 +572,13 @@ def join(
             timeout=timedelta(seconds=collective_timeout),
             device_id=dev if dev.type == "cuda" else None,
         )
-    except BaseException:
+        client.at(Phase.SETUP, welcome.start_epoch)
+    except CoordinatorUnreachable:
+        client.close(flush=0.5)
+        exit_on_unreachable()
+        raise
+    except BaseException as exc:
+        _tell_join_failure(client, exc)
         client.close(flush=0.5)
         raise
     return Session(
@@ -582,6 +591,18 @@ def join(
         reattach_timeout=reattach,
         store_timeout=collective_timeout,
     )
+
+
+def _tell_join_failure(client: ControlClient, exc: BaseException) -> None:
+    """Send the coordinator the error that ended this worker's join, naming the phase it hit.
+
+    Without it, a worker whose data plane cannot connect (gloo's ``connectFullMesh failed``) is
+    seen by the coordinator only as a silence. A refused or aborted worker is not told again.
+    """
+    if isinstance(exc, JoinRefused | RunAborted) or not isinstance(exc, Exception):
+        return
+    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    client.send(Failed(reason=clip(f"{client.phase.description} failed: {error}")))
 
 
 @dataclass(slots=True)
@@ -605,7 +626,9 @@ def _rendezvous(
 
     ``store`` is the store of a running process group (a re-attach): it is reused, not reopened.
     """
-    deadline = time.monotonic() + deadline_s
+    started = time.monotonic()
+    deadline = started + deadline_s
+    notices = WaitNotices(endpoint, deadline_s, started, announced=store is not None)
     backoff = 0.1
     joined = False
     client.send(hello)
@@ -613,13 +636,18 @@ def _rendezvous(
         try:
             message = client.receive(timeout=None if joined else backoff)
         except TimeoutError:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise CoordinatorUnreachable(
                     f"no coordinator answered at {endpoint} within {deadline_s:g} s: start it "
-                    f"first (epochal coordinator --bind ...) or check the address "
-                    f"({COORDINATOR_ENV}) and that nothing blocks the port"
+                    f"first (epochal coordinator --bind ...), or check the address "
+                    f"({COORDINATOR_ENV}) and that no firewall blocks the port; "
+                    f"{CONNECT_TIMEOUT_ENV} sets how long a worker waits"
                 ) from None
-            backoff = min(backoff * 2, 2.0)
+            notice = notices.due(now)
+            if notice is not None:
+                print(notice, file=sys.stderr, flush=True)
+            backoff = min(backoff * 2, 2.0, max(0.1, deadline - now))
             client.send(hello)
             continue
         match message:
@@ -633,6 +661,7 @@ def _rendezvous(
                 raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
             case OpenStore():
                 if store is None:
+                    client.at(Phase.CONNECT, 0)
                     host = advertised_host(endpoint)
                     master = TCPStore(
                         host,
@@ -645,6 +674,7 @@ def _rendezvous(
                 client.send(StoreReady(host=store.host, port=store.port))
             case Welcome():
                 if store is None:
+                    client.at(Phase.CONNECT, message.start_epoch)
                     found = TCPStore(
                         message.store_host,
                         message.store_port,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from epochal.errors import CoordinatorUnreachable
 from tests.integration.conftest import Spawner
 
 pytestmark = pytest.mark.slow
@@ -107,6 +108,6 @@ def test_worker_without_coordinator_gives_up_with_a_clear_error(spawn: Spawner, 
     endpoint = f"ipc://{tmp_path}/nobody.sock"
     worker = spawn.script("linear.py", EPOCHAL_COORDINATOR=endpoint, EPOCHAL_CONNECT_TIMEOUT="2")
     code, output = spawn.finish(worker, 30)
-    assert code == 1
+    assert code == CoordinatorUnreachable.exit_code, output
     assert f"CoordinatorUnreachable: no coordinator answered at {endpoint} within 2 s" in output
     spawn.assert_none_left()

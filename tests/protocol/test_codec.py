@@ -39,6 +39,7 @@ from epochal.protocol.messages import (
     Joined,
     OpenStore,
     ParamSpec,
+    Phase,
     Reject,
     Status,
     StoreReady,
@@ -207,7 +208,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Heartbeat: st.just(Heartbeat()),
     Status: st.builds(
         Status,
-        phase=st.sampled_from(["rendezvous", "waiting", "train", "validate", "checkpoint"]),
+        phase=st.sampled_from(list(Phase)),
         epoch=nonneg,
         step=nonneg,
         where=text,
@@ -602,7 +603,8 @@ OUT_OF_RANGE = [
     ),
     (Checkpointed, {"epoch": -1}, "checkpointed: epoch must be >= 0, got -1"),
     (Reject, {"code": "nope"}, "reject: code must be one of"),
-    (Status, {"phase": "dancing"}, "status: phase must be one of"),
+    (Status, {"phase": "dancing"}, "status.phase: expected one of rendezvous, connect"),
+    (Status, {"phase": 3}, "status.phase: expected one of"),
     (Status, {"step": -1}, "status: step must be >= 0, got -1"),
     (Joined, {"joined": 0}, "joined: joined 0 outside 1..4"),
     (Joined, {"joined": 5}, "joined: joined 5 outside 1..4"),
@@ -690,7 +692,7 @@ def test_a_frame_at_the_size_limit_is_parsed_not_refused_for_size():
     assert "limit" not in message
 
 
-@pytest.mark.parametrize("theirs", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("theirs", [0, 1, 99, "2", None])
 def test_another_protocol_version_is_a_version_mismatch(theirs: Any):
     frame = frame_of(EXAMPLES[Heartbeat])
     if theirs is None:
@@ -791,3 +793,14 @@ def field_mutations(draw: st.DrawFn) -> dict[str, Any]:
 @given(field_mutations())
 def test_field_mutations_of_valid_frames_decode_or_are_refused(frame: dict[str, Any]):
     decodes_or_refuses(pack(frame))
+
+
+def test_a_status_phase_is_the_shared_enum_on_both_sides():
+    status = decode(encode(Status(phase=Phase.CONNECT, epoch=0, step=0, where="")))
+    assert isinstance(status, Status) and status.phase is Phase.CONNECT
+    assert frame_of(status)["phase"] == "connect"  # a plain string on the wire
+    assert Status(phase="train", epoch=0, step=0, where="").phase is Phase.TRAIN  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"phase must be one of rendezvous, connect, .*'trian'"):
+        Status(phase="trian", epoch=0, step=0, where="")  # type: ignore[arg-type]
+    assert Phase.CONNECT.description == "connecting the data plane"
+    assert all(phase.description for phase in Phase)

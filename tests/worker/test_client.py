@@ -1,0 +1,87 @@
+"""The control client's own failures reach the training code and the coordinator, with their cause.
+
+A fake coordinator (a ROUTER socket on a random loopback port) stands in for the service, so
+each test sees exactly the frames the client sends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from epochal.errors import RunAborted
+from epochal.protocol import Failed, Phase, Status, decode
+from epochal.worker.client import ControlClient
+
+HEARTBEAT_INTERVAL = 0.2
+MARGIN = 10.0
+"""Seconds added to a configured interval for a loaded machine to act on it."""
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def client(router: tuple[zmq.Socket[bytes], str]) -> Iterator[ControlClient]:
+    _, endpoint = router
+    control = ControlClient(
+        endpoint,
+        b"worker-under-test",
+        heartbeat_interval=HEARTBEAT_INTERVAL,
+        abort_grace=600.0,  # the test takes the abort itself; never end the test process
+    )
+    control.start()
+    try:
+        yield control
+    finally:
+        control.close(flush=0.1)
+
+
+def frames_until(sock: zmq.Socket[bytes], deadline: float, want: type) -> list[object]:
+    """Every message received until one of type ``want`` arrives (or the deadline passes)."""
+    seen: list[object] = []
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if sock.poll(100):
+            _, data = sock.recv_multipart()
+            seen.append(decode(data))
+            if isinstance(seen[-1], want):
+                return seen
+    return seen
+
+
+def test_a_misspelt_phase_is_refused_at_the_call(client: ControlClient):
+    with pytest.raises(ValueError, match=r"phase must be one of .*got 'trian'"):
+        client.at("trian", 1)  # type: ignore[arg-type]
+    client.at(Phase.TRAIN, 1)
+    assert client.phase is Phase.TRAIN
+    client.check()  # nothing failed
+
+
+def test_a_dead_heartbeat_task_fails_the_worker_at_once_naming_its_cause(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    sock, _ = router
+    beats = frames_until(sock, HEARTBEAT_INTERVAL + MARGIN, Status)
+    assert beats and isinstance(beats[-1], Status), "the client sent no heartbeat"
+    client.phase = "trian"  # type: ignore[assignment]  # past at(): the heartbeat task dies
+
+    seen = frames_until(sock, HEARTBEAT_INTERVAL + MARGIN, Failed)
+    failed = seen[-1] if seen else None
+    assert isinstance(failed, Failed), f"the coordinator was not told; it got {seen}"
+    assert "stopped sending heartbeats" in failed.reason
+    assert "ValueError" in failed.reason and "'trian'" in failed.reason
+    with pytest.raises(RunAborted, match=r"stopped sending heartbeats.*'trian'"):
+        client.check()
