@@ -24,6 +24,9 @@ MAX_TEXT_CHARS = 64 * 1024
 MAX_PARAMS = 100_000
 """Most parameter entries one fingerprint may list."""
 
+MAX_SHAPE_DIMS = 64
+"""Most dimensions one parameter's shape may have."""
+
 BACKENDS = ("gloo", "nccl")
 REJECT_CODES = ("refused", "not_member", "malformed", "version")
 
@@ -76,7 +79,10 @@ class ParamSpec:
     def __post_init__(self) -> None:
         _text("parameter name", self.name)
         _text("dtype", self.dtype)
-        _check(len(self.shape) <= 64, f"shape of {self.name} has more than 64 dimensions")
+        _check(
+            len(self.shape) <= MAX_SHAPE_DIMS,
+            f"shape of {self.name} has more than {MAX_SHAPE_DIMS} dimensions",
+        )
         _check(all(d >= 0 for d in self.shape), f"shape of {self.name} has a negative size")
 
 
