@@ -21,11 +21,11 @@ from epochal.protocol.limits import (
     MAX_FIELDS,
     MAX_FRAME_OBJECTS,
     MAX_KEY_CHARS,
-    MAX_SESSION_CHARS,
     SESSION_KEY,
 )
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
+    MAX_SESSION_CHARS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,

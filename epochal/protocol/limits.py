@@ -11,10 +11,9 @@ from __future__ import annotations
 from epochal.protocol.messages import MAX_PARAMS, MAX_SHAPE_DIMS
 
 SESSION_KEY = "s"
-"""Frame key of the session a worker presents with every frame after its hello was admitted."""
+"""Frame key of the session a worker presents with every frame after its hello was admitted.
 
-MAX_SESSION_CHARS = 64
-"""Longest session string a frame may carry (the coordinator issues 43-character ones)."""
+At most :data:`~epochal.protocol.messages.MAX_SESSION_CHARS` characters."""
 
 MAX_KEY_CHARS = 64
 """Longest field name; every declared one is far shorter."""

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -23,6 +23,9 @@ MAX_TEXT_CHARS = 64 * 1024
 
 MAX_PARAMS = 100_000
 """Most parameter entries one fingerprint may list."""
+
+MAX_SESSION_CHARS = 64
+"""Longest session secret a Joined or Welcome may carry (the coordinator issues 43 characters)."""
 
 MAX_SHAPE_DIMS = 64
 """Most dimensions one parameter's shape may have."""
@@ -63,6 +66,13 @@ def _nonneg(name: str, value: int) -> None:
 def _text(name: str, value: str, *, empty: bool = False) -> None:
     _check(len(value) <= MAX_TEXT_CHARS, f"{name} is longer than {MAX_TEXT_CHARS} characters")
     _check(empty or value != "", f"{name} must not be empty")
+
+
+def _session(value: str) -> None:
+    _check(
+        0 < len(value) <= MAX_SESSION_CHARS,
+        f"session must be 1-{MAX_SESSION_CHARS} characters, got {len(value)}",
+    )
 
 
 # ------------------------------------------------------------------------ shared parts
@@ -258,8 +268,11 @@ class Welcome:
     # load the checkpoint of this epoch before training; None: a fresh start
     checkpoint_dir: str
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
+    session: str
+    # this worker's session secret, as in its Joined (a Welcome may answer a retried hello)
 
     def __post_init__(self) -> None:
+        _session(self.session)
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _text("checkpoint_dir", self.checkpoint_dir, empty=True)
         if self.resume_epoch is not None:
@@ -284,8 +297,11 @@ class Joined:
 
     joined: int
     world_size: int
+    session: str
+    # a secret for this worker alone: every frame it sends from now on must carry it (key "s")
 
     def __post_init__(self) -> None:
+        _session(self.session)
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _check(
             0 < self.joined <= self.world_size, f"joined {self.joined} outside 1..{self.world_size}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -30,8 +31,11 @@ from epochal.protocol import (
     Abort,
     CoordinatorMessage,
     Heartbeat,
+    Hello,
+    Joined,
     Reject,
     Status,
+    Welcome,
     WorkerMessage,
     clip,
     decode,
@@ -47,6 +51,10 @@ _WATCHED_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+ROUTING_NONCE_BYTES = 8
+"""Random bytes appended to the routing identity: another process cannot guess it and take over
+this worker's connection (the coordinator hands an identity over to whoever connects with it)."""
 
 ABORT_EXIT_CODE = 75
 """Exit status of a worker process ended by an abort it could not leave in time."""
@@ -93,6 +101,8 @@ class ControlClient:
         self._watch_coordinator = False
         self._reattach = reattach
         self._security = security
+        self._session = ""
+        # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
@@ -195,7 +205,8 @@ class ControlClient:
         self._outbox = asyncio.Queue()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
+        nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
+        sock.setsockopt(zmq.IDENTITY, self.identity[: 255 - len(nonce)] + nonce)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -220,7 +231,9 @@ class ControlClient:
                 message = await self._outbox.get()
                 if message is None:
                     break
-                data = faults.on_send(TYPE_NAMES[type(message)], encode(message), rank=self.rank)
+                session = "" if isinstance(message, Hello) else self._session
+                frame = encode(message, session=session)
+                data = faults.on_send(TYPE_NAMES[type(message)], frame, rank=self.rank)
                 if data is not None:
                     await sock.send(data)
         finally:
@@ -247,6 +260,8 @@ class ControlClient:
                 continue
             if isinstance(message, Heartbeat):
                 continue
+            if isinstance(message, Joined | Welcome):
+                self._session = message.session
             if isinstance(message, Abort):
                 self._begin_abort(message.reason)
             elif isinstance(message, Reject) and message.code == "not_member":

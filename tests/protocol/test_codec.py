@@ -81,7 +81,7 @@ EXAMPLES: dict[type, Any] = {
     Done: Done(),
     Heartbeat: Heartbeat(),
     Status: Status(phase="train", epoch=3, step=17, where="train.py:168 in train_epoch"),
-    Joined: Joined(joined=2, world_size=4),
+    Joined: Joined(joined=2, world_size=4, session="s" * 43),
     OpenStore: OpenStore(run_id="run-1"),
     Welcome: Welcome(
         rank=3,
@@ -94,6 +94,7 @@ EXAMPLES: dict[type, Any] = {
         epochs=10,
         resume_epoch=2,
         checkpoint_dir="/runs/a/checkpoints",
+        session="s" * 43,
     ),
     Reject: Reject(reason="surplus", code="refused"),
     Go: Go(epoch=0, train_batches=48, valid_batches=0, lr_factor=0.5),
@@ -154,10 +155,15 @@ fingerprints = st.builds(
 )
 
 
+sessions = st.text(min_size=1, max_size=64)
+
+
 @st.composite
 def joineds(draw: st.DrawFn) -> Joined:
     world_size = draw(st.integers(1, 2**31))
-    return Joined(joined=draw(st.integers(1, world_size)), world_size=world_size)
+    return Joined(
+        joined=draw(st.integers(1, world_size)), world_size=world_size, session=draw(sessions)
+    )
 
 
 @st.composite
@@ -175,6 +181,7 @@ def welcomes(draw: st.DrawFn) -> Welcome:
         epochs=draw(st.integers(1, INT64)),
         resume_epoch=resume,
         checkpoint_dir=draw(nonempty) if resume is not None else draw(text),
+        session=draw(sessions),
     )
 
 
@@ -474,9 +481,11 @@ def test_a_frame_that_is_not_a_map_is_refused(obj: Any, kind: str):
 
 def test_binary_and_non_string_keys_are_refused():
     assert "failed.reason: expected a plain value, got bytes" in refusal(
-        pack({"v": 1, "t": "failed", "reason": b"bytes"})
+        pack({"v": PROTOCOL_VERSION, "t": "failed", "reason": b"bytes"})
     )
-    assert "a field name must be a string, got int" in refusal(pack({"v": 1, "t": "done", 7: 1}))
+    assert "a field name must be a string, got int" in refusal(
+        pack({"v": PROTOCOL_VERSION, "t": "done", 7: 1})
+    )
 
 
 @pytest.mark.parametrize(
@@ -692,7 +701,7 @@ def test_a_frame_at_the_size_limit_is_parsed_not_refused_for_size():
     assert "limit" not in message
 
 
-@pytest.mark.parametrize("theirs", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("theirs", [0, 1, PROTOCOL_VERSION + 1, 99, "1", None])
 def test_another_protocol_version_is_a_version_mismatch(theirs: Any):
     frame = frame_of(EXAMPLES[Heartbeat])
     if theirs is None:
@@ -800,7 +809,8 @@ def test_field_mutations_of_valid_frames_decode_or_are_refused(frame: dict[str, 
 
 def _bombs() -> dict[str, bytes]:
     """Frames at the size limit whose plain decoding would build huge object graphs."""
-    head = b"\x83\xa1v\x01\xa1t\xa6failed\xa6reason"  # {"v": 1, "t": "failed", "reason": ...
+    v = bytes([PROTOCOL_VERSION])
+    head = b"\x83\xa1v" + v + b"\xa1t\xa6failed\xa6reason"  # {"v":, "t": "failed", "reason": ...
     room = MAX_FRAME_BYTES - len(head) - 16
     wide = b"\xdd" + (room // 1).to_bytes(4, "big")  # array32 of `room` items
     hello = frame_of(EXAMPLES[Hello])
@@ -823,7 +833,7 @@ def _bombs() -> dict[str, bytes]:
         + b"\xdd\xff\xff\xff\xff"
         + b"\x80" * 1000,
         # an unknown field whose value is a huge structure
-        "unknown-field": b"\x84\xa1v\x01\xa1t\xa4done\xa5extra" + wide + b"\x90" * room,
+        "unknown-field": b"\x84\xa1v" + v + b"\xa1t\xa4done\xa5extra" + wide + b"\x90" * room,
     }
 
 
