@@ -436,7 +436,8 @@ class Coordinator:
         if len(frames) != 2:
             self.dropped_frames += 1
             return
-        peer, data = (f if isinstance(f, bytes) else f.bytes for f in frames)
+        peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
         user_id = _user_id(frames[1])
         member = peer in self._sessions
         if not member and self._strangers.get(peer, 0) >= STRANGER_REPLIES:

@@ -53,12 +53,12 @@ def encode(message: Message, session: str = "") -> bytes:
     return data
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | memoryview) -> Message:
     """Decode one frame, or raise MalformedMessage naming what is wrong with it."""
     return decode_frame(data)[0]
 
 
-def decode_frame(data: bytes) -> tuple[Message, str]:
+def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     """Decode one frame into its message and the session it presents ("" when none).
 
     The frame is read against the message's declared fields, value by value, and every container
@@ -66,12 +66,13 @@ def decode_frame(data: bytes) -> tuple[Message, str]:
     the message allows: whatever the bytes, decoding allocates at most about what the largest
     legitimate message needs (at most :data:`MAX_FRAME_OBJECTS` values), never an amplification.
     """
-    if len(data) > MAX_FRAME_BYTES:
-        raise MalformedMessage(f"frame of {len(data)} bytes is over the {MAX_FRAME_BYTES} limit")
+    size = memoryview(data).nbytes
+    if size > MAX_FRAME_BYTES:
+        raise MalformedMessage(f"frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
     reader = _Reader(data)
     try:
         message, session = reader.frame()
-        if reader.unpacker.tell() != len(data):
+        if reader.unpacker.tell() != size:
             raise MalformedMessage("not a msgpack frame: extra bytes after the frame's map")
     except (MalformedMessage, ProtocolVersionMismatch):
         raise
@@ -101,22 +102,41 @@ def _kind(byte: int) -> str:
     return "ext"  # 0xc1 (never used) and the ext types
 
 
+READ_CHUNK = 64 * 1024
+"""Bytes the reader copies out of a frame at a time: it never copies a whole 16 MiB frame."""
+
+
+class _Stream:
+    """A frame's buffer as the file the unpacker reads from, a chunk at a time, without copying
+    the whole frame (the caller may pass a view of the received message itself)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self.view[self.pos : self.pos + n]
+        self.pos += len(chunk)
+        return bytes(chunk)
+
+
 class _Reader:
     """Reads one frame from the front, one declared value at a time."""
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = memoryview(data).cast("B")
         self.unpacker = msgpack.Unpacker(
+            _Stream(self.data),
             raw=False,
             strict_map_key=True,
-            max_buffer_size=max(len(data), 1),
+            read_size=READ_CHUNK,
+            max_buffer_size=MAX_TEXT_CHARS * 4 + 2 * READ_CHUNK,
             max_str_len=MAX_TEXT_CHARS * 4,
             max_bin_len=0,
             max_array_len=0,
             max_map_len=0,
             max_ext_len=0,
         )
-        self.unpacker.feed(data)
         self.objects = 0
 
     def peek(self) -> str:
