@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -100,6 +102,10 @@ async def launch(
     every line the workers print, also the noise that follows an abort.
     """
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
+    if not config.token:
+        # a job token of its own, only in the workers' environment: a local process that reads
+        # the endpoint from run.json still cannot join the run or take a worker's place
+        config = dataclasses.replace(config, token=secrets.token_urlsafe(32))
     reasons: list[str] = []
     for attempt in range(max_restarts + 1):
         coordinator = Coordinator(

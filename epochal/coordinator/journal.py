@@ -16,9 +16,26 @@ EPOCHS_FILE = "epochs.jsonl"
 RESULT_FILE = "result.json"
 
 
+FILE_MODE = 0o600
+"""Mode of every file the journal writes: run.json names the endpoint and run id, and nobody
+but the run's owner needs to read any of them."""
+
+
+def _open_private(path: Path, mode: str) -> Any:
+    """Open ``path`` for writing with mode 0600 (also when it already existed with another)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, mode, encoding="utf-8")
+
+
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with _open_private(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
@@ -32,20 +49,20 @@ class Journal:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._epochs = open(run_dir / EPOCHS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self._epochs = _open_private(run_dir / EPOCHS_FILE, "a")
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Replace the epoch journal with ``records`` (on resume: drop what was not committed)."""
         self._epochs.close()
         path = self.run_dir / EPOCHS_FILE
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with _open_private(tmp, "w") as f:
             for record in records:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._epochs = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._epochs = _open_private(path, "a")
 
     def start(self, info: dict[str, Any]) -> None:
         _write_atomic(self.run_dir / RUN_FILE, info)
@@ -61,3 +78,35 @@ class Journal:
 
     def close(self) -> None:
         self._epochs.close()
+
+
+def check_record(record: Any) -> None:
+    """Raise ValueError saying what is wrong unless ``record`` is a well-formed journal record."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record is a JSON object, this is a {type(record).__name__}")
+    kind = record.get("kind")
+    if kind not in ("epoch", "checkpoint"):
+        raise ValueError(f"kind is {kind!r}, not 'epoch' or 'checkpoint'")
+    _field(record, "epoch", int)
+    if record["epoch"] < 0:
+        raise ValueError(f"epoch is {record['epoch']}, below 0")
+    if kind == "epoch":
+        _field(record, "train_loss", float)
+        _field(record, "valid_loss", float, optional=True)
+        _field(record, "validates", bool)
+
+
+def _field(record: dict[str, Any], name: str, tp: type, *, optional: bool = False) -> None:
+    if name not in record:
+        raise ValueError(f"field {name!r} is missing")
+    value = record[name]
+    if value is None and optional:
+        return
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"field {name!r} is {value!r}, not a {tp.__name__}")

@@ -143,11 +143,33 @@ def aggregate(reports: Mapping[int, LossSums]) -> tuple[float, float | None]:
         raise PolicyViolation(
             "the ranks reported 0 training samples in total: a loss needs at least one sample"
         )
-    train = math.fsum(r.train_sum for r in reports.values()) / train_count
+    train = _total(reports, "train") / train_count
     valid_count = sum(r.valid_count for r in reports.values())
     if valid_count == 0:
         return train, None
-    return train, math.fsum(r.valid_sum for r in reports.values()) / valid_count
+    return train, _total(reports, "valid") / valid_count
+
+
+def _total(reports: Mapping[int, LossSums], which: str) -> float:
+    """The exact sum of every rank's ``which`` loss sum; PolicyViolation when it overflows.
+
+    Each rank's sum is finite (checked above), but two sums near the float maximum still add up to
+    more than a float holds: that is a diverged run too, and the ranks behind it are named.
+    """
+    sums = {rank: r.train_sum if which == "train" else r.valid_sum for rank, r in reports.items()}
+    try:
+        total = math.fsum(sums.values())
+    except OverflowError:
+        total = math.inf
+    if math.isfinite(total):
+        return total
+    huge = sorted(sums, key=lambda rank: -abs(sums[rank]))[:2]
+    shown = ", ".join(f"rank {rank} {sums[rank]:.3g}" for rank in sorted(huge))
+    what = "training" if which == "train" else "validation"
+    raise PolicyViolation(
+        f"the {what} loss sums of {format_ranks(huge)} ({shown}) add up to more than a float "
+        "holds: training diverged; lower the learning rate or check the data"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,19 @@ class Member:
 
     def describe(self) -> str:
         h = self.hello
-        return f"worker {h.worker_id} (host {h.host}, pid {h.pid})"
+        return f"worker {printable(h.worker_id)} (host {printable(h.host)}, pid {h.pid})"
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` safe to print into a log: control characters shown escaped (``\\n``, ``\\x1b``).
+
+    Worker ids and host names come from the network; a newline or a terminal escape in one must
+    not forge a log line or drive the reader's terminal.
+    """
+    if text.isprintable() and len(text) <= limit:
+        return text
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("..." if len(text) > limit else "")
 
 
 def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:
@@ -110,15 +122,15 @@ class Rendezvous:
                 "wrong or missing job token: give the worker the coordinator's token "
                 "(EPOCHAL_TOKEN)"
             )
-        if self.complete:
-            return Refused(
-                f"the run already has its {cfg.world_size} workers: this worker is surplus; "
-                "start exactly --world-size workers"
-            )
         if hello.worker_id in self._by_worker_id:
             return Refused(
                 f"a worker with id {hello.worker_id!r} has already joined: give every worker a "
                 "distinct id (EPOCHAL_WORKER_ID), or stop the duplicate process"
+            )
+        if self.complete:
+            return Refused(
+                f"the run already has its {cfg.world_size} workers: this worker is surplus; "
+                "start exactly --world-size workers"
             )
         hint = hello.rank_hint
         if hint is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, check_record
 from epochal.coordinator.policy import LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
@@ -113,10 +113,8 @@ def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
         last = number == len(lines)  # no newline after it: the write was cut off
         try:
             record = json.loads(line)
-            if not isinstance(record, dict) or record.get("kind") not in ("epoch", "checkpoint"):
-                raise ValueError("not an epoch or checkpoint record")
-            int(record["epoch"])
-        except (ValueError, KeyError, TypeError) as exc:
+            check_record(record)
+        except ValueError as exc:
             if last:
                 notes.append(
                     f"ignored a half-written last line in {path} (the run was killed "
@@ -131,11 +129,25 @@ def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     return records
 
 
+def _refuse_orphan_journal(run_dir: Path) -> None:
+    """A journal without its run.json: never start over on top of it (that would wipe it)."""
+    journal = run_dir / EPOCHS_FILE
+    if journal.exists() and journal.stat().st_size > 0:
+        raise ConfigError(
+            f"{run_dir / RUN_FILE} is missing, but {journal} holds the epochs of a run: restore "
+            "run.json to resume that run, use another --run-dir, or pass --fresh to start over "
+            "(which deletes the journal and checkpoints)"
+        )
+
+
 def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot."""
     run_dir = config.run_dir
     loop = new_loop(config)
-    if run_dir is None or not (run_dir / RUN_FILE).exists():
+    if run_dir is None:
+        return RunState(loop=loop)
+    if not (run_dir / RUN_FILE).exists():
+        _refuse_orphan_journal(run_dir)
         return RunState(loop=loop)
     try:
         stored = json.loads((run_dir / RUN_FILE).read_text())["config"]
@@ -159,7 +171,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             result = json.loads(result_path.read_text())
         except ValueError:
             result = {}
-        if result.get("status") == "finished":
+        if isinstance(result, dict) and result.get("status") == "finished":
             return RunState(loop=loop, finished=result)
     records = _read_journal(run_dir / EPOCHS_FILE, notes)
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]

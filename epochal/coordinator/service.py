@@ -40,7 +40,15 @@ from epochal.coordinator.policy import (
     plan_epoch,
 )
 from epochal.coordinator.policy import aggregate as aggregate_losses
-from epochal.coordinator.rendezvous import Admitted, Fatal, Member, Refused, Rendezvous
+from epochal.coordinator.rendezvous import (
+    Admitted,
+    Fatal,
+    Member,
+    Refused,
+    Rendezvous,
+    printable,
+)
+from epochal.coordinator.sessions import Sessions
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.manifest import checkpoint_path
 from epochal.protocol import (
@@ -65,9 +73,9 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
     clip,
-    decode,
     encode,
 )
+from epochal.protocol.codec import decode_frame
 from epochal.protocol.messages import Phase as WorkerPhase
 from epochal.protocol.messages import check_phase
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
@@ -77,6 +85,9 @@ REFUSALS_LOGGED = 20
 
 BATCH = 256
 """Frames handled before the service looks at its clock again."""
+
+BATCH_SECONDS = 0.05
+"""Longest a batch of frames may keep the service from its clock (one frame may overrun it)."""
 
 STRANGER_REPLIES = 8
 """Rejections a peer outside the run gets before its frames are dropped unanswered."""
@@ -141,6 +152,16 @@ def _readable(sock: zmq.asyncio.Socket) -> bool:
 def new_run_id() -> str:
     """A fresh, short, unique run id."""
     return uuid.uuid4().hex[:12]
+
+
+def _user_id(frame: Any) -> str:
+    """The ZAP user id (under CURVE: the sender's public key) of a received frame; "" without."""
+    if isinstance(frame, bytes):
+        return ""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:  # no security mechanism on this connection: no user id
+        return ""
 
 
 def _stderr(line: str) -> None:
@@ -221,6 +242,9 @@ class Coordinator:
         self.ignored_frames = 0
         # frames from strangers past their reply budget, dropped without an answer
         self._strangers: OrderedDict[bytes, int] = OrderedDict()
+        self._sessions = Sessions()
+        self.forged_frames = 0
+        # frames under a member's routing identity without its session: dropped unread
         self._refusal_window = 0.0
         self._refusals_shown = 0
         self._refusals_hidden = 0
@@ -334,11 +358,14 @@ class Coordinator:
             while self._outcome is None:
                 if await sock.poll(timeout=int(tick * 1000)):
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
+                    batch_end = time.monotonic() + BATCH_SECONDS
                     for _ in range(BATCH):
                         if self._outcome is not None or not _readable(sock):
                             break
-                        frames = await sock.recv_multipart()
+                        frames = await sock.recv_multipart(copy=False)
                         await self._receive(frames)
+                        if time.monotonic() > batch_end:
+                            break
                 now = time.monotonic()
                 if self._requested_abort is not None and self._outcome is None:
                     await self._abort(self._requested_abort)
@@ -349,10 +376,16 @@ class Coordinator:
                 await self._check_clock(now)
         finally:
             self.phase = Phase.ENDED
-            if self.dropped_frames or self.ignored_frames:
+            if self.dropped_frames or self.ignored_frames or self.forged_frames:
                 self._log(
                     f"dropped {self.dropped_frames} unreadable frames and ignored "
                     f"{self.ignored_frames} more from peers outside the run"
+                    + (
+                        f" and {self.forged_frames} sent under a worker's identity without its "
+                        "session"
+                        if self.forged_frames
+                        else ""
+                    )
                 )
             if self._journal is not None:
                 self._journal.close()
@@ -411,13 +444,19 @@ class Coordinator:
 
     # ------------------------------------------------------------------ receiving
 
-    async def _receive(self, frames: list[bytes]) -> None:
+    async def _receive(self, frames: list[Any]) -> None:
         if len(frames) != 2:
             self.dropped_frames += 1
             return
-        peer, data = frames
+        peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
+        user_id = _user_id(frames[1])
+        member = peer in self._sessions
+        if not member and self._strangers.get(peer, 0) >= STRANGER_REPLIES:
+            self.ignored_frames += 1  # its budget is spent: not even read
+            return
         try:
-            message = decode(data)
+            message, session = decode_frame(data)
         except ProtocolVersionMismatch as exc:
             self.dropped_frames += 1
             await self._reject(peer, str(exc), "version")
@@ -425,18 +464,34 @@ class Coordinator:
         except MalformedMessage as exc:
             self.dropped_frames += 1
             rank = self._ranks.get(peer)
-            if rank is not None:
+            if rank is not None and self._sessions.same_sender(peer, user_id):
                 await self._abort(f"rank {rank} sent a malformed message: {exc}")
             else:
                 await self._reject(peer, f"malformed message: {exc}", "malformed")
             return
+        forged = not isinstance(message, Hello) and not self._sessions.check(peer, session, user_id)
+        if member and forged:
+            self._forged(peer, message)
+            return
         if peer in self._last_seen or peer in self._ranks:
             self._last_seen[peer] = time.monotonic()
-        await self._handle(peer, message)
+        await self._handle(peer, message, user_id)
 
-    async def _handle(self, peer: bytes, message: Message) -> None:
+    def _forged(self, peer: bytes, message: Message) -> None:
+        """A frame under a member's identity without its session: never acted on."""
+        self.forged_frames += 1
+        if isinstance(message, Heartbeat | Status):
+            return  # harmless, and one may cross the Joined that carries the session
+        who = self._rendezvous.members.get(peer)
+        self._log_refusal(
+            f"dropped a {type(message).__name__} sent as "
+            f"{who.describe() if who is not None else 'a worker'} without its session: another "
+            "process is using that worker's identity (its frames are ignored)"
+        )
+
+    async def _handle(self, peer: bytes, message: Message, user_id: str = "") -> None:
         if isinstance(message, Hello):
-            await self._on_hello(peer, message)
+            await self._on_hello(peer, message, user_id)
             return
         rank = self._ranks.get(peer)
         if rank is None:
@@ -449,6 +504,7 @@ class Coordinator:
                         f"{member.describe()} failed before the run started: {message.reason}"
                     )
                     self._rendezvous.leave(peer)
+                    self._sessions.forget(peer)
                     self._last_seen.pop(peer, None)
                     return
             if not isinstance(message, Heartbeat | Status):
@@ -494,27 +550,41 @@ class Coordinator:
                     "are out of step (a bug, or mixed epochal versions)"
                 )
 
-    async def _on_hello(self, peer: bytes, hello: Hello) -> None:
+    async def _on_hello(self, peer: bytes, hello: Hello, user_id: str = "") -> None:
+        if not self._sessions.same_sender(peer, user_id):
+            self.forged_frames += 1
+            self._log_refusal(
+                f"refused a hello as {printable(hello.worker_id)}: its connection is bound to "
+                "another worker's key"
+            )
+            return
         verdict = self._rendezvous.offer(peer, hello)
         match verdict:
             case Refused(reason=reason):
-                self._log_refusal(f"refused worker {hello.worker_id} from {hello.host}: {reason}")
+                self._log_refusal(
+                    f"refused worker {printable(hello.worker_id)} from {printable(hello.host)}: "
+                    f"{reason}"
+                )
                 await self._reject(peer, reason, "refused")
             case Fatal(reason=reason):
                 await self._send(peer, Abort(reason=clip(reason)))
                 await self._abort(reason)
             case Admitted(again=again):
                 self._last_seen[peer] = time.monotonic()
+                session = self._sessions.issue(peer, user_id)
                 joined = len(self._rendezvous.members)
                 if again and peer in self._ranks:
                     if self._store is not None:
                         await self._send(peer, self._welcome_for(peer))
                     return
-                await self._send(peer, Joined(joined=joined, world_size=self.config.world_size))
+                await self._send(
+                    peer,
+                    Joined(joined=joined, world_size=self.config.world_size, session=session),
+                )
                 if again:
                     return
                 self._log(
-                    f"worker {hello.worker_id} joined from {hello.host} "
+                    f"worker {printable(hello.worker_id)} joined from {printable(hello.host)} "
                     f"({joined}/{self.config.world_size})"
                 )
                 if self._rendezvous.complete:
@@ -551,6 +621,7 @@ class Coordinator:
             epochs=self.config.epochs,
             resume_epoch=self._state.resume_epoch,
             checkpoint_dir=str(self._checkpoint_dir or ""),
+            session=self._sessions.issue(peer, ""),
         )
 
     async def _welcome_all(self) -> None:
@@ -777,6 +848,7 @@ class Coordinator:
                 if member is not None:
                     self._log(f"{member.describe()} went silent during rendezvous; dropped")
                     self._rendezvous.leave(peer)
+                    self._sessions.forget(peer)
                 self._last_seen.pop(peer, None)
             if waited > cfg.rendezvous_timeout:
                 joined = len(self._rendezvous.members)

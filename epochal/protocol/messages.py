@@ -25,6 +25,12 @@ MAX_TEXT_CHARS = 64 * 1024
 MAX_PARAMS = 100_000
 """Most parameter entries one fingerprint may list."""
 
+MAX_SESSION_CHARS = 64
+"""Longest session secret a Joined or Welcome may carry (the coordinator issues 43 characters)."""
+
+MAX_SHAPE_DIMS = 64
+"""Most dimensions one parameter's shape may have."""
+
 BACKENDS = ("gloo", "nccl")
 REJECT_CODES = ("refused", "not_member", "malformed", "version")
 
@@ -63,6 +69,13 @@ def _text(name: str, value: str, *, empty: bool = False) -> None:
     _check(empty or value != "", f"{name} must not be empty")
 
 
+def _session(value: str) -> None:
+    _check(
+        0 < len(value) <= MAX_SESSION_CHARS,
+        f"session must be 1-{MAX_SESSION_CHARS} characters, got {len(value)}",
+    )
+
+
 # ------------------------------------------------------------------------ shared parts
 
 
@@ -77,7 +90,10 @@ class ParamSpec:
     def __post_init__(self) -> None:
         _text("parameter name", self.name)
         _text("dtype", self.dtype)
-        _check(len(self.shape) <= 64, f"shape of {self.name} has more than 64 dimensions")
+        _check(
+            len(self.shape) <= MAX_SHAPE_DIMS,
+            f"shape of {self.name} has more than {MAX_SHAPE_DIMS} dimensions",
+        )
         _check(all(d >= 0 for d in self.shape), f"shape of {self.name} has a negative size")
 
 
@@ -299,8 +315,11 @@ class Welcome:
     # load the checkpoint of this epoch before training; None: a fresh start
     checkpoint_dir: str
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
+    session: str
+    # this worker's session secret, as in its Joined (a Welcome may answer a retried hello)
 
     def __post_init__(self) -> None:
+        _session(self.session)
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _text("checkpoint_dir", self.checkpoint_dir, empty=True)
         if self.resume_epoch is not None:
@@ -325,8 +344,11 @@ class Joined:
 
     joined: int
     world_size: int
+    session: str
+    # a secret for this worker alone: every frame it sends from now on must carry it (key "s")
 
     def __post_init__(self) -> None:
+        _session(self.session)
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _check(
             0 < self.joined <= self.world_size, f"joined {self.joined} outside 1..{self.world_size}"

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -37,9 +38,12 @@ from epochal.protocol import (
     CoordinatorMessage,
     Failed,
     Heartbeat,
+    Hello,
+    Joined,
     Phase,
     Reject,
     Status,
+    Welcome,
     WorkerMessage,
     clip,
     decode,
@@ -55,6 +59,10 @@ _WATCHED_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+ROUTING_NONCE_BYTES = 8
+"""Random bytes appended to the routing identity: another process cannot guess it and take over
+this worker's connection (the coordinator hands an identity over to whoever connects with it)."""
 
 ABORT_EXIT_CODE = 75
 """Exit status of a worker process ended by an abort it could not leave in time."""
@@ -101,6 +109,8 @@ class ControlClient:
         self._watch_coordinator = False
         self._reattach = reattach
         self._security = security
+        self._session = ""
+        # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
@@ -216,7 +226,8 @@ class ControlClient:
         self._outbox = asyncio.Queue()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
+        nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
+        sock.setsockopt(zmq.IDENTITY, self.identity[: 255 - len(nonce)] + nonce)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -241,7 +252,9 @@ class ControlClient:
                 message = await self._outbox.get()
                 if message is None:
                     break
-                data = faults.on_send(TYPE_NAMES[type(message)], encode(message), rank=self.rank)
+                session = "" if isinstance(message, Hello) else self._session
+                frame = encode(message, session=session)
+                data = faults.on_send(TYPE_NAMES[type(message)], frame, rank=self.rank)
                 if data is not None:
                     await sock.send(data)
         finally:
@@ -288,6 +301,8 @@ class ControlClient:
                 continue
             if isinstance(message, Heartbeat):
                 continue
+            if isinstance(message, Joined | Welcome):
+                self._session = message.session
             if isinstance(message, Abort):
                 self._begin_abort(message.reason)
             elif isinstance(message, Reject) and message.code == "not_member":

@@ -442,3 +442,23 @@ def test_smoothing_matches_a_reference_implementation(a: float, losses: list[flo
                 best = (epoch, s)
         assert outcome.smoothed_loss == (None if v is None else s)
         assert (outcome.best_epoch, outcome.best_loss) == (best or (None, None))
+
+
+def test_loss_sums_that_overflow_together_name_the_ranks():
+    # each sum is finite, their total is not: fsum raised OverflowError and killed the coordinator
+    reports = {
+        0: LossSums(train_sum=1.5e308, train_count=1, valid_sum=0.0, valid_count=0),
+        1: LossSums(train_sum=1.5e308, train_count=1, valid_sum=0.0, valid_count=0),
+        2: LossSums(train_sum=1.0, train_count=1, valid_sum=0.0, valid_count=0),
+    }
+    with pytest.raises(PolicyViolation, match=r"training loss sums of ranks 0-1 .*diverged"):
+        aggregate(reports)
+
+
+def test_validation_sums_that_overflow_are_a_violation_too():
+    reports = {
+        0: LossSums(train_sum=1.0, train_count=1, valid_sum=-1.5e308, valid_count=1),
+        1: LossSums(train_sum=1.0, train_count=1, valid_sum=-1.5e308, valid_count=1),
+    }
+    with pytest.raises(PolicyViolation, match="validation loss sums of ranks 0-1"):
+        aggregate(reports)

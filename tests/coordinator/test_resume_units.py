@@ -180,13 +180,23 @@ def test_an_empty_run_directory_starts_at_zero(tmp_path: Path):
     assert state.loop == hand_loop(0)
 
 
-def test_a_journal_without_run_json_is_not_a_run_to_resume(tmp_path: Path):
+def test_a_journal_without_run_json_is_refused_not_wiped(tmp_path: Path):
+    # starting over here would rewrite epochs.jsonl empty: the run's history lost in silence
     config = make_config(tmp_path)
     write_run(config, epochs_done=4, checkpoints=[1, 3])
     (config.run_dir / "run.json").unlink()
-    state = look(config)
-    assert (state.resume_epoch, state.start_epoch) == (None, 0)
-    assert state.loop.history == []
+    before = (config.run_dir / "epochs.jsonl").read_bytes()
+    message = refusal(config)
+    assert f"{config.run_dir / 'run.json'} is missing" in message
+    assert "--fresh" in message
+    assert (config.run_dir / "epochs.jsonl").read_bytes() == before
+
+
+def test_an_empty_journal_without_run_json_is_a_fresh_start(tmp_path: Path):
+    config = make_config(tmp_path)
+    config.run_dir.mkdir()
+    (config.run_dir / "epochs.jsonl").write_bytes(b"")
+    assert look(config).start_epoch == 0
 
 
 @pytest.mark.parametrize(("resume_epoch", "start"), [(None, 0), (0, 1), (4, 5)])
@@ -329,6 +339,15 @@ def test_a_complete_last_line_without_its_newline_is_kept(tmp_path: Path):
         b'{"kind": "checkpoint", "epoch": "two"}',
         b'{"kind": "checkpoint", "epoch": null}',
         b"\xff\xfe\x00",
+        # these passed the old line check and failed later with a raw KeyError or TypeError
+        b'{"kind": "epoch", "epoch": 1}',
+        b'{"kind": "epoch", "epoch": 1, "train_loss": "low", "valid_loss": null, '
+        b'"validates": true}',
+        b'{"kind": "epoch", "epoch": 1, "train_loss": 1.0, "valid_loss": [], "validates": true}',
+        b'{"kind": "epoch", "epoch": 1, "train_loss": 1.0, "valid_loss": 1.0}',
+        b'{"kind": "checkpoint", "epoch": 1.5}',
+        b'{"kind": "checkpoint", "epoch": -1}',
+        b'{"kind": "checkpoint", "epoch": true}',
     ],
 )
 def test_a_corrupt_line_in_the_middle_is_refused_naming_the_line_and_fresh(

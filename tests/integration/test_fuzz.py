@@ -19,6 +19,7 @@ import zmq
 
 from epochal.protocol import (
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     EpochReport,
     Fingerprint,
     Hello,
@@ -67,7 +68,14 @@ class Fuzzer(threading.Thread):
         self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.error: BaseException | None = None
-        self.sent = {"random": 0, "truncated": 0, "replayed": 0, "foreign": 0, "oversized": 0}
+        self.sent = {
+            "random": 0,
+            "truncated": 0,
+            "replayed": 0,
+            "foreign": 0,
+            "oversized": 0,
+            "bomb": 0,
+        }
 
     def socket(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
@@ -85,12 +93,13 @@ class Fuzzer(threading.Thread):
 
     def _run(self) -> None:
         good = valid_frames()
+        bombs = small_bombs()
         ctx = zmq.Context()
         socks = [self.socket(ctx) for _ in range(8)]
         try:
             while not self.stop.is_set():
                 sock = self.rng.choice(socks)
-                kind = self.rng.choices(list(self.sent), weights=[40, 25, 20, 14, 1], k=1)[0]
+                kind = self.rng.choices(list(self.sent), weights=[40, 25, 20, 14, 1, 5], k=1)[0]
                 if kind == "random":
                     frame = self.rng.randbytes(self.rng.randrange(0, 2000))
                 elif kind == "truncated":
@@ -98,6 +107,8 @@ class Fuzzer(threading.Thread):
                     frame = whole[: self.rng.randrange(0, len(whole))]
                 elif kind == "replayed":
                     frame = self.rng.choice(good)
+                elif kind == "bomb":
+                    frame = self.rng.choice(bombs)
                 elif kind == "foreign":
                     frame = msgpack.packb({"v": self.rng.randrange(2, 99), "t": "hello"})
                 else:  # libzmq drops the frame and the connection: a throwaway socket
@@ -122,6 +133,32 @@ class Fuzzer(threading.Thread):
             for sock in socks:
                 sock.close(linger=0)
             ctx.term()
+
+
+def bomb(size: int, *, filler: bytes = b"\x90", field: bytes = b"\xa6reason") -> bytes:
+    """A well-formed frame of about ``size`` bytes whose ``field`` holds ``filler`` repeated.
+
+    Plain msgpack decoding turns each 1-byte empty array into a 56-byte list: 16 MiB of them is
+    about a gigabyte of objects.
+    """
+    head = b"\x83\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed" + field
+    count = (size - len(head) - 5) // len(filler)
+    return head + b"\xdd" + count.to_bytes(4, "big") + filler * count
+
+
+def small_bombs() -> list[bytes]:
+    """Frames shaped to make a decoder allocate, each small enough to send thousands of."""
+    hello = msgpack.unpackb(valid_frames()[0])
+    deep = hello | {"fingerprint": hello["fingerprint"] | {"params": [[[[[]]]]] * 2000}}
+    return [
+        bomb(64 * 1024),  # an array of empty arrays
+        bomb(64 * 1024, filler=b"\x80"),  # of empty maps
+        bomb(64 * 1024, filler=b"\xcd\x01\x01"),  # of 3-byte ints
+        bomb(64 * 1024, field=b"\xa5extra"),  # under a field no message declares
+        b"\x91" * 60_000,  # nested one-element arrays, as deep as it goes
+        b"\xdf\xff\xff\xff\xff" + b"\xa0\x80" * 30_000,  # a map claiming 4 billion entries
+        msgpack.packb(deep),  # lists where a fingerprint declares parameter maps
+    ]
 
 
 def peak_memory_kb(pid: int) -> int:
@@ -210,4 +247,71 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
         assert a["best_epoch"] == b["best_epoch"]
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), name
+    spawn.assert_none_left()
+
+
+def test_bomb_frames_leave_the_coordinator_small_and_the_run_finishing(
+    spawn: Spawner, tmp_path: Path
+):
+    # 20 frames at the size limit, each decoding to about a gigabyte with plain msgpack, from 20
+    # strangers (so no reply budget spares the decoder), while a real 2-worker run goes on
+    run_dir = tmp_path / "run"
+    coordinator = spawn.epochal(
+        "coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)
+    )
+    line = coordinator.stdout.readline()
+    assert line.startswith(PREFIX), line
+    endpoint = line[len(PREFIX) :].strip()
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
+    reader.start()
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.03",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+        )
+        for rank in (0, 1)
+    ]
+    epochs = run_dir / "epochs.jsonl"
+    deadline = time.monotonic() + 60
+    while not (epochs.exists() and epochs.read_text().strip()):
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.05)
+    frame = bomb(MAX_FRAME_BYTES)
+    assert len(frame) <= MAX_FRAME_BYTES
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for i in range(20):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"bomber-{i}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send(frame)
+            socks.append(sock)
+        peak = 0
+        while any(w.poll() is None for w in workers):
+            peak = max(peak, peak_memory_kb(coordinator.pid))
+            assert time.monotonic() < deadline + DEADLINE, "the job did not finish"
+            time.sleep(0.05)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+    for worker in workers:
+        code, output = spawn.finish(worker, 30)
+        assert code == 0, output
+    code = coordinator.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(log)
+    assert code == 0, output
+    assert "finished after 4 epochs" in output
+    assert "dropped 20 unreadable frames" in output
+    assert peak < 300 * 1024, f"coordinator peak memory {peak / 1024:.0f} MiB"
+    print(f"coordinator peak RSS with 20 bomb frames: {peak / 1024:.1f} MiB")
     spawn.assert_none_left()
