@@ -539,6 +539,7 @@ class Coordinator:
             epochs=self.config.epochs,
             resume_epoch=self._state.resume_epoch,
             checkpoint_dir=str(self._checkpoint_dir or ""),
+            store_key=self._store.key,
         )
 
     async def _welcome_all(self) -> None:

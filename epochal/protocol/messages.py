@@ -133,10 +133,13 @@ class StoreReady:
 
     host: str
     port: int
+    key: str = ""
+    # the secret every data-plane store key lives under; sent on to each rank in Welcome
 
     def __post_init__(self) -> None:
         _text("host", self.host)
         _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        _text("key", self.key, empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,9 +255,12 @@ class Welcome:
     # load the checkpoint of this epoch before training; None: a fresh start
     checkpoint_dir: str
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
+    store_key: str = ""
+    # the secret rank 0 put every data-plane store key under (StoreReady.key)
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _text("store_key", self.store_key, empty=True)
         _text("checkpoint_dir", self.checkpoint_dir, empty=True)
         if self.resume_epoch is not None:
             _nonneg("resume_epoch", self.resume_epoch)

@@ -23,7 +23,15 @@ DEADLINE = 120.0
 POLICY = ["--epochs", str(EPOCHS), "--lr-schedule", "step:every=2,gamma=0.5", "--smoothing", "0.6"]
 
 
-def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float = 0.0, **env: str):
+def launch(
+    spawn: Spawner,
+    run_dir: Path,
+    out: Path,
+    *extra: str,
+    delay: float = 0.0,
+    script: tuple[str, ...] = (),
+    **env: str,
+):
     return spawn.epochal(
         "run",
         "--nproc",
@@ -37,6 +45,7 @@ def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float =
         str(out),
         "--delay",
         str(delay),
+        *script,
         **env,
     )
 
@@ -72,6 +81,9 @@ def assert_same_result(a: Path, b: Path) -> None:
     for rank in (0, 1):
         x, y = torch.load(a / f"rank{rank}.pt"), torch.load(b / f"rank{rank}.pt")
         assert x["best_epoch"] == y["best_epoch"]
+        assert x["best"] == y["best"] == y["best_epoch"], "the best epoch's curve record"
+        assert x["curve"] == y["curve"], "the whole learning curve, also after a resume"
+        assert y["weights_note"] is None
         assert x["model"].keys() == y["model"].keys()
         for name in x["model"]:
             assert torch.equal(x["model"][name], y["model"][name]), name
@@ -143,6 +155,34 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path,
     assert "falling back" in output
     assert "from the checkpoint of epoch 1" in output
     assert_same_result(reference, out)
+
+
+def test_a_corrupt_best_checkpoint_is_reported_never_loaded(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    # epoch 2 is the best; the run fails in epoch 4, so the rerun resumes after epoch 3 and the
+    # best weights can only come from epoch 2's checkpoint at the end
+    best = ("--best-at", "2")
+    fault = "raise@train-step:rank=1:epoch=4:step=2"
+    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best, EPOCHAL_FAULT=fault)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    victim = next((run_dir / "checkpoints" / "epoch-000002").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(len(data[middle : middle + 4096]))
+    victim.write_bytes(bytes(data))
+
+    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "from the checkpoint of epoch 3" in output
+    assert "the checkpoint of epoch 2 is unusable" in output
+    assert "keeps the weights of the last epoch trained (4)" in output
+    for rank in (0, 1):
+        result = torch.load(out / f"rank{rank}.pt")
+        assert result["best_epoch"] == 2
+        assert "does not match its manifest" in result["weights_note"]
+        assert [r[0] for r in result["curve"]] == list(range(EPOCHS))
 
 
 def test_a_finished_run_is_not_trained_again(spawn, tmp_path):
