@@ -39,6 +39,7 @@ _MAY_CHANGE = {
     "backend",
     "keep_checkpoints",
     "stall_timeout",
+    "stall_abort",
 }
 
 

@@ -444,6 +444,7 @@ MAY_CHANGE: dict[str, Any] = {
     "backend": "gloo",
     "keep_checkpoints": 7,
     "stall_timeout": 60.0,
+    "stall_abort": 30.0,
 }
 
 
