@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,6 +28,7 @@ from epochal.coordinator.config import (
     STALL_ABORT,
     CoordinatorConfig,
 )
+from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
 from epochal.errors import ConfigError, RunAborted
@@ -437,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epochal.launcher import launch, script_command
 
         command = script_command(args.script, args.script_args, module=args.module)
-        config = _config(args, args.nproc, token, run_id)
+        identity = script_identity(args.script, args.script_args, module=args.module)
+        config = replace(_config(args, args.nproc, token, run_id), **identity)
         return asyncio.run(
             launch(
                 config,

@@ -77,6 +77,11 @@ class CoordinatorConfig:
     # stuck outside any collective, e.g. in its validation loader, while the others wait)
     finish_timeout: float = 30.0
     # seconds the coordinator waits for every worker's Done after Finish
+    command: tuple[str, ...] | None = None
+    # the workers' script (absolute) and its arguments, when epochal starts them (epochal run): a
+    # resume with other arguments (--seed, --lr, ...) is refused. None: not known
+    script_digest: str | None = None
+    # SHA-256 of the workers' script file, for the same check; None: not known
 
     def __post_init__(self) -> None:
         for name in (
@@ -140,6 +145,8 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.command is not None and not all(isinstance(a, str) for a in self.command):
+            raise ConfigError(f"command must be a sequence of strings, got {self.command!r}")
         if self.stall_abort is not None and not (
             self.stall_abort > 0 and math.isfinite(self.stall_abort)
         ):

@@ -115,7 +115,7 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
     records = epoch_records(run_dir)
     assert max(r["epoch"] for r in records) < EPOCHS - 1, "the run finished before the kill"
 
-    proc = launch(spawn, run_dir, out)
+    proc = launch(spawn, run_dir, out, delay=0.02)  # the same command line: else refused
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
     assert "resuming" in output
@@ -219,6 +219,23 @@ def test_other_settings_are_refused_naming_the_difference(spawn, tmp_path):
     assert "--fresh" in output
 
 
+def test_other_script_arguments_are_refused_naming_them(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=2:step=2")
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    # --best-at changes what the script computes (like --seed or --lr would): another run
+    code, output = spawn.finish(launch(spawn, run_dir, out, script=("--best-at", "1")), 30)
+    assert code == 2, output
+    assert "the workers' command line is" in output
+    assert "--best-at 1" in output and "--fresh" in output
+    assert "resuming" not in output
+    code, output = spawn.finish(
+        launch(spawn, run_dir, out, "--fresh", script=("--best-at", "1")), DEADLINE
+    )
+    assert code == 0, output
+
+
 def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn.epochal(
@@ -247,9 +264,10 @@ def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
         str(tmp_path / "out"),
     )
     code, output = spawn.finish(proc, DEADLINE)
-    assert code == 1
-    assert f"the run directory {run_dir} holds a run of another model" in output
-    assert "parameter" in output and "--fresh" in output
+    assert code == 2, output  # another script: refused before any worker starts
+    assert f"the run directory {run_dir} holds a run with other settings" in output
+    assert "the workers' command line is" in output and "the script's SHA-256 is" in output
+    assert "--fresh" in output
     spawn.assert_none_left()
 
 
