@@ -26,6 +26,19 @@ nonnegative_int = _int_at_least(0)
 """An integer >= 0."""
 
 
+def seconds_or_never(text: str) -> float | None:
+    """A positive, finite number of seconds, or 0 for never (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value == 0:
+        return None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds or 0, got {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A positive, finite number of seconds."""
     try:

@@ -16,13 +16,20 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from epochal import __version__
-from epochal.argtypes import nonnegative_int, positive_int, seconds
+from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
 from epochal.coordinator.attach import attach_hint, local_address
-from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
+from epochal.coordinator.config import (
+    BACKEND_CHOICES,
+    BATCH_POLICIES,
+    STALL_ABORT,
+    CoordinatorConfig,
+)
+from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
 from epochal.errors import ConfigError, RunAborted
@@ -183,6 +190,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="when no rank has made progress for S seconds, print which rank is where "
         "(default: 300)",
     )
+    t.add_argument(
+        "--stall-abort",
+        type=seconds_or_never,
+        default=STALL_ABORT,
+        metavar="S",
+        help="when no rank has made progress for S seconds, abort the run naming the rank the "
+        f"others wait for; 0: never (default: {STALL_ABORT:g}, twice the workers' collective "
+        "timeout)",
+    )
     f = p.add_argument_group("failures")
     f.add_argument(
         "--max-restarts",
@@ -219,6 +235,7 @@ def _config(
         heartbeat_timeout=args.heartbeat_timeout,
         heartbeat_interval=args.heartbeat_interval,
         stall_timeout=args.stall_timeout,
+        stall_abort=args.stall_abort,
     )
 
 
@@ -470,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epochal.launcher import launch, script_command
 
         command = script_command(args.script, args.script_args, module=args.module)
-        config = _config(args, args.nproc, token, run_id)
+        identity = script_identity(args.script, args.script_args, module=args.module)
+        config = replace(_config(args, args.nproc, token, run_id), **identity)
         return asyncio.run(
             launch(
                 config,

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import secrets
 import signal
@@ -71,13 +72,24 @@ def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when the launcher dies, however the launcher dies."""
+ORPHAN_EXIT_CODE = 70
+"""A worker's exit status when its launcher died while starting it (before exec)."""
+
+
+def _die_with_parent(parent: int | None = None) -> None:
+    """In the child, before exec: SIGKILL it when the launcher dies, however the launcher dies.
+
+    The death signal is armed only for a parent alive at the ``prctl``; a launcher that died
+    between the fork and here has already been replaced by a reaper, so the child compares its
+    parent with ``parent`` (the launcher's pid) and leaves at once when they differ.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the process-group kill at exit still applies
         pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(ORPHAN_EXIT_CODE)
 
 
 async def launch(
@@ -216,7 +228,7 @@ async def _attempt(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
         procs.append(proc)
         assert proc.stdout is not None

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import os
 import subprocess
 import sys
 
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launcher import worker_environment
+from epochal.launcher import ORPHAN_EXIT_CODE, _die_with_parent, worker_environment
 from epochal.output import Kind, RankStream, Relay, classify
 
 
@@ -126,3 +128,16 @@ def test_workers_get_torchruns_variables_beside_epochals():
         "/bin",
     )
     assert "TORCHELASTIC_RUN_ID" not in env  # that would claim a real torchrun launch
+
+
+@pytest.mark.parametrize("orphaned", [False, True])
+def test_a_worker_whose_launcher_died_while_starting_it_leaves(orphaned):
+    # the child's parent is this process; an orphaned child sees another parent (the reaper),
+    # which is what "expected parent" differing from getppid() stands for here
+    expected = os.getppid() if orphaned else os.getpid()
+    proc = subprocess.run(
+        [sys.executable, "-c", "pass"],
+        preexec_fn=functools.partial(_die_with_parent, expected),
+        timeout=60,
+    )
+    assert proc.returncode == (ORPHAN_EXIT_CODE if orphaned else 0)

@@ -15,6 +15,13 @@ BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 
+STALL_ABORT = 1200.0
+"""The default ``stall_abort``, 20 minutes. Twice the workers' default collective timeout (600 s),
+so a rank blocked in a collective ends with that timeout's own error first; long enough for what
+legitimately shows no progress (a slow first step, a loader that downloads its data, a large
+checkpoint); finite, so a rank stuck outside any collective, which nothing else ends, is ended and
+named. Lower it to a few times the slowest step to have a hung rank named sooner."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CoordinatorConfig:
@@ -64,8 +71,17 @@ class CoordinatorConfig:
     # seconds of silence after which a worker is declared lost and the run aborted
     stall_timeout: float = 300.0
     # seconds without progress on any rank after which the coordinator prints where each rank is
+    stall_abort: float | None = STALL_ABORT
+    # seconds without progress on any rank after which the run is aborted, naming the rank the
+    # others wait for (liveness.culprit); None: never. It ends hangs that no timeout ends (a rank
+    # stuck outside any collective, e.g. in its validation loader, while the others wait)
     finish_timeout: float = 30.0
     # seconds the coordinator waits for every worker's Done after Finish
+    command: tuple[str, ...] | None = None
+    # the workers' script (absolute) and its arguments, when epochal starts them (epochal run): a
+    # resume with other arguments (--seed, --lr, ...) is refused. None: not known
+    script_digest: str | None = None
+    # SHA-256 of the workers' script file, for the same check; None: not known
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +145,15 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.command is not None and not all(isinstance(a, str) for a in self.command):
+            raise ConfigError(f"command must be a sequence of strings, got {self.command!r}")
+        if self.stall_abort is not None and not (
+            self.stall_abort > 0 and math.isfinite(self.stall_abort)
+        ):
+            raise ConfigError(
+                f"stall_abort must be a positive number of seconds (None: never), "
+                f"got {self.stall_abort}"
+            )
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "

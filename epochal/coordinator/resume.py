@@ -12,6 +12,7 @@ manifest's SHA-256 sums, not loaded.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, chec
 from epochal.coordinator.policy import LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
-from epochal.manifest import checkpoint_path, verify_checkpoint
+from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
 
 MODEL_FILE = "model.json"
@@ -39,11 +40,29 @@ _MAY_CHANGE = {
     "backend",
     "keep_checkpoints",
     "stall_timeout",
+    "stall_abort",
 }
 
 
-_FLAGS = {"restore_best": "--no-restore-best", "world_size": "--world-size/--nproc"}
+_FLAGS = {
+    "restore_best": "--no-restore-best",
+    "world_size": "--world-size/--nproc",
+    "command": "the workers' command line",
+    "script_digest": "the script's SHA-256",
+}
 """Config fields whose command-line flag is not simply --field-name."""
+
+# settings compared only when both the run and the resume know them (a run directory written
+# before they were recorded, or workers started by hand, leave them unknown)
+_WHEN_KNOWN = {"command", "script_digest"}
+
+
+def script_identity(script: str, args: list[str], *, module: bool) -> dict[str, Any]:
+    """The ``command`` and ``script_digest`` settings of workers running ``script args``."""
+    if module:
+        return {"command": ("-m", script, *args), "script_digest": None}
+    path = Path(script).resolve()
+    return {"command": (str(path), *args), "script_digest": file_digest(path)}
 
 
 def prunable(committed: list[int], keep: int, best: int | None) -> list[int]:
@@ -55,8 +74,16 @@ def prunable(committed: list[int], keep: int, best: int | None) -> list[int]:
 def config_record(config: CoordinatorConfig) -> dict[str, Any]:
     """The configuration as stored in run.json (no secrets)."""
     return {
-        k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "token"
+        k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+        for k, v in asdict(config).items()
+        if k != "token"
     }
+
+
+def _shown(key: str, value: Any) -> str:
+    if key == "command" and isinstance(value, list):
+        return repr(shlex.join(str(a) for a in value))
+    return repr(value)
 
 
 def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -65,9 +92,12 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     for key in sorted(set(stored) | set(current)):
         if key in _MAY_CHANGE:
             continue
+        if key in _WHEN_KNOWN and (stored.get(key) is None or current.get(key) is None):
+            continue
         if stored.get(key) != current.get(key):
             flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
-            out.append(f"{flag} is {current.get(key)!r} now but {stored.get(key)!r} in the run")
+            now, then = _shown(key, current.get(key)), _shown(key, stored.get(key))
+            out.append(f"{flag} is {now} now but {then} in the run")
     return out
 
 

@@ -622,6 +622,7 @@ class Coordinator:
             resume_epoch=self._state.resume_epoch,
             checkpoint_dir=str(self._checkpoint_dir or ""),
             session=self._sessions.issue(peer, ""),
+            store_key=self._store.key,
         )
 
     async def _welcome_all(self) -> None:
@@ -812,12 +813,15 @@ class Coordinator:
         return None
 
     def _stall_report(self, now: float) -> str:
+        return liveness.stall_table(self._rows(now))
+
+    def _rows(self, now: float) -> list[tuple[int, str, str, int, int, float, str]]:
         rows = []
         for rank, member in enumerate(self._members_by_rank):
             phase, epoch, step, since = self._status.get(rank, ("?", 0, 0, self._phase_started))
             where = self._where.get(rank, "")
             rows.append((rank, member.hello.host, phase, epoch, step, now - since, where))
-        return liveness.stall_table(rows)
+        return rows
 
     def _doing(self, rank: int) -> str:
         """What ``rank`` last said it was doing (" while connecting the data plane"), or ""."""
@@ -873,6 +877,12 @@ class Coordinator:
                     f"(--stall-timeout {cfg.stall_timeout:g}); where each rank is:\n"
                     + self._stall_report(now)
                 )
+            rows = [liveness.Progress(r, p, e, s, t, w) for r, _, p, e, s, t, w in self._rows(now)]
+            stuck = liveness.stalled(rows, cfg.stall_abort)
+            if stuck is not None:
+                member = self._members_by_rank[stuck.rank]
+                await self._abort(f"{stuck.reason} [rank {stuck.rank}: {member.describe()}]")
+                return
         lost = self._lost_message(now)
         if lost is not None:
             await self._abort(lost)

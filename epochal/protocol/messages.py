@@ -150,10 +150,13 @@ class StoreReady:
 
     host: str
     port: int
+    key: str = ""
+    # the secret every data-plane store key lives under; sent on to each rank in Welcome
 
     def __post_init__(self) -> None:
         _text("host", self.host)
         _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        _text("key", self.key, empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,10 +320,13 @@ class Welcome:
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
     session: str
     # this worker's session secret, as in its Joined (a Welcome may answer a retried hello)
+    store_key: str = ""
+    # the secret rank 0 put every data-plane store key under (StoreReady.key)
 
     def __post_init__(self) -> None:
         _session(self.session)
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _text("store_key", self.store_key, empty=True)
         _text("checkpoint_dir", self.checkpoint_dir, empty=True)
         if self.resume_epoch is not None:
             _nonneg("resume_epoch", self.resume_epoch)

@@ -9,6 +9,11 @@ A checkpoint is written into ``epoch-NNNNNN.tmp-RUNID/``; when DCP's collective 
 rank 0 writes ``MANIFEST.json`` (the SHA-256 of every file), fsyncs, and renames the directory to
 ``epoch-NNNNNN/``, then tells the coordinator, which journals the commit. A kill before the rename
 leaves only a temporary directory that nobody reads; the previous checkpoint stays loadable.
+
+Every load checks the checkpoint against its manifest first (:class:`CheckpointCorrupt` names the
+file that differs), so damaged bytes are never loaded into a model, whichever epoch it is. Each
+rank's own file also carries the learning curve up to that epoch, so a resumed run returns the
+whole curve.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 
 from epochal.errors import EpochalError
-from epochal.manifest import MANIFEST, checkpoint_path, file_digest
+from epochal.manifest import MANIFEST, checkpoint_path, file_digest, verify_checkpoint
 from epochal.worker import faults
 
 
@@ -59,6 +64,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointCorrupt(EpochalError):
+    """A checkpoint does not match its manifest: nothing was loaded from it."""
+
+
 class Checkpointer:
     """Saves and loads one rank's part of the run's checkpoints under ``directory``."""
 
@@ -67,17 +76,19 @@ class Checkpointer:
         self.rank = rank
         self.run_id = run_id
 
-    def save(self, epoch: int, state: Any) -> Path | None:
+    def save(self, epoch: int, state: Any, *, history: Any = None) -> Path | None:
         """Collective: write ``state`` (a DCP Stateful) for ``epoch``; rank 0 commits it.
 
-        Returns the committed path on rank 0, None elsewhere.
+        ``history`` (plain picklable data: the learning curve so far) is kept with this rank's
+        generators and returned by :meth:`load`. Returns the committed path on rank 0, None
+        elsewhere.
         """
         final = checkpoint_path(self.directory, epoch)
         tmp = final.with_name(f"{final.name}.tmp-{self.run_id}")
         tmp.mkdir(parents=True, exist_ok=True)
         own = tmp / f"rank{self.rank:05d}.pt"
         with open(own, "wb") as f:
-            torch.save({"rng": rng_state(), "epoch": epoch}, f)
+            torch.save({"rng": rng_state(), "epoch": epoch, "history": history}, f)
             f.flush()
             os.fsync(f.fileno())
         from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
@@ -103,23 +114,33 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         return final
 
-    def load(self, epoch: int, state: Any, *, rng: bool = True) -> None:
-        """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs."""
+    def load(self, epoch: int, state: Any, *, rng: bool = True) -> Any:
+        """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs.
+
+        The checkpoint is first checked against its manifest; a mismatch raises
+        :class:`CheckpointCorrupt` before anything is loaded (every rank reads the same files, so
+        every rank raises). Returns the ``history`` saved with it (None when ``rng`` is False).
+        """
         path = checkpoint_path(self.directory, epoch)
         if not (path / MANIFEST).exists():
             raise EpochalError(
                 f"the checkpoint of epoch {epoch} is missing at {path}: every rank must see the "
                 "checkpoint directory (a shared file system when workers run on several machines)"
             )
+        own = path / f"rank{self.rank:05d}.pt"
+        if rng and not own.exists():
+            raise EpochalError(
+                f"{own} is missing: the run was checkpointed with fewer ranks; resume it "
+                "with the world size it was started with"
+            )
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CheckpointCorrupt(f"the checkpoint of epoch {epoch} is unusable: {problem}")
         from torch.distributed.checkpoint import load  # type: ignore[attr-defined]
 
         load({"app": state}, checkpoint_id=path)
-        if rng:
-            own = path / f"rank{self.rank:05d}.pt"
-            if not own.exists():
-                raise EpochalError(
-                    f"{own} is missing: the run was checkpointed with fewer ranks; resume it "
-                    "with the world size it was started with"
-                )
-            extra = torch.load(own, weights_only=False)
-            set_rng_state(extra["rng"])
+        if not rng:
+            return None
+        extra = torch.load(own, weights_only=False)
+        set_rng_state(extra["rng"])
+        return extra.get("history")

@@ -17,7 +17,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from epochal.environment import (
     CONNECT_TIMEOUT_ENV,
@@ -68,9 +68,10 @@ from epochal.protocol import (
 )
 from epochal.security.curve import ClientSecurity
 from epochal.worker import faults
-from epochal.worker.checkpoint import Checkpointer
+from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
+from epochal.worker.store import connect_store, new_key, open_store, scoped
 from epochal.worker.waiting import WaitNotices, exit_on_unreachable
 
 
@@ -125,6 +126,9 @@ class RunResult:
     curve: list[EpochRecord] = field(default_factory=list)
     restore_best: bool = True
     # whether the coordinator asks for the best epoch's weights at the end
+    weights_note: str | None = None
+    # set when the model does not hold the weights it should (the best epoch's, when
+    # restore_best): which weights it holds instead, and why
 
     @property
     def best(self) -> EpochRecord | None:
@@ -304,7 +308,7 @@ class Session:
         """
         curve: list[EpochRecord] = []
         try:
-            self._resume(state)
+            curve = self._resume(state)
             epoch = self.start_epoch
             stopped = False
             while True:
@@ -313,7 +317,7 @@ class Session:
                         self.client.at(Phase.FINISHING, epoch)
                         finish = self._expect(Finish)
                         break
-                    outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state)
+                    outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state, curve)
                 except CoordinatorLost as lost:
                     self._reattach(lost)
                     self._resume(state)
@@ -352,6 +356,7 @@ class Session:
         valid_epoch: Callable[[EpochContext], LossSum] | None,
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         state: Any,
+        curve: list[EpochRecord],
     ) -> tuple[Decision, EpochRecord] | Finish:
         """One epoch's exchange with the coordinator; Finish when the run is over instead."""
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
@@ -390,9 +395,6 @@ class Session:
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
-        if decision.checkpoint and state is not None:
-            self.client.at(Phase.CHECKPOINT, epoch)
-            self._save(decision.epoch, state)
         record = EpochRecord(
             epoch=decision.epoch,
             train_loss=decision.train_loss,
@@ -401,27 +403,65 @@ class Session:
             lr_factor=go.lr_factor,
             seconds=time.monotonic() - started,
         )
+        if decision.checkpoint and state is not None:
+            self.client.at(Phase.CHECKPOINT, epoch)
+            self._save(decision.epoch, state, [*curve, record])
         return decision, record
 
-    def _resume(self, state: Any) -> None:
+    def _resume(self, state: Any) -> list[EpochRecord]:
+        """Load the checkpoint the coordinator resumes from; the learning curve up to it."""
         if self.resume_epoch is None:
-            return
+            return []
         if state is None or self.checkpointer is None:
             raise EpochalError(
                 f"the coordinator resumes this run after epoch {self.resume_epoch}, but there is "
                 "no state to load it into: pass state= to run_epochs (or use epochal.train)"
             )
-        self.checkpointer.load(self.resume_epoch, state)
+        history = self.checkpointer.load(self.resume_epoch, state)
+        if not isinstance(history, list):  # a checkpoint written before curves were kept
+            return []
+        return [
+            EpochRecord(**r)
+            for r in history
+            if isinstance(r, dict) and r["epoch"] <= self.resume_epoch
+        ]
 
-    def _save(self, epoch: int, state: Any) -> None:
-        if self.checkpointer is not None and self.checkpointer.save(epoch, state) is not None:
+    def _save(self, epoch: int, state: Any, curve: list[EpochRecord]) -> None:
+        if self.checkpointer is None:
+            return
+        history = [asdict(r) for r in curve]
+        if self.checkpointer.save(epoch, state, history=history) is not None:
             self.client.send(Checkpointed(epoch=epoch))  # rank 0, once the rename is durable
 
     def load_checkpoint(self, epoch: int, state: Any) -> None:
-        """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched)."""
+        """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).
+
+        Raises :class:`~epochal.worker.checkpoint.CheckpointCorrupt` (nothing loaded) when the
+        checkpoint does not match its manifest.
+        """
         if self.checkpointer is None:
             raise EpochalError("this run has no checkpoint directory")
         self.checkpointer.load(epoch, state, rng=False)
+
+    def restore_best(self, result: RunResult, state: Any) -> RunResult:
+        """Collective: load the best epoch's checkpoint into ``state`` at the end of the run.
+
+        A damaged checkpoint is never loaded: ``state`` keeps the last epoch's weights, and the
+        returned result says so in ``weights_note`` (also printed), rather than claiming the best.
+        """
+        if result.best_epoch is None:
+            return result
+        try:
+            self.load_checkpoint(result.best_epoch, state)
+        except CheckpointCorrupt as exc:
+            last = max((r.epoch for r in result.curve), default=None)
+            note = (
+                f"{exc}; the model keeps the weights of the last epoch trained ({last}) instead "
+                f"of the best epoch's ({result.best_epoch})"
+            )
+            print(f"epochal: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+            return replace(result, weights_note=note)
+        return result
 
     def fail(self, exc: BaseException) -> None:
         """Tell the coordinator this rank cannot go on, so every other rank stops too."""
@@ -566,7 +606,7 @@ def join(
         faults.hit("connect", rank=welcome.rank)
         dist.init_process_group(
             backend=welcome.backend,
-            store=PrefixStore(f"epochal/{welcome.run_id}", store.store),
+            store=scoped(store.store, welcome.run_id, store.key),
             rank=welcome.rank,
             world_size=welcome.world_size,
             timeout=timedelta(seconds=collective_timeout),
@@ -612,6 +652,8 @@ class _StoreRef:
     store: TCPStore
     host: str
     port: int
+    key: str
+    # the secret the process group's keys live under (see epochal.worker.store)
 
 
 def _rendezvous(
@@ -663,25 +705,16 @@ def _rendezvous(
                 if store is None:
                     client.at(Phase.CONNECT, 0)
                     host = advertised_host(endpoint)
-                    master = TCPStore(
-                        host,
-                        0,
-                        is_master=True,
-                        wait_for_workers=False,
-                        timeout=timedelta(seconds=store_timeout),
-                    )
-                    store = _StoreRef(master, host, master.port)
-                client.send(StoreReady(host=store.host, port=store.port))
+                    master = open_store(host, store_timeout)
+                    store = _StoreRef(master, host, master.port, new_key())
+                client.send(StoreReady(host=store.host, port=store.port, key=store.key))
             case Welcome():
                 if store is None:
                     client.at(Phase.CONNECT, message.start_epoch)
-                    found = TCPStore(
-                        message.store_host,
-                        message.store_port,
-                        is_master=False,
-                        timeout=timedelta(seconds=store_timeout),
+                    found = connect_store(message.store_host, message.store_port, store_timeout)
+                    store = _StoreRef(
+                        found, message.store_host, message.store_port, message.store_key
                     )
-                    store = _StoreRef(found, message.store_host, message.store_port)
                 return message, store
             case _:
                 raise EpochalError(

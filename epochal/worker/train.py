@@ -221,7 +221,7 @@ def fit(
         if best_state is not None:
             strategy.restore(best_state)
         else:  # the best epoch ran before a restart: its weights are in its checkpoint
-            session.load_checkpoint(result.best_epoch, strategy.model_state)
+            result = session.restore_best(result, strategy.model_state)
     strategy.finish()  # fully_sharded: the whole model on every rank, while the group lives
     return result
 

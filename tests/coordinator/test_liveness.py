@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.liveness import expired, lost
+from epochal.coordinator.liveness import Progress, culprit, expired, lost, stall_table, stalled
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,119 @@ def test_the_same_table_read_later_loses_more():
     assert lost(25.0, last_seen, 15.0) == ["r0"]
     assert lost(25.5, last_seen, 15.0) == ["r0", "r1"]
     assert lost(36.0, last_seen, 15.0) == ["r0", "r1", "r2"]
+
+
+# ---------------------------------------------------------------- stalls: who the others wait for
+
+IN_BACKWARD = "graph.py:829 in _engine_run_backward"  # DDP's all-reduce completes in backward
+IN_COLLECTIVE = "distributed_c10d.py:2931 in all_reduce"
+HUNG_LOADER = "train.py:40 in __iter__"
+
+
+def row(rank, phase, epoch, step, idle, where):
+    return Progress(rank, phase, epoch, step, idle, where)
+
+
+@pytest.mark.parametrize(
+    ("rows", "stuck"),
+    [
+        # a hang in the validation loader: the others reported and wait for the coordinator
+        (
+            [
+                row(0, "waiting", 3, 0, 40.0, "client.py:120 in receive"),
+                row(1, "validate", 3, 2, 38.0, HUNG_LOADER),
+                row(2, "waiting", 3, 0, 41.0, "client.py:120 in receive"),
+            ],
+            1,
+        ),
+        # a hang in the training loop: the others wait inside a collective, and went quiet
+        # before the stuck rank did (its last step began later): "oldest progress" would blame 0
+        (
+            [
+                row(0, "train", 1, 3, 50.0, IN_BACKWARD),
+                row(1, "train", 1, 3, 49.0, IN_COLLECTIVE),
+                row(2, "train", 1, 3, 47.0, "faults.py:88 in hit"),
+            ],
+            2,
+        ),
+        # everybody waits in the framework (a collective that never completes): the least advanced
+        (
+            [
+                row(0, "train", 2, 7, 30.0, IN_BACKWARD),
+                row(1, "train", 2, 6, 30.0, IN_BACKWARD),
+            ],
+            1,
+        ),
+        # two ranks stuck in their own code: the one behind
+        (
+            [
+                row(0, "validate", 2, 1, 30.0, HUNG_LOADER),
+                row(1, "train", 2, 9, 20.0, HUNG_LOADER),
+                row(2, "waiting", 2, 0, 31.0, "client.py:120 in receive"),
+            ],
+            1,
+        ),
+        # equally far: the one idle the longest
+        (
+            [row(0, "train", 0, 1, 10.0, HUNG_LOADER), row(1, "train", 0, 1, 12.0, HUNG_LOADER)],
+            1,
+        ),
+    ],
+)
+def test_the_culprit_is_the_rank_stuck_in_its_own_code(rows, stuck):
+    found = culprit(rows)
+    assert found is not None and found.rank == stuck
+
+
+def test_no_rows_no_culprit():
+    assert culprit([]) is None
+
+
+VALIDATION_HANG = [
+    row(0, "waiting", 3, 0, 0.0, "client.py:120 in receive"),
+    row(1, "validate", 3, 2, 0.0, HUNG_LOADER),
+]
+
+
+def at(rows, idle):
+    """The same ranks, ``idle`` seconds later with no progress."""
+    return [Progress(r.rank, r.phase, r.epoch, r.step, r.idle + idle, r.where) for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("idle", "abort_after", "verdict"),
+    [
+        (29.0, 30.0, None),
+        (30.0, 30.0, None),  # exactly the bound: not yet
+        (30.5, 30.0, 1),
+        (5000.0, None, None),  # never
+        (0.5, 0.25, 1),
+    ],
+)
+def test_a_stall_ends_the_run_only_past_the_bound(idle, abort_after, verdict):
+    result = stalled(at(VALIDATION_HANG, idle), abort_after)
+    if verdict is None:
+        assert result is None
+    else:
+        assert result is not None and result.rank == verdict
+        assert f"rank 1 made no progress for {idle:.0f} s in validate of epoch 3" in result.reason
+        assert HUNG_LOADER in result.reason and "--stall-abort" in result.reason
+
+
+def test_no_abort_while_any_rank_progresses():
+    rows = [row(0, "train", 1, 3, 100.0, IN_BACKWARD), row(1, "train", 1, 9, 2.0, HUNG_LOADER)]
+    assert stalled(rows, 30.0) is None  # rank 1 is slow, not stuck: rank 0 waits for it
+    assert stalled(at(rows, 29.0), 30.0) is not None
+
+
+def test_the_stall_table_marks_the_culprit_not_the_oldest():
+    table = stall_table(
+        [
+            (0, "a", "train", 1, 3, 50.0, IN_BACKWARD),
+            (1, "b", "train", 1, 3, 47.0, "faults.py:88 in hit"),
+        ]
+    )
+    lines = {line.split()[0]: line for line in table.splitlines() if line[:1].isdigit()}
+    assert "*" in lines["1"]
+    assert "*" not in lines["0"]
+    assert "the rank the others wait for" in table

@@ -28,6 +28,7 @@ from epochal.coordinator.resume import (
     differences,
     inspect,
     prunable,
+    script_identity,
     start_fresh,
 )
 from epochal.coordinator.schedule import parse_schedule
@@ -63,6 +64,8 @@ def make_config(tmp_path: Path, **overrides: Any) -> CoordinatorConfig:
         "patience": 3,
         "best_from": 1,
         "run_dir": tmp_path / "run",
+        "command": ("/work/train.py", "--lr", "0.1"),
+        "script_digest": "ab" * 32,
     }
     fields.update(overrides)
     return CoordinatorConfig(**fields)
@@ -432,6 +435,12 @@ def test_the_stored_config_holds_no_token_and_paths_as_text(tmp_path: Path):
 
 # every setting, and whether a resume may change it: (new value, the phrase naming it) or None
 REFUSED: dict[str, tuple[Any, str]] = {
+    "command": (
+        ("/work/train.py", "--lr", "0.2"),
+        "the workers' command line is '/work/train.py --lr 0.2' now but "
+        "'/work/train.py --lr 0.1' in the run",
+    ),
+    "script_digest": ("cd" * 32, f"the script's SHA-256 is {'cd' * 32!r} now but"),
     "world_size": (3, "--world-size/--nproc is 3 now but 2 in the run"),
     "epochs": (9, "--epochs is 9 now but 10 in the run"),
     "job": ("other", "--job is 'other' now but 'epochal' in the run"),
@@ -463,6 +472,7 @@ MAY_CHANGE: dict[str, Any] = {
     "backend": "gloo",
     "keep_checkpoints": 7,
     "stall_timeout": 60.0,
+    "stall_abort": 30.0,
 }
 
 
@@ -767,3 +777,27 @@ def test_start_fresh_lets_a_run_with_other_settings_begin(tmp_path: Path):
     other = make_config(tmp_path, epochs=3)
     start_fresh(other, other.checkpoint_path)
     assert look(other).start_epoch == 0
+
+
+@pytest.mark.parametrize("name", ["command", "script_digest"])
+def test_an_unknown_command_is_not_compared(tmp_path: Path, name: str):
+    # workers started by hand (a standalone coordinator) have no command the coordinator knows
+    write_run(make_config(tmp_path / "a", **{name: None}), epochs_done=2, checkpoints=[1])
+    known = make_config(tmp_path / "a")
+    assert inspect(known, known.checkpoint_path).resume_epoch == 1
+    write_run(make_config(tmp_path / "b"), epochs_done=2, checkpoints=[1])
+    unknown = make_config(tmp_path / "b", **{name: None})
+    assert inspect(unknown, unknown.checkpoint_path).resume_epoch == 1
+
+
+def test_the_script_identity_is_its_absolute_path_arguments_and_digest(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text("print('a')\n")
+    first = script_identity(str(script), ["--seed", "1"], module=False)
+    assert first["command"] == (str(script.resolve()), "--seed", "1")
+    script.write_text("print('b')\n")
+    assert script_identity(str(script), ["--seed", "1"], module=False) != first
+    assert script_identity("pkg.train", ["-x"], module=True) == {
+        "command": ("-m", "pkg.train", "-x"),
+        "script_digest": None,
+    }

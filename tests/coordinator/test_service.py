@@ -106,11 +106,12 @@ async def join_all(ctx, coordinator, n: int) -> list[FakeWorker]:
         assert isinstance(await w.recv(), Joined)
     store = await workers[0].recv()
     assert isinstance(store, OpenStore)
-    await workers[0].send(StoreReady(host="127.0.0.1", port=4242))
+    await workers[0].send(StoreReady(host="127.0.0.1", port=4242, key="s3cret"))
     for w in workers:
         welcome = await w.recv()
         assert isinstance(welcome, Welcome)
         assert (welcome.store_host, welcome.store_port) == ("127.0.0.1", 4242)
+        assert welcome.store_key == "s3cret"  # the store's secret, to admitted workers only
     return workers
 
 

@@ -321,7 +321,7 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     )
     out = Output(proc)
     out.wait_for("no rank has made progress for", deadline=60)
-    out.wait_for("no progress for the longest")
+    out.wait_for("the rank the others wait for")
     time.sleep(2.5)  # the next report: by then every rank's heartbeat says where it waits
     text = out.text
     table = text[text.rindex("no rank has made progress") :].splitlines()
@@ -331,6 +331,7 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     assert "faults.py" in rows["2"] and "in hit" in rows["2"]
     assert "faults.py" not in rows["0"] and "faults.py" not in rows["1"]
     assert all(" train " in row for row in rows.values())
+    assert "*" in rows["2"] and "*" not in rows["0"] + rows["1"]  # the rank the others wait for
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=STOP_BOUND) == 128 + signal.SIGTERM
     out.thread.join(timeout=10)

@@ -23,7 +23,15 @@ DEADLINE = 120.0
 POLICY = ["--epochs", str(EPOCHS), "--lr-schedule", "step:every=2,gamma=0.5", "--smoothing", "0.6"]
 
 
-def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float = 0.0, **env: str):
+def launch(
+    spawn: Spawner,
+    run_dir: Path,
+    out: Path,
+    *extra: str,
+    delay: float = 0.0,
+    script: tuple[str, ...] = (),
+    **env: str,
+):
     return spawn.epochal(
         "run",
         "--nproc",
@@ -37,6 +45,7 @@ def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float =
         str(out),
         "--delay",
         str(delay),
+        *script,
         **env,
     )
 
@@ -72,6 +81,9 @@ def assert_same_result(a: Path, b: Path) -> None:
     for rank in (0, 1):
         x, y = torch.load(a / f"rank{rank}.pt"), torch.load(b / f"rank{rank}.pt")
         assert x["best_epoch"] == y["best_epoch"]
+        assert x["best"] == y["best"] == y["best_epoch"], "the best epoch's curve record"
+        assert x["curve"] == y["curve"], "the whole learning curve, also after a resume"
+        assert y["weights_note"] is None
         assert x["model"].keys() == y["model"].keys()
         for name in x["model"]:
             assert torch.equal(x["model"][name], y["model"][name]), name
@@ -103,7 +115,7 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
     records = epoch_records(run_dir)
     assert max(r["epoch"] for r in records) < EPOCHS - 1, "the run finished before the kill"
 
-    proc = launch(spawn, run_dir, out)
+    proc = launch(spawn, run_dir, out, delay=0.02)  # the same command line: else refused
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
     assert "resuming" in output
@@ -145,6 +157,34 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path,
     assert_same_result(reference, out)
 
 
+def test_a_corrupt_best_checkpoint_is_reported_never_loaded(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    # epoch 2 is the best; the run fails in epoch 4, so the rerun resumes after epoch 3 and the
+    # best weights can only come from epoch 2's checkpoint at the end
+    best = ("--best-at", "2")
+    fault = "raise@train-step:rank=1:epoch=4:step=2"
+    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best, EPOCHAL_FAULT=fault)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    victim = next((run_dir / "checkpoints" / "epoch-000002").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(len(data[middle : middle + 4096]))
+    victim.write_bytes(bytes(data))
+
+    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best)
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "from the checkpoint of epoch 3" in output
+    assert "the checkpoint of epoch 2 is unusable" in output
+    assert "keeps the weights of the last epoch trained (4)" in output
+    for rank in (0, 1):
+        result = torch.load(out / f"rank{rank}.pt")
+        assert result["best_epoch"] == 2
+        assert "does not match its manifest" in result["weights_note"]
+        assert [r[0] for r in result["curve"]] == list(range(EPOCHS))
+
+
 def test_a_finished_run_is_not_trained_again(spawn, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     code, output = spawn.finish(launch(spawn, run_dir, out), DEADLINE)
@@ -179,6 +219,23 @@ def test_other_settings_are_refused_naming_the_difference(spawn, tmp_path):
     assert "--fresh" in output
 
 
+def test_other_script_arguments_are_refused_naming_them(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=2:step=2")
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    # --best-at changes what the script computes (like --seed or --lr would): another run
+    code, output = spawn.finish(launch(spawn, run_dir, out, script=("--best-at", "1")), 30)
+    assert code == 2, output
+    assert "the workers' command line is" in output
+    assert "--best-at 1" in output and "--fresh" in output
+    assert "resuming" not in output
+    code, output = spawn.finish(
+        launch(spawn, run_dir, out, "--fresh", script=("--best-at", "1")), DEADLINE
+    )
+    assert code == 0, output
+
+
 def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn.epochal(
@@ -207,9 +264,10 @@ def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
         str(tmp_path / "out"),
     )
     code, output = spawn.finish(proc, DEADLINE)
-    assert code == 1
-    assert f"the run directory {run_dir} holds a run of another model" in output
-    assert "parameter" in output and "--fresh" in output
+    assert code == 2, output  # another script: refused before any worker starts
+    assert f"the run directory {run_dir} holds a run with other settings" in output
+    assert "the workers' command line is" in output and "the script's SHA-256 is" in output
+    assert "--fresh" in output
     spawn.assert_none_left()
 
 

@@ -357,6 +357,7 @@ def test_wire_format_is_a_flat_map_with_version_and_type():
         "t": "store_ready",
         "host": "h",
         "port": 5,
+        "key": "",
     }
     assert frame_of(Done()) == {"v": PROTOCOL_VERSION, "t": "done"}
     nested = frame_of(EXAMPLES[Hello])["fingerprint"]

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,12 +48,26 @@ def shard(x: torch.Tensor, y: torch.Tensor, batch: int, rank: int, world: int) -
     ]
 
 
+class HangingLoader:
+    """A validation loader whose iterator never yields (a stuck file system, say)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        time.sleep(3600)
+        yield from self.batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--mode",
         default="train",
-        choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid"],
+        choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid", "hang-valid"],
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -70,8 +87,9 @@ def main() -> None:
             return []
         return batches
 
-    def valid_loader(rank: int, world: int) -> list:
-        return shard(xv, yv, GLOBAL_BATCH, rank, world)
+    def valid_loader(rank: int, world: int) -> Any:
+        batches = shard(xv, yv, GLOBAL_BATCH, rank, world)
+        return HangingLoader(batches) if broken and args.mode == "hang-valid" else batches
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if broken and args.mode == "raise":

@@ -2,7 +2,8 @@
 
 Shuffled per-rank loaders (DistributedSampler seeded per epoch and a RandomSampler drawing from
 torch's global generator), dropout, momentum, a step learning-rate schedule from the coordinator.
-``--delay`` slows each step so a test can kill the run mid-epoch.
+``--delay`` slows each step so a test can kill the run mid-epoch. ``--best-at E`` adds a penalty to
+the validation loss of every epoch but E (counted in this process), so E becomes the best epoch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--best-at", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -38,10 +40,18 @@ def main() -> None:
     def valid_loader(rank: int, world: int) -> DataLoader:
         return DataLoader(TensorDataset(x[rank::world][:32], y[rank::world][:32]), batch_size=16)
 
+    valid_batches = 0
+
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        nonlocal valid_batches
         if args.delay:
             time.sleep(args.delay)
-        return nn.functional.cross_entropy(out, target)
+        loss = nn.functional.cross_entropy(out, target)
+        if args.best_at is not None and not model.training:
+            epoch = valid_batches // 2  # two validation batches per epoch
+            valid_batches += 1
+            loss = loss + 10.0 * abs(epoch - args.best_at)
+        return loss
 
     result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -49,6 +59,8 @@ def main() -> None:
         {
             "model": model.state_dict(),
             "best_epoch": result.best_epoch,
+            "best": None if result.best is None else result.best.epoch,
+            "weights_note": result.weights_note,
             "curve": [(r.epoch, r.train_loss, r.valid_loss) for r in result.curve],
         },
         args.out / f"rank{result.rank}.pt",

@@ -1,0 +1,70 @@
+"""A rank stuck in its own code while no collective runs is ended by --stall-abort, and named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration.conftest import SCRIPTS, Spawner
+
+pytestmark = pytest.mark.slow
+
+STALL_ABORT = 3.0
+DEADLINE = 120.0
+
+
+def test_a_hang_in_the_validation_loader_is_aborted_naming_the_rank(spawn: Spawner, tmp_path):
+    started = time.monotonic()
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--stall-timeout",
+        "1",
+        "--stall-abort",
+        str(STALL_ABORT),
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"),
+        "--mode",
+        "hang-valid",  # rank 1's validation loader never yields; rank 0 reports and waits
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    assert "rank 1 made no progress for" in output, output
+    assert "in validate of epoch 0" in output
+    assert "linear.py" in output and "in __iter__" in output  # where it is stuck
+    assert "--stall-abort 3" in output
+    table = output[output.index("no rank has made progress") :].splitlines()
+    marked = [line.split()[0] for line in table if line[:1].isdigit() and "*" in line]
+    assert marked and set(marked) == {"1"}, table  # every report marks rank 1
+    assert time.monotonic() - started < DEADLINE
+    spawn.assert_none_left()
+
+
+def test_a_hang_in_the_training_loop_is_aborted_naming_the_hung_rank(spawn: Spawner, tmp_path):
+    # ranks 0 and 1 wait in DDP's all-reduce for rank 2, which hangs before its step: long before
+    # the collective timeout (600 s), the run ends naming rank 2, not a waiting rank
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "3",
+        "--epochs",
+        "3",
+        "--stall-abort",
+        str(STALL_ABORT),
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        EPOCHAL_FAULT="hang@train-step:rank=2:epoch=1:step=3",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    assert "rank 2 made no progress for" in output, output
+    assert "in train of epoch 1" in output and "faults.py" in output
+    spawn.assert_none_left()
