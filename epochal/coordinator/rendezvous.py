@@ -49,7 +49,8 @@ class Member:
 
     def describe(self) -> str:
         h = self.hello
-        return f"worker {printable(h.worker_id)} (host {printable(h.host)}, pid {h.pid})"
+        at = f" at {printable(h.data_address)}" if h.data_address else ""
+        return f"worker {printable(h.worker_id)} (host {printable(h.host)}{at}, pid {h.pid})"
 
 
 def printable(text: str, limit: int = 200) -> str:

@@ -9,7 +9,6 @@ counts, waits for Go, runs them, reports the loss sums and follows the Decision.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import sys
@@ -30,7 +29,6 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from epochal.environment import (
     CONNECT_TIMEOUT_ENV,
     COORDINATOR_ENV,
-    HOST_ENV,
     JOB_ENV,
     LOCAL_RANK_ENV,
     RANK_ENV,
@@ -67,7 +65,7 @@ from epochal.protocol import (
     clip,
 )
 from epochal.security.curve import ClientSecurity
-from epochal.worker import faults
+from epochal.worker import faults, network
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
@@ -180,24 +178,11 @@ def _check_endpoint(endpoint: str) -> str:
 def advertised_host(endpoint: str) -> str:
     """The address of this machine that the coordinator's peers can reach.
 
-    ``EPOCHAL_HOST`` wins; a loopback coordinator means a single-machine run (127.0.0.1);
-    otherwise the local address of the route to the coordinator (no packet is sent).
+    ``EPOCHAL_HOST`` wins, then ``EPOCHAL_IFNAME``'s address; a loopback coordinator means a
+    single-machine run (127.0.0.1); otherwise the local address of the route to the coordinator
+    (see :mod:`epochal.worker.network`).
     """
-    explicit = os.environ.get(HOST_ENV)
-    if explicit:
-        return explicit
-    host = urlsplit(endpoint).hostname or "127.0.0.1"
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass  # a host name: resolve the route below
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    return network.discover(endpoint).address
 
 
 class Session:
@@ -577,6 +562,7 @@ def join(
     if heartbeat_timeout <= heartbeat_interval:
         raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
     dev = _device_for(local_rank, device)
+    plane = network.discover(endpoint)  # refuses an unusable network before joining
     security = ClientSecurity.from_env(key_file=curve_key, server_key_file=curve_server_key)
 
     client = ControlClient(
@@ -599,11 +585,13 @@ def join(
             rank_hint=rank_hint,
             device="cuda" if dev.type == "cuda" else "cpu",
             fingerprint=fingerprint(model),
+            data_address=plane.address,
         )
         welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         faults.hit("connect", rank=welcome.rank)
+        network.apply(plane, os.environ)  # gloo and NCCL read their interface at init
         dist.init_process_group(
             backend=welcome.backend,
             store=scoped(store.store, welcome.run_id, store.key),
