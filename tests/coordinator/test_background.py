@@ -53,13 +53,13 @@ def test_the_rendezvous_timeout_aborts_by_itself() -> None:
     coordinator = epochal.start_coordinator(
         world_size=2, rendezvous_timeout=0.3, log=lambda line: None
     )
-    with coordinator, pytest.raises(RunAborted, match="only 0 of 2 workers joined within 0.3 s"):
+    with coordinator, pytest.raises(RunAborted, match=r"only 0 of 2 workers joined within 0\.3 s"):
         # bounded by the configured rendezvous timeout, plus generous margin for a busy machine
         coordinator.wait(timeout=0.3 + 30)
 
 
 def test_unknown_and_invalid_options_are_refused_before_a_thread_starts() -> None:
-    with pytest.raises(ConfigError, match="unknown option.*epoch\\b.*epochs"):
+    with pytest.raises(ConfigError, match=r"unknown option.*epoch\b.*epochs"):
         epochal.start_coordinator(world_size=2, epoch=3)
     with pytest.raises(ConfigError, match="epochs must be >= 1"):
         epochal.start_coordinator(world_size=2, epochs=0)

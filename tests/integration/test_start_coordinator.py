@@ -24,7 +24,10 @@ def test_two_worker_processes_finish_under_an_in_process_coordinator(
     ) as coordinator:
         workers = [
             spawn.script(
-                "linear.py", "--out", str(tmp_path / "out"), EPOCHAL_COORDINATOR=coordinator.endpoint
+                "linear.py",
+                "--out",
+                str(tmp_path / "out"),
+                EPOCHAL_COORDINATOR=coordinator.endpoint,
             )
             for _ in range(2)
         ]
