@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.multihost import netns
+
+yaml = pytest.importorskip("yaml", reason="pip install pyyaml (.ci/run installs it)")
 
 REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
@@ -40,7 +41,8 @@ def tool(name: str) -> str:
 
 
 def validate(*files: Path) -> subprocess.CompletedProcess[str]:
-    command = [tool("kubernetes-validate"), "-k", KUBERNETES_VERSION, "--strict"]
+    pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    command = [sys.executable, "-m", "kubernetes_validate", "-k", KUBERNETES_VERSION, "--strict"]
     return subprocess.run(
         [*command, *map(str, files)], capture_output=True, text=True, timeout=120, check=False
     )
