@@ -359,13 +359,17 @@ async def _serve(
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
-    attach = endpoint
     written: str | None = None
     if args.address_file is not None:
         written = addressfile.connectable(endpoint)
         addressfile.write(args.address_file, written)
         print(f"epochal coordinator address {written} written to {args.address_file}", flush=True)
         attach = f"file:{args.address_file}"
+    else:
+        try:  # a wildcard bind: name an address a worker can dial
+            attach = addressfile.connectable(endpoint)
+        except ConfigError:
+            attach = endpoint
     print(
         f"attach workers with: {COORDINATOR_ENV}={attach} python SCRIPT",
         file=sys.stderr,

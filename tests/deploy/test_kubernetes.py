@@ -374,6 +374,8 @@ def test_the_manifests_run_as_pods_on_three_hosts_and_train_digits(tmp_path: Pat
             option(statefulset["spec"]["template"]["spec"]["containers"][0]["args"], "--epochs")
         )
         assert f"finished after {epochs} epochs" in log, log
+        # bound to 0.0.0.0 with a loopback hostname and no default route: the hint names the pod IP
+        assert f"EPOCHAL_COORDINATOR=tcp://{coordinator_ip}:{port} " in log, log
         # the Indexed Job's completion index is the rank; rank 0 reports the test accuracy
         accuracy = re.search(r"test accuracy ([0-9.]+)", outputs[0][1])
         assert accuracy is not None and float(accuracy.group(1)) > 0.9, outputs[0][1]
