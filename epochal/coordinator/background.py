@@ -183,6 +183,8 @@ def start_coordinator(
     free port; ``log`` receives each line the coordinator prints (default: stderr). Use it as a
     context manager: leaving the block aborts a run still going and stops the thread. Without
     ``run_id`` a fresh one is made; without ``run_dir`` nothing is written and nothing can resume.
+    ``security`` turns CURVE on: ``ServerSecurity.from_paths("keys/coordinator.key_secret",
+    "keys/allowed")``.
     """
     known = {f.name for f in fields(CoordinatorConfig)} - {"world_size"}
     unknown = sorted(set(options) - known)
