@@ -12,25 +12,21 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from epochal import addressfile
 from epochal.environment import COORDINATOR_ENV, CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
+from epochal.errors import ConfigError
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 """Hosts of a bind address that mean "every interface": not an address anyone can dial."""
 
-_ROUTE_PROBE = ("192.0.2.1", 9)
-"""A documentation-only address (RFC 5737): connecting a UDP socket to it sends nothing, but
-picks the interface of the default route."""
-
 
 def local_address() -> str:
-    """This machine's address on its default route, else its host name (nothing is sent)."""
+    """This machine's address as other machines reach it (:func:`epochal.addressfile.local_address`:
+    ``EPOCHAL_HOST``, else the default route's), else its host name."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(_ROUTE_PROBE)
-            address = str(probe.getsockname()[0])
-    except OSError:
+        return addressfile.local_address()
+    except ConfigError:
         return socket.gethostname()
-    return address if address != "0.0.0.0" else socket.gethostname()
 
 
 def connectable(endpoint: str, address: str) -> tuple[str, bool]:
