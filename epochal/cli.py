@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from epochal import __version__
+from epochal import __version__, addressfile
 from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.config import BACKEND_CHOICES, BATCH_POLICIES, CoordinatorConfig
 from epochal.coordinator.service import Coordinator, new_run_id
@@ -259,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow binding an address other than loopback without CURVE keys (anyone who can "
         "reach the port can then join or disturb the run)",
     )
+    c.add_argument(
+        "--address-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="after binding, write the address workers connect to (tcp://HOST:PORT, never "
+        "0.0.0.0; EPOCHAL_HOST overrides HOST) to PATH atomically, and remove it at exit; "
+        f"workers started with {COORDINATOR_ENV}=file:PATH wait for it and read it",
+    )
     add_coordinator_arguments(c)
     _add_run_options(c)
 
@@ -346,11 +355,32 @@ async def _serve(
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
+    attach = endpoint
+    written: str | None = None
+    if args.address_file is not None:
+        written = addressfile.connectable(endpoint)
+        addressfile.write(args.address_file, written)
+        print(f"epochal coordinator address {written} written to {args.address_file}", flush=True)
+        attach = f"file:{args.address_file}"
     print(
-        f"attach workers with: {COORDINATOR_ENV}={endpoint} python SCRIPT",
+        f"attach workers with: {COORDINATOR_ENV}={attach} python SCRIPT",
         file=sys.stderr,
         flush=True,
     )
+    try:
+        return await _serve_runs(args, config, coordinator, endpoint, security)
+    finally:
+        if written is not None:
+            addressfile.remove_if_ours(args.address_file, written)
+
+
+async def _serve_runs(
+    args: argparse.Namespace,
+    config: CoordinatorConfig,
+    coordinator: Coordinator,
+    endpoint: str,
+    security: ServerSecurity | None,
+) -> int:
     received: list[int] = []
 
     def on_signal(signum: int) -> None:

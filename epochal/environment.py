@@ -40,3 +40,7 @@ REATTACH_TIMEOUT_ENV = "EPOCHAL_REATTACH_TIMEOUT"
 
 PROGRESS_ENV = "EPOCHAL_PROGRESS"
 """``1`` forces the in-epoch progress bar on, ``0`` off; default: on when stderr is a terminal."""
+
+WORLD_SIZE_ENV = "EPOCHAL_WORLD_SIZE"
+"""World size this worker expects; one that differs from the coordinator's is refused. Default:
+what the launcher says (torchrun's ``WORLD_SIZE``, Slurm's ``SLURM_NTASKS``), else unchecked."""

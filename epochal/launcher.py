@@ -29,6 +29,7 @@ from epochal.environment import (
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
     WORKER_ID_ENV,
+    WORLD_SIZE_ENV,
 )
 from epochal.errors import RunAborted
 
@@ -145,6 +146,7 @@ async def _attempt(
     env_base = dict(os.environ)
     env_base[COORDINATOR_ENV] = endpoint
     env_base[JOB_ENV] = config.job
+    env_base[WORLD_SIZE_ENV] = str(nproc)  # not a Slurm/torchrun world this may run inside
     env_base[REATTACH_TIMEOUT_ENV] = "0"  # this coordinator dies with the launcher: stop at once
     if config.token:
         env_base[TOKEN_ENV] = config.token

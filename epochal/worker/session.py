@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from epochal.addressfile import file_path, wait_for
 from epochal.environment import (
     CONNECT_TIMEOUT_ENV,
     COORDINATOR_ENV,
     HOST_ENV,
     JOB_ENV,
-    LOCAL_RANK_ENV,
-    RANK_ENV,
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
     WORKER_ID_ENV,
@@ -66,7 +65,7 @@ from epochal.protocol import (
     clip,
 )
 from epochal.security.curve import ClientSecurity
-from epochal.worker import faults
+from epochal.worker import faults, launchenv
 from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
@@ -143,19 +142,6 @@ def _env_float(name: str, default: float, *, allow_zero: bool = False) -> float:
     return value
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {raw!r}")
-    return value
-
-
 def _check_endpoint(endpoint: str) -> str:
     parts = urlsplit(endpoint)
     if parts.scheme not in ("tcp", "ipc", "inproc") or not (parts.netloc or parts.path):
@@ -169,6 +155,18 @@ def _check_endpoint(endpoint: str) -> str:
             "printed when it started, e.g. tcp://127.0.0.1:29400"
         )
     return endpoint
+
+
+def _read_address_file(spec: str, deadline_s: float) -> tuple[str, float]:
+    """Resolve ``file:PATH`` to the address in that file; return it and the time left."""
+    path = file_path(spec)
+    if path is None:
+        return spec, deadline_s
+    started = time.monotonic()
+    endpoint = wait_for(
+        path, deadline_s, say=lambda line: print(f"epochal: {line}", file=sys.stderr, flush=True)
+    )
+    return endpoint, max(0.1, deadline_s - (time.monotonic() - started))
 
 
 def advertised_host(endpoint: str) -> str:
@@ -474,6 +472,7 @@ def join(
     token: str | None = None,
     worker_id: str | None = None,
     rank: int | None = None,
+    world_size: int | None = None,
     device: str | torch.device | None = None,
     connect_timeout: float | None = None,
     collective_timeout: float = 600.0,
@@ -495,6 +494,12 @@ def join(
     ``curve_key`` (this worker's ``.key_secret`` file, else ``EPOCHAL_CURVE_KEY``) and
     ``curve_server_key`` (the coordinator's ``coordinator.key``, else
     ``EPOCHAL_CURVE_SERVER_KEY``) turn on CURVE for a coordinator that has keys.
+
+    ``coordinator`` may be ``file:PATH``: the worker waits (within ``connect_timeout``) for the
+    address file ``epochal coordinator --address-file PATH`` writes. ``rank`` (a hint),
+    ``world_size`` (the size this worker expects; a coordinator with another is refused) and the
+    local device default to ``EPOCHAL_RANK``/``EPOCHAL_WORLD_SIZE``/``EPOCHAL_LOCAL_RANK``, then to
+    what torchrun, Slurm or a Kubernetes Indexed Job set (:mod:`epochal.worker.launchenv`).
     """
     endpoint = coordinator or os.environ.get(COORDINATOR_ENV)
     if not endpoint:
@@ -502,6 +507,10 @@ def join(
             f"no coordinator address: pass coordinator='tcp://HOST:PORT' or set {COORDINATOR_ENV}, "
             "or start the script with `epochal run --nproc N SCRIPT`"
         )
+    deadline_s = (
+        connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
+    )
+    endpoint, deadline_s = _read_address_file(endpoint, deadline_s)
     endpoint = _check_endpoint(endpoint)
     try:
         job = check_job_name(job or os.environ.get(JOB_ENV) or DEFAULT_JOB)
@@ -512,11 +521,8 @@ def join(
     worker_id = (
         worker_id or os.environ.get(WORKER_ID_ENV) or f"{host}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
     )
-    rank_hint = rank if rank is not None else _env_int(RANK_ENV)
-    local_rank = _env_int(LOCAL_RANK_ENV) or 0
-    deadline_s = (
-        connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
-    )
+    where = launchenv.placement(os.environ, rank=rank, world_size=world_size)
+    rank_hint, local_rank = where.rank, where.local_rank
     reattach = (
         reattach_timeout
         if reattach_timeout is not None
@@ -559,6 +565,10 @@ def join(
             fingerprint=fingerprint(model),
         )
         welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
+        mismatch = launchenv.check_world_size(where, welcome.world_size)
+        if mismatch is not None:
+            client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
+            raise JoinRefused(mismatch)
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         dist.init_process_group(

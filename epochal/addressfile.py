@@ -1,0 +1,193 @@
+"""The coordinator's address in a file: how workers find a coordinator that bound port 0.
+
+``epochal coordinator --address-file PATH`` binds (port 0 is fine), then writes the address other
+machines connect to, ``tcp://HOST:PORT``, to PATH atomically (temp file, fsync, rename), so a
+reader sees either nothing or the whole line. A worker started with
+``EPOCHAL_COORDINATOR=file:PATH`` waits for the file and reads it. This is what a batch job uses on
+a shared file system, where no port can be fixed in advance.
+
+The address written is never a wildcard: a coordinator bound to ``0.0.0.0`` writes
+``EPOCHAL_HOST`` when set, else the address of the interface of the default route, else the
+non-loopback address the host name resolves to, else the first non-loopback interface address.
+No packet is sent to find it. No torch here: the coordinator uses this module.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from epochal.environment import HOST_ENV
+from epochal.errors import ConfigError, CoordinatorUnreachable
+
+FILE_SCHEME = "file:"
+"""``EPOCHAL_COORDINATOR=file:PATH``: read the coordinator's address from PATH."""
+
+POLL_INTERVAL = 0.1
+"""Seconds between looks at an address file that does not exist yet."""
+
+_SIOCGIFADDR = 0x8915
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
+
+
+def _interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (Linux ioctl); None when it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(
+                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+            )
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def default_route_interface(route_table: str | None = None) -> str | None:
+    """The interface of the IPv4 default route, from ``/proc/net/route``; None when none."""
+    if route_table is None:
+        try:
+            route_table = Path("/proc/net/route").read_text()
+        except OSError:
+            return None
+    for line in route_table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 7 and fields[1] == "00000000" and fields[7] == "00000000":
+            return fields[0]
+    return None
+
+
+def _not_loopback(address: str) -> bool:
+    try:
+        return not ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def local_address(env: Mapping[str, str] | None = None) -> str:
+    """The address of this machine that other machines can reach (see the module docstring)."""
+    env = os.environ if env is None else env
+    explicit = env.get(HOST_ENV, "")
+    if explicit:
+        return explicit
+    route = default_route_interface()
+    if route is not None:
+        address = _interface_address(route)
+        if address is not None and _not_loopback(address):
+            return address
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        infos = []
+    for info in infos:
+        address = str(info[4][0])
+        if _not_loopback(address):
+            return address
+    for _, name in socket.if_nameindex():
+        address = _interface_address(name)
+        if address is not None and _not_loopback(address):
+            return address
+    raise ConfigError(
+        "this machine has no address other machines could reach (no default route, the host "
+        f"name resolves to loopback, no interface has another address): set {HOST_ENV} to the "
+        "address workers should connect to"
+    )
+
+
+def connectable(endpoint: str, env: Mapping[str, str] | None = None) -> str:
+    """``endpoint`` as workers elsewhere dial it: a wildcard host becomes this machine's address."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.port is None:
+        return endpoint
+    host = parts.hostname or ""
+    if host not in _WILDCARDS:
+        return endpoint
+    address = local_address(env)
+    if ":" in address:
+        address = f"[{address}]"
+    return f"tcp://{address}:{parts.port}"
+
+
+def write(path: Path, endpoint: str) -> None:
+    """Write ``endpoint`` and a newline to ``path`` atomically: temp file, fsync, rename."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(endpoint + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable, as the journal does
+        directory = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def remove_if_ours(path: Path, endpoint: str) -> None:
+    """Remove the address file if it still holds ``endpoint`` (a successor may have replaced it)."""
+    try:
+        if Path(path).read_text(encoding="utf-8").strip() == endpoint:
+            Path(path).unlink()
+    except OSError:
+        pass
+
+
+def file_path(spec: str) -> Path | None:
+    """The path in ``file:PATH``; None when ``spec`` is an endpoint, not a file reference."""
+    if not spec.startswith(FILE_SCHEME):
+        return None
+    path = spec[len(FILE_SCHEME) :]
+    if path.startswith("//"):
+        path = path[2:]
+    if not path:
+        raise ConfigError(f"{spec!r} names no file: use file:/shared/dir/coordinator.addr")
+    return Path(path)
+
+
+def wait_for(
+    path: Path,
+    timeout: float,
+    *,
+    say: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """Wait up to ``timeout`` seconds for the address file at ``path`` and return its address.
+
+    ``say`` is told once when the file is not there yet.
+    """
+    deadline = clock() + timeout
+    told = False
+    while True:
+        try:
+            text = Path(path).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            text = ""
+        except OSError as exc:
+            raise ConfigError(f"cannot read the coordinator's address file {path}: {exc}") from None
+        if text:
+            return text
+        if clock() >= deadline:
+            raise CoordinatorUnreachable(
+                f"the coordinator's address file {path} did not appear within {timeout:g} s: "
+                "start the coordinator with --address-file pointing at the same path (on a file "
+                "system every worker sees), or raise EPOCHAL_CONNECT_TIMEOUT"
+            )
+        if not told and say is not None:
+            say(f"waiting up to {timeout:g} s for the coordinator's address in {path}")
+            told = True
+        sleep(min(POLL_INTERVAL, max(0.0, deadline - clock())))
