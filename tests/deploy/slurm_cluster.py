@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,9 +169,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def slurm_cluster(root: Path, env: dict[str, str]) -> Iterator[SlurmCluster]:
-    """Start munge, slurmctld and slurmd n1, n2 under ``root``; stop them all on leaving."""
-    root.mkdir(parents=True, exist_ok=True)
+def slurm_cluster(env: dict[str, str]) -> Iterator[SlurmCluster]:
+    """Start munge, slurmctld and slurmd n1, n2 in a new directory; stop them all on leaving.
+
+    The directory is made directly under /tmp: munged insists that every directory above its
+    socket be searchable by everyone, which pytest's private temporary directories are not.
+    """
+    root = Path(tempfile.mkdtemp(prefix="epochal-slurm-", dir="/tmp"))
     # munged wants its socket's directories searchable by all and writable only by their owner
     os.chmod(root, 0o755)
     munge_dir = root / "munge"
@@ -184,8 +189,16 @@ def slurm_cluster(root: Path, env: dict[str, str]) -> Iterator[SlurmCluster]:
     env = {**env, "SLURM_CONF": str(conf)}
     cluster = SlurmCluster(root=root, conf=conf, env=env)
     log = root / "log"
+
+    def start(name: str, args: list[str]) -> None:
+        with (log / f"{name}.stderr.log").open("wb") as err:  # the child keeps its own copy
+            cluster.procs[name] = subprocess.Popen(
+                args, env=env, stdout=subprocess.DEVNULL, stderr=err
+            )
+
     try:
-        cluster.procs["munged"] = subprocess.Popen(
+        start(
+            "munged",
             [
                 "munged",
                 "--foreground",
@@ -195,24 +208,11 @@ def slurm_cluster(root: Path, env: dict[str, str]) -> Iterator[SlurmCluster]:
                 f"--log-file={log}/munged.log",
                 f"--seed-file={munge_dir}/munged.seed",
             ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=(log / "munged.stderr.log").open("wb"),
         )
         _wait_for(lambda: munge_socket.exists(), "munged to create its socket", cluster)
-        cluster.procs["slurmctld"] = subprocess.Popen(
-            ["slurmctld", "-D", "-i"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=(log / "slurmctld.stderr.log").open("wb"),
-        )
+        start("slurmctld", ["slurmctld", "-D", "-i"])
         for node in NODES:
-            cluster.procs[node] = subprocess.Popen(
-                ["slurmd", "-D", "-N", node],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=(log / f"slurmd-{node}.stderr.log").open("wb"),
-            )
+            start(node, ["slurmd", "-D", "-N", node])
 
         def nodes_idle() -> bool:
             try:
@@ -231,6 +231,8 @@ def slurm_cluster(root: Path, env: dict[str, str]) -> Iterator[SlurmCluster]:
         for name in (*reversed(NODES), "slurmctld", "munged"):
             if name in cluster.procs:
                 _stop(cluster.procs[name])
+        if all(p.poll() is not None for p in cluster.procs.values()):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _wait_for(ready: object, what: str, cluster: SlurmCluster) -> None:
