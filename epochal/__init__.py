@@ -23,6 +23,7 @@ from epochal.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from epochal.coordinator.background import start_coordinator
     from epochal.worker import (
         EpochContext,
         LayeredModel,
@@ -55,6 +56,10 @@ _WORKER_NAMES = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "start_coordinator":  # zmq, not torch: still imported only when used
+        from epochal.coordinator.background import start_coordinator
+
+        return start_coordinator
     if name in _WORKER_NAMES:
         import epochal.worker
 
@@ -81,5 +86,6 @@ __all__ = [
     "fit",
     "initialize_on_rank",
     "join",
+    "start_coordinator",
     "train",
 ]

@@ -3,7 +3,8 @@
 - ``epochal coordinator``: the coordinator as a service for workers on any machine;
 - ``epochal run``: a coordinator plus N local workers running a training script.
 
-Exit status: 0 the run finished, 1 it was aborted (the reason is printed), 2 bad usage.
+Exit status: 0 the run finished, 1 it was aborted (the reason is printed), 2 bad usage, 70 the
+coordinator crashed (a bug; a restart with the same --run-dir resumes), 128+N stopped by signal N.
 Neither command imports torch.
 """
 
@@ -15,6 +16,7 @@ import ipaddress
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -34,6 +36,8 @@ from epochal.security.cli import (
 from epochal.security.curve import ServerSecurity
 
 EXIT_USAGE = 2
+EXIT_CRASH = 70
+"""The coordinator itself failed (EX_SOFTWARE): unlike an abort (1), worth restarting."""
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -227,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed data-parallel training of PyTorch models with a separate "
         "control plane.",
         epilog=f"Workers on other machines attach with {COORDINATOR_ENV}=tcp://HOST:PORT "
-        "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage.",
+        "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage, 70 crashed.",
     )
     parser.add_argument("--version", action="version", version=f"epochal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -355,13 +359,17 @@ async def _serve(
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
-    attach = endpoint
     written: str | None = None
     if args.address_file is not None:
         written = addressfile.connectable(endpoint)
         addressfile.write(args.address_file, written)
         print(f"epochal coordinator address {written} written to {args.address_file}", flush=True)
         attach = f"file:{args.address_file}"
+    else:
+        try:  # a wildcard bind: name an address a worker can dial
+            attach = addressfile.connectable(endpoint)
+        except ConfigError:
+            attach = endpoint
     print(
         f"attach workers with: {COORDINATOR_ENV}={attach} python SCRIPT",
         file=sys.stderr,
@@ -421,6 +429,25 @@ async def _start_again(coordinator: Coordinator) -> None:
     await coordinator.start()
 
 
+def _serve_or_crash(
+    args: argparse.Namespace, token: str, run_id: str, security: ServerSecurity | None
+) -> int:
+    """Serve; a bug in the coordinator itself exits EXIT_CRASH, which a supervisor restarts."""
+    try:
+        return asyncio.run(_serve(args, token, run_id, security))
+    except (ConfigError, OSError, KeyboardInterrupt):
+        raise
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"epochal: the coordinator crashed (exit status {EXIT_CRASH}); the traceback above is "
+            "a bug to report. Started again with the same --run-dir, it resumes the run",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_CRASH
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -434,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warning = check_exposure(args.bind, security is not None, args.insecure)
             if warning:
                 print(f"epochal: {warning}", file=sys.stderr, flush=True)
-            return asyncio.run(_serve(args, token, run_id, security))
+            return _serve_or_crash(args, token, run_id, security)
         if args.command == "worker":
             from epochal.supervisor import supervise
 

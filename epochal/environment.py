@@ -32,6 +32,9 @@ LOCAL_RANK_ENV = "EPOCHAL_LOCAL_RANK"
 HOST_ENV = "EPOCHAL_HOST"
 """Address other workers reach this machine at (rank 0 advertises its data-plane store there)."""
 
+IFNAME_ENV = "EPOCHAL_IFNAME"
+"""Network interface of the data plane (default: the one that routes to the coordinator)."""
+
 CONNECT_TIMEOUT_ENV = "EPOCHAL_CONNECT_TIMEOUT"
 """Seconds a worker keeps trying to reach its coordinator before giving up."""
 

@@ -49,7 +49,8 @@ class Member:
 
     def describe(self) -> str:
         h = self.hello
-        return f"worker {h.worker_id} (host {h.host}, pid {h.pid})"
+        at = f" at {h.data_address}" if h.data_address else ""
+        return f"worker {h.worker_id} (host {h.host}{at}, pid {h.pid})"
 
 
 def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:

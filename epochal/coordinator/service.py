@@ -548,6 +548,9 @@ class Coordinator:
             f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
             f"data-plane store at {self._store.host}:{self._store.port}"  # type: ignore[union-attr]
         )
+        for rank, member in enumerate(self._members_by_rank):
+            hello = member.hello
+            self._log(f"rank {rank}: {hello.host}, data plane at {hello.data_address or '?'}")
         self._set_phase(Phase.READY)
 
     async def _start_epoch(self) -> None:

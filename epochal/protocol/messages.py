@@ -115,12 +115,15 @@ class Hello:
     device: str
     # "cpu" or "cuda": the coordinator picks the backend from every rank's device
     fingerprint: Fingerprint
+    data_address: str = ""
+    # the address this worker's data plane uses (for the coordinator's log); "": not given
 
     def __post_init__(self) -> None:
         _text("job", self.job)
         _text("token", self.token, empty=True)
         _text("worker_id", self.worker_id)
         _text("host", self.host)
+        _text("data_address", self.data_address, empty=True)
         _nonneg("pid", self.pid)
         if self.rank_hint is not None:
             _nonneg("rank_hint", self.rank_hint)

@@ -6,7 +6,10 @@ turns an Abort or a vanished coordinator into :class:`~epochal.errors.RunAborted
 thread's next call (or its next :meth:`check`, made between batches). If the main thread does not
 come back within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the
 thread prints the reason and ends the process with :data:`ABORT_EXIT_CODE`: a bounded abort
-instead of a hang.
+instead of a hang. The same holds for a coordinator that vanished while the training code was
+away: a worker that keeps making progress finishes its epoch and then waits to re-attach, but one
+whose training code made no progress for ``heartbeat_timeout + abort_grace`` seconds is blocked in
+a collective (its peer was cut off with it, or is gone) and could never re-attach, so it exits.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ class ControlClient:
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
+        self._progress_at = time.monotonic()
+        # when the main thread last showed progress (a step, a phase, a call into the client)
+        self._loss_taken = threading.Event()
+        # set when the main thread has taken the latest coordinator loss (or closed the client)
         self.rank: int | None = None
         # this worker's rank once it has one (for fault injection)
         self.phase = "rendezvous"
@@ -123,7 +130,11 @@ class ControlClient:
             return
         self._watch_coordinator = False
         if self._reattach:
+            taken = self._loss_taken = threading.Event()
             self._inbox.put(_Lost(reason, reattach=True))
+            threading.Thread(
+                target=self._exit_if_stuck, args=(reason, taken), name="epochal-lost", daemon=True
+            ).start()
         else:
             self._fail(reason)
 
@@ -139,12 +150,16 @@ class ControlClient:
         Raises TimeoutError when ``timeout`` passes first, RunAborted on an Abort or when the
         coordinator went silent.
         """
+        self._progress_at = time.monotonic()
         try:
             item = self._inbox.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError("no message from the coordinator") from None
+        finally:
+            self._progress_at = time.monotonic()
         if isinstance(item, _Lost):
             if item.reattach:
+                self._loss_taken.set()
                 raise CoordinatorLost(item.reason)
             self._abort_taken.set()
             raise RunAborted(item.reason)
@@ -156,6 +171,7 @@ class ControlClient:
     def at(self, phase: str, epoch: int) -> None:
         """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat)."""
         self.phase, self.epoch, self.step = phase, epoch, 0
+        self._progress_at = time.monotonic()
 
     def check(self) -> None:
         """Raise RunAborted if an abort has arrived; cheap enough to call between batches.
@@ -163,6 +179,7 @@ class ControlClient:
         Each call also counts one step of progress for the stall diagnostics.
         """
         self.step += 1
+        self._progress_at = time.monotonic()
         reason = self._abort_reason
         if reason is not None:
             self._abort_taken.set()
@@ -171,6 +188,7 @@ class ControlClient:
     def close(self, *, flush: float = 2.0) -> None:
         """Send what is queued (waiting up to ``flush`` seconds) and stop the thread."""
         self._abort_taken.set()
+        self._loss_taken.set()
         loop, outbox = self._loop, self._outbox
         if loop is not None and outbox is not None and not loop.is_closed():
             try:
@@ -329,6 +347,32 @@ class ControlClient:
             f"epochal: run aborted: {reason}\n"
             f"epochal: the training code did not return to epochal within {self.abort_grace:g} s "
             f"(blocked in a collective?); exiting with status {ABORT_EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(ABORT_EXIT_CODE)
+
+    def _exit_if_stuck(self, reason: str, taken: threading.Event) -> None:
+        """The coordinator is lost: end the process if the training code is blocked for good.
+
+        A main thread that takes the loss (or keeps making progress) re-attaches; one that made
+        no progress for ``heartbeat_timeout + abort_grace`` seconds sits in a collective whose
+        peer is gone and would otherwise stay there for the collective timeout.
+        """
+        limit = self.heartbeat_timeout + self.abort_grace
+        if taken.wait(self.abort_grace):
+            return
+        while True:
+            stalled = time.monotonic() - self._progress_at
+            if stalled >= limit:
+                break
+            if taken.wait(min(limit - stalled, self.heartbeat_interval)):
+                return
+        who = f"rank {self.rank}" if self.rank is not None else "worker"
+        print(
+            f"epochal: {who}: {reason}; the training code made no progress for {stalled:.0f} s "
+            f"(blocked in a collective whose peer is gone?) and cannot re-attach from there: "
+            f"exiting with status {ABORT_EXIT_CODE}",
             file=sys.stderr,
             flush=True,
         )

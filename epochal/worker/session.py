@@ -9,7 +9,6 @@ counts, waits for Go, runs them, reports the loss sums and follows the Decision.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import sys
@@ -31,7 +30,6 @@ from epochal.addressfile import file_path, wait_for
 from epochal.environment import (
     CONNECT_TIMEOUT_ENV,
     COORDINATOR_ENV,
-    HOST_ENV,
     JOB_ENV,
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
@@ -65,7 +63,7 @@ from epochal.protocol import (
     clip,
 )
 from epochal.security.curve import ClientSecurity
-from epochal.worker import faults, launchenv
+from epochal.worker import faults, launchenv, network
 from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
@@ -172,24 +170,11 @@ def _read_address_file(spec: str, deadline_s: float) -> tuple[str, float]:
 def advertised_host(endpoint: str) -> str:
     """The address of this machine that the coordinator's peers can reach.
 
-    ``EPOCHAL_HOST`` wins; a loopback coordinator means a single-machine run (127.0.0.1);
-    otherwise the local address of the route to the coordinator (no packet is sent).
+    ``EPOCHAL_HOST`` wins, then ``EPOCHAL_IFNAME``'s address; a loopback coordinator means a
+    single-machine run (127.0.0.1); otherwise the local address of the route to the coordinator
+    (see :mod:`epochal.worker.network`).
     """
-    explicit = os.environ.get(HOST_ENV)
-    if explicit:
-        return explicit
-    host = urlsplit(endpoint).hostname or "127.0.0.1"
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass  # a host name: resolve the route below
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    return network.discover(endpoint).address
 
 
 class Session:
@@ -541,6 +526,7 @@ def join(
     if heartbeat_timeout <= heartbeat_interval:
         raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
     dev = _device_for(local_rank, device)
+    plane = network.discover(endpoint)  # refuses an unusable network before joining
     security = ClientSecurity.from_env(key_file=curve_key, server_key_file=curve_server_key)
 
     client = ControlClient(
@@ -563,6 +549,7 @@ def join(
             rank_hint=rank_hint,
             device="cuda" if dev.type == "cuda" else "cpu",
             fingerprint=fingerprint(model),
+            data_address=plane.address,
         )
         welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
         mismatch = launchenv.check_world_size(where, welcome.world_size)
@@ -571,6 +558,7 @@ def join(
             raise JoinRefused(mismatch)
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
+        network.apply(plane, os.environ)  # gloo and NCCL read their interface at init
         dist.init_process_group(
             backend=welcome.backend,
             store=PrefixStore(f"epochal/{welcome.run_id}", store.store),

@@ -1,0 +1,39 @@
+"""The coordinator's exit status tells a supervisor (systemd, a batch system) what happened."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epochal import cli
+from epochal.coordinator.service import Coordinator
+
+
+def coordinator(tmp_path: Path, *extra: str) -> int:
+    return cli.main(["coordinator", "--world-size", "1", "--run-dir", str(tmp_path), *extra])
+
+
+def test_an_abort_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert coordinator(tmp_path, "--rendezvous-timeout", "0.2") == 1
+    assert "only 0 of 1 workers joined" in capsys.readouterr().err
+
+
+def test_a_crash_of_the_coordinator_itself_exits_70_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def broken(self: Coordinator, now: float) -> None:
+        raise RuntimeError("a bug in the service")
+
+    # inside the service loop, as a real bug would be: the loop's own cleanup still runs
+    monkeypatch.setattr(Coordinator, "_check_clock", broken)
+    assert coordinator(tmp_path) == cli.EXIT_CRASH == 70
+    err = capsys.readouterr().err
+    assert "RuntimeError: a bug in the service" in err and "Traceback" in err
+    assert "crashed (exit status 70)" in err and "same --run-dir" in err
+
+
+def test_bad_usage_still_exits_2(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        coordinator(tmp_path, "--bind", "tcp://256.1.1.1:0")
+    assert exit_.value.code == 2
