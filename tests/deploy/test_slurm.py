@@ -61,7 +61,12 @@ def cluster() -> Iterator[SlurmCluster]:
         with slurm_cluster(env) as running:
             yield running
     finally:
-        leftovers = marked_pids(mark)
+        # a job's processes may still be on their way out (Slurm escalates to SIGKILL after
+        # KillWait); what is left after that has leaked
+        deadline = time.monotonic() + KILL_WAIT + 5
+        while marked_pids(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftovers = {pid: _cmdline(pid) for pid in marked_pids(mark)}
         for pid in leftovers:
             try:
                 os.kill(pid, 9)
@@ -70,14 +75,29 @@ def cluster() -> Iterator[SlurmCluster]:
         assert not leftovers, f"processes outlived the cluster: {leftovers}"
 
 
-def submit(cluster: SlurmCluster, workdir: Path, coordinator_args: str) -> str:
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return "?"
+
+
+def submit(cluster: SlurmCluster, workdir: Path, coordinator_args: str, *script_args: str) -> str:
     """``sbatch --nodes=2 --ntasks-per-node=1 epochal.sbatch digits.py`` from ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "examples" / "digits.py", workdir / "digits.py")
     env = {**cluster.env, "EPOCHAL_COORDINATOR_ARGS": coordinator_args}
 
     done = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(SBATCH), "digits.py"],
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            str(SBATCH),
+            "digits.py",
+            *script_args,
+        ],
         cwd=workdir,
         env=env,
         capture_output=True,
@@ -137,6 +157,18 @@ def test_digits_on_two_nodes_completes_with_the_result(
     assert (state.stat().st_mode & 0o777) == 0o700
     assert ((state / "keys").stat().st_mode & 0o777) == 0o700
     print(f"slurm job {job}: {time.monotonic() - started:.1f} s from submit to COMPLETED")
+
+
+def test_a_failing_run_fails_the_job_with_its_status(cluster: SlurmCluster, tmp_path: Path) -> None:
+    started = time.monotonic()
+    job = submit(cluster, tmp_path, "--epochs 4", "--no-such-option")  # workers exit 2
+    info = cluster.wait_job(job, ENDED, JOB_DEADLINE)
+    out = output(tmp_path, job)
+    assert info["JobState"] == "FAILED", f"{info}\n{out}"
+    assert info["ExitCode"] == "1:0", out
+    assert "unrecognized arguments: --no-such-option" in out, out
+    assert out.strip().splitlines()[-1] == "[epochal.sbatch] exit status 1", out
+    print(f"slurm failing job {job}: {time.monotonic() - started:.1f} s from submit to FAILED")
 
 
 def test_a_requeued_job_resumes_from_its_checkpoint(cluster: SlurmCluster, tmp_path: Path) -> None:
