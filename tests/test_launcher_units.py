@@ -126,3 +126,13 @@ def test_workers_get_torchruns_variables_beside_epochals():
         "/bin",
     )
     assert "TORCHELASTIC_RUN_ID" not in env  # that would claim a real torchrun launch
+
+
+def test_run_takes_verbose_and_an_exit_timeout():
+    parser = build_parser()
+    args = parser.parse_args(["run", "--nproc", "2", "s.py"])
+    assert (args.verbose, args.exit_timeout) == (False, None)  # no bound after a finish
+    args = parser.parse_args(["run", "--nproc", "2", "--verbose", "--exit-timeout", "30", "s.py"])
+    assert (args.verbose, args.exit_timeout) == (True, 30.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--nproc", "2", "--exit-timeout", "0", "s.py"])
