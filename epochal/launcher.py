@@ -299,9 +299,9 @@ async def _attempt(
         if relay.hidden
         else ""
     )
-    killed = (
-        f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck and bound else ""
-    )
+    if interrupted and summary is not None:
+        bound = ABORT_EXIT_TIMEOUT  # the signal bounded a wait that had none
+    killed = f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck else ""
     if interrupted:
         when = " after the run finished (result.json says so)" if summary is not None else ""
         say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}")

@@ -141,3 +141,13 @@ def test_a_worker_whose_launcher_died_while_starting_it_leaves(orphaned):
         timeout=60,
     )
     assert proc.returncode == (ORPHAN_EXIT_CODE if orphaned else 0)
+
+
+def test_run_takes_verbose_and_an_exit_timeout():
+    parser = build_parser()
+    args = parser.parse_args(["run", "--nproc", "2", "s.py"])
+    assert (args.verbose, args.exit_timeout) == (False, None)  # no bound after a finish
+    args = parser.parse_args(["run", "--nproc", "2", "--verbose", "--exit-timeout", "30", "s.py"])
+    assert (args.verbose, args.exit_timeout) == (True, 30.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--nproc", "2", "--exit-timeout", "0", "s.py"])
