@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import liveness, resume
+from epochal.coordinator import clock, liveness, resume
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import Journal
 from epochal.coordinator.policy import (
@@ -243,6 +243,8 @@ class Coordinator:
         self._refusal_window = 0.0
         self._refusals_shown = 0
         self._refusals_hidden = 0
+        self._clock_read = time.monotonic()
+        # the last reading of the service's clock (see clock.lost_time)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -342,9 +344,12 @@ class Coordinator:
         assert sock is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         next_heartbeat = time.monotonic()
+        self._clock_read = next_heartbeat
         try:
             while self._outcome is None:
-                if await sock.poll(timeout=int(tick * 1000)):
+                polled = await sock.poll(timeout=int(tick * 1000))
+                self._read_clock(tick)  # before any frame: a stopped process blames nobody
+                if polled:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
                     batch_end = time.monotonic() + BATCH_SECONDS
                     for _ in range(BATCH):
@@ -354,7 +359,7 @@ class Coordinator:
                         await self._receive(frames)
                         if time.monotonic() > batch_end:
                             break
-                now = time.monotonic()
+                now = self._read_clock(BATCH_SECONDS)
                 if self._requested_abort is not None and self._outcome is None:
                     await self._abort(self._requested_abort)
                     break
@@ -812,6 +817,33 @@ class Coordinator:
         self._phase_started = time.monotonic()
 
     # ------------------------------------------------------------------ the clock
+
+    def _read_clock(self, step: float) -> float:
+        """Now; first moving every deadline past any time the service itself was not running."""
+        now = time.monotonic()
+        lost = clock.lost_time(self._clock_read, now, step)
+        self._clock_read = now
+        if lost > 0:
+            self._forgive(lost)
+        return now
+
+    def _forgive(self, lost: float) -> None:
+        """Give every rank a fresh window: for ``lost`` seconds nobody here could hear them."""
+        self._last_seen = {peer: seen + lost for peer, seen in self._last_seen.items()}
+        self._status = {
+            rank: (phase, epoch, step, since + lost)
+            for rank, (phase, epoch, step, since) in self._status.items()
+        }
+        self._phase_started += lost
+        self._stall_reported += lost
+        if self._failure_deadline is not None:
+            self._failure_deadline += lost
+        if lost > self.config.heartbeat_interval:
+            self._log(
+                f"the coordinator itself was not running for {lost:.1f} s (its process was "
+                "stopped, or the machine suspended or overloaded): no rank is blamed for that "
+                "silence"
+            )
 
     async def _check_clock(self, now: float) -> None:
         if self._outcome is not None:
