@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from epochal.coordinator import clock, liveness, resume
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import Journal
+from epochal.coordinator.journal import Journal, JournalError
 from epochal.coordinator.policy import (
     BatchCounts,
     EpochOutcome,
@@ -356,7 +356,10 @@ class Coordinator:
                         if self._outcome is not None or not _readable(sock):
                             break
                         frames = await sock.recv_multipart(copy=False)
-                        await self._receive(frames)
+                        try:
+                            await self._receive(frames)
+                        except JournalError as exc:
+                            await self._unrecorded(exc)
                         if time.monotonic() > batch_end:
                             break
                 now = self._read_clock(BATCH_SECONDS)
@@ -366,7 +369,10 @@ class Coordinator:
                 if now >= next_heartbeat:
                     next_heartbeat = now + self.config.heartbeat_interval
                     await self._broadcast_heartbeat()
-                await self._check_clock(now)
+                try:
+                    await self._check_clock(now)
+                except JournalError as exc:
+                    await self._unrecorded(exc)
         finally:
             self.phase = Phase.ENDED
             if self.dropped_frames or self.ignored_frames or self.forged_frames:
@@ -760,8 +766,16 @@ class Coordinator:
         self._log(f"run aborted: {reason}")
         await self._send_all(Abort(reason=clip(reason)))
         if self._journal is not None:
-            self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
+            try:
+                self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
+            except JournalError as exc:
+                self._log(f"the abort is not recorded in the run directory: {exc}")
         self._outcome = RunAborted(reason)
+
+    async def _unrecorded(self, exc: JournalError) -> None:
+        """The run directory cannot be written: stop, since progress that is not recorded
+        cannot be resumed (and a decision is never sent before its record is durable)."""
+        await self._abort(f"{exc}; the run stops because it cannot record its progress")
 
     def _note_status(self, rank: int, status: Status) -> None:
         now = time.monotonic()
