@@ -133,3 +133,40 @@ async def test_a_full_disk_mid_run_aborts_every_rank_with_the_reason(tmp_path, m
         assert any("the abort is not recorded in the run directory" in line for line in lines)
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_loss_sums_that_overflow_abort_naming_the_ranks_and_write_result_json(tmp_path):
+    import asyncio
+    import json
+
+    import zmq.asyncio
+
+    from epochal.coordinator import Coordinator, CoordinatorConfig
+    from epochal.errors import RunAborted
+    from epochal.protocol import Abort, EpochReady, EpochReport, Go
+    from tests.coordinator.test_service import join_all
+
+    ctx = zmq.asyncio.Context()
+    try:
+        config = CoordinatorConfig(world_size=2, epochs=3, run_dir=tmp_path / "run")
+        coordinator = Coordinator(config, context=ctx, log=lambda line: None)
+        await coordinator.start()
+        task = asyncio.create_task(coordinator.run())
+        workers = await join_all(ctx, coordinator, 2)
+        for w in workers:
+            await w.send(EpochReady(epoch=0, train_batches=2, valid_batches=None))
+        for w in workers:
+            assert isinstance(await w.recv(), Go)
+        for w in workers:  # each finite; their sum is not (fsum raised OverflowError)
+            await w.send(EpochReport(0, 1.5e308, 1, 0.0, 0))
+        for w in workers:
+            abort = await w.recv()
+            assert isinstance(abort, Abort), abort
+            assert "training loss sums of ranks 0-1" in abort.reason
+        with pytest.raises(RunAborted, match="diverged"):
+            await asyncio.wait_for(task, 5)
+        result = json.loads((tmp_path / "run" / RESULT_FILE).read_text())
+        assert result["status"] == "aborted"
+        assert "ranks 0-1" in result["reason"]
+    finally:
+        ctx.destroy(linger=0)
