@@ -470,7 +470,9 @@ class Coordinator:
             return
         forged = not isinstance(message, Hello) and not self._sessions.check(peer, session, user_id)
         if member and forged:
-            self._forged(peer, message)
+            if session or not isinstance(message, Heartbeat | Status):
+                self._forged(peer, message)
+            # a heartbeat without a session may cross the Joined that carries it: dropped quietly
             return
         if peer in self._last_seen or peer in self._ranks:
             self._last_seen[peer] = time.monotonic()
@@ -480,7 +482,7 @@ class Coordinator:
         """A frame under a member's identity without its session: never acted on."""
         self.forged_frames += 1
         if isinstance(message, Heartbeat | Status):
-            return  # harmless, and one may cross the Joined that carries the session
+            return  # harmless to the run: counted, not logged
         who = self._rendezvous.members.get(peer)
         self._log_refusal(
             f"dropped a {type(message).__name__} sent as "
