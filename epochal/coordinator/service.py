@@ -239,7 +239,7 @@ class Coordinator:
         self._strangers: OrderedDict[bytes, int] = OrderedDict()
         self._sessions = Sessions()
         self.forged_frames = 0
-        # frames under a member's routing identity without its session: dropped unread
+        # frames under a member's routing identity without its session (or key): never acted on
         self._refusal_window = 0.0
         self._refusals_shown = 0
         self._refusals_hidden = 0
