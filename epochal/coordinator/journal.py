@@ -6,14 +6,36 @@ records, so the file never claims less than the workers were told.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 RUN_FILE = "run.json"
 EPOCHS_FILE = "epochs.jsonl"
 RESULT_FILE = "result.json"
+
+
+class JournalError(OSError):
+    """A run-directory file could not be written; the message names it and what to do."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except JournalError:
+        raise
+    except OSError as exc:
+        hint = (
+            ": the disk is full; free space there, then run the same command again to resume"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else ""
+        )
+        raise JournalError(exc.errno, f"cannot write {path}: {exc.strerror or exc}{hint}") from None
 
 
 FILE_MODE = 0o600
@@ -35,12 +57,13 @@ def _open_private(path: Path, mode: str) -> Any:
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with _open_private(tmp, "w") as f:
+    with _writing(path), _open_private(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _writing(path):
+        os.replace(tmp, path)
 
 
 class Journal:
@@ -69,15 +92,17 @@ class Journal:
 
     def epoch(self, record: dict[str, Any]) -> None:
         """Append one record (``kind`` epoch or checkpoint) and make it durable."""
-        self._epochs.write(json.dumps(record, sort_keys=True) + "\n")
-        self._epochs.flush()
-        os.fsync(self._epochs.fileno())
+        with _writing(self.run_dir / EPOCHS_FILE):
+            self._epochs.write(json.dumps(record, sort_keys=True) + "\n")
+            self._epochs.flush()
+            os.fsync(self._epochs.fileno())
 
     def result(self, info: dict[str, Any]) -> None:
         _write_atomic(self.run_dir / RESULT_FILE, info)
 
     def close(self) -> None:
-        self._epochs.close()
+        with contextlib.suppress(OSError):  # a failed flush was reported when it failed
+            self._epochs.close()
 
 
 def check_record(record: Any) -> None:

@@ -28,9 +28,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import liveness, resume
+from epochal.coordinator import clock, liveness, resume
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import Journal
+from epochal.coordinator.journal import Journal, JournalError
 from epochal.coordinator.policy import (
     BatchCounts,
     EpochOutcome,
@@ -244,10 +244,12 @@ class Coordinator:
         self._strangers: OrderedDict[bytes, int] = OrderedDict()
         self._sessions = Sessions()
         self.forged_frames = 0
-        # frames under a member's routing identity without its session: dropped unread
+        # frames under a member's routing identity without its session (or key): never acted on
         self._refusal_window = 0.0
         self._refusals_shown = 0
         self._refusals_hidden = 0
+        self._clock_read = time.monotonic()
+        # the last reading of the service's clock (see clock.lost_time)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -354,26 +356,35 @@ class Coordinator:
         assert sock is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         next_heartbeat = time.monotonic()
+        self._clock_read = next_heartbeat
         try:
             while self._outcome is None:
-                if await sock.poll(timeout=int(tick * 1000)):
+                polled = await sock.poll(timeout=int(tick * 1000))
+                self._read_clock(tick)  # before any frame: a stopped process blames nobody
+                if polled:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
                     batch_end = time.monotonic() + BATCH_SECONDS
                     for _ in range(BATCH):
                         if self._outcome is not None or not _readable(sock):
                             break
                         frames = await sock.recv_multipart(copy=False)
-                        await self._receive(frames)
+                        try:
+                            await self._receive(frames)
+                        except JournalError as exc:
+                            await self._unrecorded(exc)
                         if time.monotonic() > batch_end:
                             break
-                now = time.monotonic()
+                now = self._read_clock(BATCH_SECONDS)
                 if self._requested_abort is not None and self._outcome is None:
                     await self._abort(self._requested_abort)
                     break
                 if now >= next_heartbeat:
                     next_heartbeat = now + self.config.heartbeat_interval
                     await self._broadcast_heartbeat()
-                await self._check_clock(now)
+                try:
+                    await self._check_clock(now)
+                except JournalError as exc:
+                    await self._unrecorded(exc)
         finally:
             self.phase = Phase.ENDED
             if self.dropped_frames or self.ignored_frames or self.forged_frames:
@@ -471,7 +482,9 @@ class Coordinator:
             return
         forged = not isinstance(message, Hello) and not self._sessions.check(peer, session, user_id)
         if member and forged:
-            self._forged(peer, message)
+            if session or not isinstance(message, Heartbeat | Status):
+                self._forged(peer, message)
+            # a heartbeat without a session may cross the Joined that carries it: dropped quietly
             return
         if peer in self._last_seen or peer in self._ranks:
             self._last_seen[peer] = time.monotonic()
@@ -481,7 +494,7 @@ class Coordinator:
         """A frame under a member's identity without its session: never acted on."""
         self.forged_frames += 1
         if isinstance(message, Heartbeat | Status):
-            return  # harmless, and one may cross the Joined that carries the session
+            return  # harmless to the run: counted, not logged
         who = self._rendezvous.members.get(peer)
         self._log_refusal(
             f"dropped a {type(message).__name__} sent as "
@@ -771,8 +784,16 @@ class Coordinator:
         self._log(f"run aborted: {reason}")
         await self._send_all(Abort(reason=clip(reason)))
         if self._journal is not None:
-            self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
+            try:
+                self._journal.result({"status": "aborted", "run_id": self.run_id, "reason": reason})
+            except JournalError as exc:
+                self._log(f"the abort is not recorded in the run directory: {exc}")
         self._outcome = RunAborted(reason)
+
+    async def _unrecorded(self, exc: JournalError) -> None:
+        """The run directory cannot be written: stop, since progress that is not recorded
+        cannot be resumed (and a decision is never sent before its record is durable)."""
+        await self._abort(f"{exc}; the run stops because it cannot record its progress")
 
     def _note_status(self, rank: int, status: Status) -> None:
         now = time.monotonic()
@@ -839,6 +860,33 @@ class Coordinator:
         self._phase_started = time.monotonic()
 
     # ------------------------------------------------------------------ the clock
+
+    def _read_clock(self, step: float) -> float:
+        """Now; first moving every deadline past any time the service itself was not running."""
+        now = time.monotonic()
+        lost = clock.lost_time(self._clock_read, now, step)
+        self._clock_read = now
+        if lost > 0:
+            self._forgive(lost)
+        return now
+
+    def _forgive(self, lost: float) -> None:
+        """Give every rank a fresh window: for ``lost`` seconds nobody here could hear them."""
+        self._last_seen = {peer: seen + lost for peer, seen in self._last_seen.items()}
+        self._status = {
+            rank: (phase, epoch, step, since + lost)
+            for rank, (phase, epoch, step, since) in self._status.items()
+        }
+        self._phase_started += lost
+        self._stall_reported += lost
+        if self._failure_deadline is not None:
+            self._failure_deadline += lost
+        if lost > self.config.heartbeat_interval:
+            self._log(
+                f"the coordinator itself was not running for {lost:.1f} s (its process was "
+                "stopped, or the machine suspended or overloaded): no rank is blamed for that "
+                "silence"
+            )
 
     async def _check_clock(self, now: float) -> None:
         if self._outcome is not None:

@@ -140,6 +140,12 @@ def generate(
     if root.exists():
         if not root.is_dir():
             raise ConfigError(f"{root} exists and is not a directory: name a new directory")
+        owner = root.stat().st_uid
+        if owner != os.geteuid():
+            raise ConfigError(
+                f"{root} belongs to another user (uid {owner}): that user could read or replace "
+                "the keys written into it; name a new directory, or one of your own"
+            )
         if any(root.iterdir()):
             raise ConfigError(
                 f"{root} is not empty: keys are never overwritten; name a new directory (to "

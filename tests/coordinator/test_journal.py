@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, Journal, check_record
+from epochal.coordinator.journal import (
+    EPOCHS_FILE,
+    RESULT_FILE,
+    RUN_FILE,
+    Journal,
+    JournalError,
+    check_record,
+)
 
 
 def mode(path: Path) -> int:
@@ -72,3 +80,93 @@ def test_malformed_records_are_named(record: object, says: str):
     with pytest.raises(ValueError) as info:
         check_record(record)
     assert says in str(info.value)
+
+
+def _full_disk(fd: int) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_is_a_journal_error_naming_the_file_and_the_fix(tmp_path, monkeypatch):
+    journal = Journal(tmp_path)
+    monkeypatch.setattr("epochal.coordinator.journal.os.fsync", _full_disk)
+    with pytest.raises(JournalError) as info:
+        journal.epoch({"kind": "checkpoint", "epoch": 0})
+    assert f"cannot write {tmp_path / EPOCHS_FILE}: No space left on device" in str(info.value)
+    assert "the disk is full; free space there" in str(info.value)
+    with pytest.raises(JournalError, match=r"cannot write .*result\.json"):
+        journal.result({"status": "finished"})
+    journal.close()
+
+
+async def test_a_full_disk_mid_run_aborts_every_rank_with_the_reason(tmp_path, monkeypatch):
+    import asyncio
+
+    import zmq.asyncio
+
+    from epochal.coordinator import Coordinator, CoordinatorConfig
+    from epochal.errors import RunAborted
+    from epochal.protocol import Abort, EpochReady, EpochReport, Go
+    from tests.coordinator.test_service import join_all
+
+    ctx = zmq.asyncio.Context()
+    try:
+        config = CoordinatorConfig(world_size=2, epochs=3, run_dir=tmp_path / "run")
+        lines: list[str] = []
+        coordinator = Coordinator(config, context=ctx, log=lines.append)
+        await coordinator.start()
+        task = asyncio.create_task(coordinator.run())
+        workers = await join_all(ctx, coordinator, 2)
+        for w in workers:
+            await w.send(EpochReady(epoch=0, train_batches=2, valid_batches=None))
+        for w in workers:
+            assert isinstance(await w.recv(), Go)
+        monkeypatch.setattr("epochal.coordinator.journal.os.fsync", _full_disk)
+        for w in workers:
+            await w.send(EpochReport(0, 1.0, 1, 0.0, 0))
+        for w in workers:
+            abort = await w.recv()  # not a Decision: it could not be recorded first
+            assert isinstance(abort, Abort), abort
+            assert "No space left on device" in abort.reason
+            assert "cannot record its progress" in abort.reason
+        with pytest.raises(RunAborted, match="No space left on device"):
+            await asyncio.wait_for(task, 5)
+        assert any("the abort is not recorded in the run directory" in line for line in lines)
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_loss_sums_that_overflow_abort_naming_the_ranks_and_write_result_json(tmp_path):
+    import asyncio
+    import json
+
+    import zmq.asyncio
+
+    from epochal.coordinator import Coordinator, CoordinatorConfig
+    from epochal.errors import RunAborted
+    from epochal.protocol import Abort, EpochReady, EpochReport, Go
+    from tests.coordinator.test_service import join_all
+
+    ctx = zmq.asyncio.Context()
+    try:
+        config = CoordinatorConfig(world_size=2, epochs=3, run_dir=tmp_path / "run")
+        coordinator = Coordinator(config, context=ctx, log=lambda line: None)
+        await coordinator.start()
+        task = asyncio.create_task(coordinator.run())
+        workers = await join_all(ctx, coordinator, 2)
+        for w in workers:
+            await w.send(EpochReady(epoch=0, train_batches=2, valid_batches=None))
+        for w in workers:
+            assert isinstance(await w.recv(), Go)
+        for w in workers:  # each finite; their sum is not (fsum raised OverflowError)
+            await w.send(EpochReport(0, 1.5e308, 1, 0.0, 0))
+        for w in workers:
+            abort = await w.recv()
+            assert isinstance(abort, Abort), abort
+            assert "training loss sums of ranks 0-1" in abort.reason
+        with pytest.raises(RunAborted, match="diverged"):
+            await asyncio.wait_for(task, 5)
+        result = json.loads((tmp_path / "run" / RESULT_FILE).read_text())
+        assert result["status"] == "aborted"
+        assert "ranks 0-1" in result["reason"]
+    finally:
+        ctx.destroy(linger=0)

@@ -190,3 +190,29 @@ def test_sessions_are_random_per_worker_and_checked_with_the_key():
     assert not sessions.check(b"nobody", a, "")
     sessions.forget(b"a")
     assert not sessions.check(b"a", a, "")
+
+
+async def test_control_characters_in_worker_ids_and_hosts_are_escaped_in_the_log(ctx):
+    from epochal.coordinator import Coordinator, CoordinatorConfig
+
+    lines: list[str] = []
+    coordinator = Coordinator(
+        CoordinatorConfig(world_size=2, epochs=1, token="t"), context=ctx, log=lines.append
+    )
+    await coordinator.start()
+    task = asyncio.create_task(coordinator.run())
+    evil = "w0\n[epochal] run finished\x1b[2J"
+    joined = FakeWorker(ctx, coordinator.endpoint, "a")
+    await joined.send(hello(evil, host="h\rost\x07", token="t"))
+    assert isinstance(await joined.recv(), Joined)
+    refused = FakeWorker(ctx, coordinator.endpoint, "b")
+    await refused.send(hello(evil, host="x\x1b]0;title\x07"))  # no token: refused, and logged
+    assert isinstance(await refused.recv(), Reject)
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+    text = "\n".join(lines)
+    assert "\x1b" not in text and "\r" not in text and "\x07" not in text
+    assert all("\n" not in line for line in lines)
+    assert "worker w0\\n[epochal] run finished\\x1b[2J joined from h\\rost\\x07" in text
+    assert "refused worker w0\\n[epochal] run finished\\x1b[2J from x\\x1b]0;title\\x07" in text

@@ -128,6 +128,16 @@ def test_generate_never_overwrites(keydir: KeyDirectory) -> None:
     assert keydir.coordinator_secret.read_bytes() == before
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_generate_refuses_a_directory_owned_by_another_user(tmp_path: Path) -> None:
+    # root may chmod it to 0700, but its owner keeps full access and could read the secrets
+    (tmp_path / "keys").mkdir(mode=0o700)
+    os.chown(tmp_path / "keys", 54321, 54321)
+    with pytest.raises(ConfigError, match=r"belongs to another user \(uid 54321\)"):
+        generate(tmp_path / "keys")
+    assert not any((tmp_path / "keys").iterdir())
+
+
 def test_generate_refuses_a_file_as_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is not a directory"):

@@ -1,0 +1,162 @@
+"""A hostile local process against a real run, and a coordinator that stops for a while.
+
+The attacker knows what run.json says (the run id, the endpoint) but holds no token and no session:
+it takes the workers' routing identities, forges their messages, joins under a worker's id, offers
+a foreign model. The run must finish as if it were not there. A coordinator stopped (SIGSTOP)
+for longer than its heartbeat timeout must, once continued, blame no rank for its own silence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from epochal.protocol import (
+    Failed,
+    Fingerprint,
+    Hello,
+    ParamSpec,
+    StoreReady,
+    decode,
+    encode,
+)
+from tests.integration.conftest import SCRIPTS, Spawner
+
+pytestmark = pytest.mark.slow
+
+DEADLINE = 120.0
+POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
+PREFIX = "epochal coordinator listening on "
+WORKER_HEARTBEAT_TIMEOUT = 15.0
+"""The workers' own heartbeat timeout (epochal.join's default; the test scripts keep it)."""
+
+
+def wait_for_first_epoch(run_dir: Path, proc) -> None:
+    epochs = run_dir / "epochs.jsonl"
+    deadline = time.monotonic() + 60
+    while not (epochs.exists() and epochs.read_text().strip()):
+        assert proc.poll() is None, "the run ended before its first epoch"
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.05)
+
+
+def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run(
+    spawn: Spawner, tmp_path: Path
+):
+    run_dir = tmp_path / "run"
+    launcher = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        *POLICY,
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--delay",
+        "0.03",
+    )
+    wait_for_first_epoch(run_dir, launcher)
+    info = json.loads((run_dir / "run.json").read_text())
+    run_id, endpoint = info["run_id"], info["endpoint"]
+
+    fp = Fingerprint(digest="f" * 64, params=(ParamSpec("w", (3,), "float32"),), torch_version="x")
+    ctx = zmq.Context()
+    replies: list[object] = []
+    try:
+        for index, forged in ((1, Failed(reason="forged")), (0, StoreReady("6.6.6.6", 666))):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"{run_id}/local-{index}".encode())
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.connect(endpoint)
+            sock.send(encode(forged))
+            sock.close()
+        for worker_id in (f"{run_id}/local-1", "stranger"):  # a duplicate id; a foreign model
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock.connect(endpoint)
+            hello = Hello("epochal", "", worker_id, "h", os.getpid(), 1, "cpu", fp)
+            sock.send(encode(hello))
+            replies.append(decode(sock.recv()))
+            sock.close()
+    finally:
+        ctx.term()
+    _, output = spawn.finish(launcher, DEADLINE)
+    # the run's own verdict, not the exit status: that also covers the workers' exit after the
+    # finish, within the launcher's few seconds of grace, which an overloaded machine can miss
+    assert "finished after 4 epochs" in output, output
+    assert "run aborted" not in output, output
+    assert "forged" not in output.split("refused")[0]  # no rank failed with the forged reason
+    assert "6.6.6.6" not in output
+    assert [getattr(r, "code", None) for r in replies] == ["refused", "refused"], replies
+    assert all("wrong or missing job token" in r.reason for r in replies), replies  # type: ignore[attr-defined]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished"
+    assert stat.S_IMODE((run_dir / "run.json").stat().st_mode) == 0o600
+    spawn.assert_none_left()
+
+
+def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(
+    spawn: Spawner, tmp_path: Path
+):
+    heartbeat_timeout = 3.0
+    freeze = 2 * heartbeat_timeout  # past the coordinator's timeout, within the workers'
+    assert freeze + 2 < WORKER_HEARTBEAT_TIMEOUT
+    run_dir = tmp_path / "run"
+    coordinator = spawn.epochal(
+        "coordinator",
+        "--world-size",
+        "2",
+        *POLICY,
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+        "--heartbeat-interval",
+        "0.5",
+        "--run-dir",
+        str(run_dir),
+    )
+    line = coordinator.stdout.readline()
+    assert line.startswith(PREFIX), line
+    endpoint = line[len(PREFIX) :].strip()
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
+    reader.start()
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.03",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+        )
+        for rank in (0, 1)
+    ]
+    wait_for_first_epoch(run_dir, coordinator)
+    os.kill(coordinator.pid, signal.SIGSTOP)
+    try:
+        time.sleep(freeze)
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+    for worker in workers:
+        code, output = spawn.finish(worker, DEADLINE)
+        assert code == 0, output
+    code = coordinator.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(log)
+    assert code == 0, output
+    assert "finished after 4 epochs" in output
+    assert "the coordinator itself was not running for" in output
+    assert "sent nothing for" not in output
+    spawn.assert_none_left()
