@@ -50,6 +50,16 @@ _WAITING_FOR_PEERS = ("waiting", "finishing", "rendezvous")
 _PHASE_ORDER = {"rendezvous": 0, "train": 1, "validate": 2, "checkpoint": 3, "finishing": 4}
 
 
+def moved(before: str | None, after: str) -> bool:
+    """Whether a rank's code has moved on between two heartbeats, by the line it executes.
+
+    A training loop that never calls ``ctx.check()`` reports no steps, but its line changes from
+    one heartbeat to the next; a hung rank, or one blocked in a collective or waiting for the
+    coordinator, stays on one line. (An unknown line, "", is no evidence either way.)
+    """
+    return before is not None and before != after and after != "" and before != ""
+
+
 def waits_for_others(row: Progress) -> bool:
     """Whether ``row``'s rank is blocked on its peers (a collective, or the coordinator)."""
     return row.phase in _WAITING_FOR_PEERS or any(m in row.where for m in _WAITING_IN_FRAMEWORK)

@@ -797,12 +797,13 @@ class Coordinator:
 
     def _note_status(self, rank: int, status: Status) -> None:
         now = time.monotonic()
+        before = self._where.get(rank)
         self._where[rank] = status.where
         previous = self._status.get(rank)
-        if previous is None or (previous[0], previous[1], previous[2]) != (
-            status.phase,
-            status.epoch,
-            status.step,
+        if (
+            previous is None
+            or (previous[0], previous[1], previous[2]) != (status.phase, status.epoch, status.step)
+            or liveness.moved(before, status.where)
         ):
             self._status[rank] = (status.phase, status.epoch, status.step, now)
 

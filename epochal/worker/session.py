@@ -674,7 +674,8 @@ def _rendezvous(
     client.send(hello)
     while True:
         try:
-            message = client.receive(timeout=None if joined else backoff)
+            wait = min(backoff, max(deadline - time.monotonic(), 0.01))  # never past the deadline
+            message = client.receive(timeout=None if joined else wait)
         except TimeoutError:
             now = time.monotonic()
             if now > deadline:

@@ -12,8 +12,11 @@ address nor plant one: the keys it could write are never read.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import secrets
 import socket
+import sys
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
@@ -28,14 +31,32 @@ def new_key() -> str:
 
 
 def open_store(host: str, timeout: float) -> TCPStore:
-    """Rank 0: a TCPStore server listening on ``host`` only, on a port the kernel picks."""
+    """Rank 0: a TCPStore server listening on ``host`` only, on a port the kernel picks.
+
+    When ``host`` is not an address of this machine (``EPOCHAL_HOST`` names a NAT's public
+    address, say), the store listens on every interface, as torch's own does, and says so; its
+    keys are still under the run's secret.
+    """
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, kind, proto)
+    own = host  # where the server's own client reaches it
     try:
-        listener.bind(address)
+        try:
+            listener.bind(address)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            wildcard, own = ("::", "::1") if family == socket.AF_INET6 else ("0.0.0.0", "127.0.0.1")
+            listener.bind((wildcard, 0))
+            print(
+                f"epochal: {host} is not an address of this machine, so the data-plane store "
+                "listens on every interface (its keys are under the run's secret)",
+                file=sys.stderr,
+                flush=True,
+            )
         listener.listen(socket.SOMAXCONN)
         store = TCPStore(
-            host,
+            own,
             listener.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
@@ -43,7 +64,8 @@ def open_store(host: str, timeout: float) -> TCPStore:
             master_listen_fd=listener.fileno(),
         )
     except BaseException:
-        listener.close()
+        with contextlib.suppress(OSError):  # the store may have closed it already
+            listener.close()
         raise
     listener.detach()  # the store's server owns the descriptor now
     return store

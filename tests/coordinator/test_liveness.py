@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.liveness import Progress, culprit, expired, lost, stall_table, stalled
+from epochal.coordinator.liveness import (
+    Progress,
+    culprit,
+    expired,
+    lost,
+    moved,
+    stall_table,
+    stalled,
+)
 
 
 @pytest.mark.parametrize(
@@ -171,3 +179,18 @@ def test_the_stall_table_marks_the_culprit_not_the_oldest():
     assert "*" in lines["1"]
     assert "*" not in lines["0"]
     assert "the rank the others wait for" in table
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "progress"),
+    [
+        (None, "train.py:10 in step", False),  # the first heartbeat: nothing to compare
+        ("train.py:10 in step", "train.py:10 in step", False),  # hung, or blocked on one line
+        ("train.py:10 in step", "train.py:14 in step", True),  # a loop without ctx.check()
+        (IN_BACKWARD, IN_BACKWARD, False),  # waiting in a collective
+        ("train.py:10 in step", "", False),  # unknown
+        ("", "train.py:10 in step", False),
+    ],
+)
+def test_a_changed_line_counts_as_progress(before, after, progress):
+    assert moved(before, after) is progress

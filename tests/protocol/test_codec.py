@@ -73,7 +73,7 @@ EXAMPLES: dict[type, Any] = {
         device="cuda",
         fingerprint=FINGERPRINT,
     ),
-    StoreReady: StoreReady(host="10.0.0.1", port=29500),
+    StoreReady: StoreReady(host="10.0.0.1", port=29500, key="9f2c" * 8),
     EpochReady: EpochReady(epoch=3, train_batches=48, valid_batches=None),
     EpochReport: EpochReport(
         epoch=3, train_loss_sum=12.5, train_count=100, valid_loss_sum=0.0, valid_count=0
@@ -96,6 +96,7 @@ EXAMPLES: dict[type, Any] = {
         resume_epoch=2,
         checkpoint_dir="/runs/a/checkpoints",
         session="s" * 43,
+        store_key="9f2c" * 8,
     ),
     Reject: Reject(reason="surplus", code="refused"),
     Go: Go(epoch=0, train_batches=48, valid_batches=0, lr_factor=0.5),
@@ -183,6 +184,7 @@ def welcomes(draw: st.DrawFn) -> Welcome:
         resume_epoch=resume,
         checkpoint_dir=draw(nonempty) if resume is not None else draw(text),
         session=draw(sessions),
+        store_key=draw(text),
     )
 
 
@@ -198,7 +200,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         device=st.sampled_from(["cpu", "cuda"]),
         fingerprint=fingerprints,
     ),
-    StoreReady: st.builds(StoreReady, host=nonempty, port=st.integers(1, 65535)),
+    StoreReady: st.builds(StoreReady, host=nonempty, port=st.integers(1, 65535), key=text),
     EpochReady: st.builds(
         EpochReady, epoch=nonneg, train_batches=nonneg, valid_batches=st.none() | nonneg
     ),
@@ -352,12 +354,12 @@ def test_any_valid_message_round_trips(message: Any):
 
 
 def test_wire_format_is_a_flat_map_with_version_and_type():
-    assert frame_of(StoreReady(host="h", port=5)) == {
+    assert frame_of(StoreReady(host="h", port=5, key="k")) == {
         "v": PROTOCOL_VERSION,
         "t": "store_ready",
         "host": "h",
         "port": 5,
-        "key": "",
+        "key": "k",
     }
     assert frame_of(Done()) == {"v": PROTOCOL_VERSION, "t": "done"}
     nested = frame_of(EXAMPLES[Hello])["fingerprint"]

@@ -47,3 +47,10 @@ def test_without_the_secret_no_rendezvous_key_is_read_or_planted():
     assert rank0.get("0") == b"rank 0 listens at 127.0.0.1:1234"
     member = scoped(connect_store("127.0.0.1", server.port, 10), "run1", key)
     assert member.get("0") == b"rank 0 listens at 127.0.0.1:1234"
+
+
+def test_an_address_of_another_machine_falls_back_to_every_interface(capfd):
+    # 192.0.2.1 (TEST-NET-1) is nobody's address: advertised through a NAT, say. Only bound here.
+    store = open_store("192.0.2.1", 10)
+    assert listening_addresses(store.port) == {"00000000"}
+    assert "is not an address of this machine" in capfd.readouterr().err

@@ -1,0 +1,125 @@
+"""The README's failure bounds, each checked on short configured timeouts.
+
+Every bound is the formula the README states, computed from the values configured here, plus
+``TEARDOWN``: the time a worker takes from its decision to leave to its last words (unwinding,
+leaving the process group, printing the traceback), a few seconds on a loaded 2-core machine.
+The interpreter's own exit after that (torch's teardown: 2-5 s under load) is not counted where a
+worker's last words can be seen; where the bound is "every process gone", it is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from epochal.launcher import ABORT_EXIT_TIMEOUT
+from tests.integration.test_faults import (
+    POLICY,
+    SCRIPTS,
+    Output,
+    run_cmd,
+    wait_for_epoch,
+    worker_pid,
+)
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_INTERVAL = 1.0  # the workers' and the coordinator's default
+TICK = 0.1  # the coordinator checks its clock at least this often
+ABORT_GRACE = 2.0  # the workers' default
+TEARDOWN = 4.0
+DEADLINE = 120.0
+
+
+def test_a_frozen_worker_bound(spawn, tmp_path):
+    timeout = 3.0
+    proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--heartbeat-timeout", str(timeout))
+    out = Output(proc)
+    out.wait_for("epoch 0 [1/4]")
+    os.kill(worker_pid(spawn, 1), signal.SIGSTOP)
+    stopped = time.monotonic()
+    out.wait_for("sent nothing for", deadline=DEADLINE)
+    aborted = time.monotonic() - stopped
+    assert proc.wait(timeout=DEADLINE) != 0
+    gone = time.monotonic() - stopped
+    spawn.assert_none_left()
+    # README: the abort after heartbeat timeout + 0.1 s; every process gone (the frozen one killed
+    # by the launcher) after a further kill grace (3 s)
+    assert aborted < timeout + TICK + 1.0, f"abort {aborted:.1f} s after SIGSTOP"
+    assert gone < timeout + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN, f"gone {gone:.1f} s after SIGSTOP"
+
+
+@pytest.mark.parametrize("reattach", [0.0, 3.0])
+def test_a_killed_coordinator_bound(spawn, tmp_path, reattach):
+    coordinator = spawn.epochal(
+        "coordinator", "--world-size", "2", *POLICY, "--run-dir", str(tmp_path / "run")
+    )
+    endpoint = coordinator.stdout.readline().split()[-1]
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(r),
+            EPOCHAL_REATTACH_TIMEOUT=str(reattach),
+        )
+        for r in range(2)
+    ]
+    outputs = [Output(w) for w in workers]
+    wait_for_epoch(tmp_path / "run")
+    coordinator.kill()
+    killed = time.monotonic()
+    # the worker's last words: its traceback, printed once it has left the run
+    last_words = "; and then: " if reattach else "RunAborted: the connection to the coordinator"
+    for out in outputs:
+        out.wait_for(last_words, deadline=DEADLINE)
+    took = time.monotonic() - killed
+    for w in workers:
+        assert w.wait(timeout=DEADLINE) != 0
+    spawn.assert_none_left()
+    # README: noticed within 3 heartbeat intervals; without re-attach, stopped at once (the worker
+    # waits for the coordinator) or within the abort grace; with a re-attach window, at the end of
+    # the epoch in progress (these last well under EPOCH) plus the window
+    epoch = 1.0
+    if reattach == 0:
+        bound = 3 * HEARTBEAT_INTERVAL + ABORT_GRACE + TEARDOWN
+    else:
+        bound = 3 * HEARTBEAT_INTERVAL + epoch + reattach + TEARDOWN
+    assert took < bound, f"{took:.1f} s from the coordinator's death to the workers leaving"
+
+
+def test_a_stuck_rank_bound(spawn, tmp_path):
+    stall_abort = 3.0
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--stall-timeout",
+        "1",
+        "--stall-abort",
+        str(stall_abort),
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"),
+        "--mode",
+        "hang-valid",
+    )
+    out = Output(proc)
+    out.wait_for("no rank has made progress for", deadline=DEADLINE)  # >= 1 s into the stall
+    seen = time.monotonic()
+    out.wait_for("made no progress for", deadline=DEADLINE)
+    aborted = time.monotonic() - seen
+    assert proc.wait(timeout=DEADLINE) == 1
+    gone = time.monotonic() - seen
+    spawn.assert_none_left()
+    # README: the abort once every rank has been idle stall-abort seconds (heartbeats report
+    # progress each interval); the stuck rank leaves after the abort grace, within the launcher's
+    # kill grace
+    assert aborted < stall_abort + HEARTBEAT_INTERVAL + TICK, f"abort after {aborted:.1f} s"
+    assert gone < stall_abort + HEARTBEAT_INTERVAL + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN
