@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,8 +47,10 @@ def test_a_failing_body_still_kills_its_processes_and_removes_the_hosts(make_hos
     before = namespaces()
     with pytest.raises(RuntimeError, match="the test failed"), netns.hosts(1) as net:
         sleeper = net[0].popen(["sleep", "600"])
-        pids = net[0].pids()
-        assert sleeper.pid in pids
+        deadline = time.monotonic() + 10  # `ip netns exec` enters the namespace, then execs
+        while sleeper.pid not in net[0].pids():
+            assert time.monotonic() < deadline, "the process never showed up in its host"
+            time.sleep(0.05)
         raise RuntimeError("the test failed")
     assert sleeper.poll() is not None
     assert namespaces() == before
