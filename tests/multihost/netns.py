@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 PREFIX = "198.18"  # RFC 2544 benchmark range: never routed, never anyone's real network
 _networks = itertools.count()
+SWITCH = str(Path(__file__).with_name("switch.py"))
+SWITCH_START = 30.0  # seconds for the switch's interpreter to start and open its ports
 
 
 class NetemUnavailable(RuntimeError):
@@ -153,6 +157,8 @@ class Network:
             Host(f"{tag}h{i}", f"{PREFIX}.{self.subnet}.{i + 1}", i) for i in range(count)
         ]
         self._made: list[str] = []
+        self.switch: subprocess.Popen[str] | None = None
+        self.impairment = "none"
 
     def __getitem__(self, i: int) -> Host:
         return self.hosts[i]
@@ -184,8 +190,85 @@ class Network:
             host.ip("addr", "add", f"{host.address}/24", "dev", "eth0")
             host.ip("link", "set", "eth0", "up")
 
+    def impair(self, delay_ms: float, loss_percent: float, userspace: bool = False) -> str:
+        """Delay every frame by ``delay_ms`` and lose ``loss_percent`` % of them, on every link.
+
+        With netem (``tc qdisc ... netem`` on each host's ``eth0``) when the kernel has it and
+        ``userspace`` is false; otherwise the bridge's ports are taken off the bridge and a
+        userspace switch (``switch.py``) forwards between them, delaying and dropping each
+        frame. Either way a frame from one host to another is delayed once and lost with the
+        given probability once, so a round trip takes at least ``2 * delay_ms``. Returns
+        ``"netem"`` or ``"userspace"`` (also kept in ``self.impairment``).
+        """
+        if not userspace:
+            spec = ("delay", f"{delay_ms}ms", "loss", f"{loss_percent}%")
+            shaped: list[Host] = []
+            try:
+                for host in self.hosts:
+                    host.netem(*spec)
+                    shaped.append(host)
+                self.impairment = "netem"
+                return self.impairment
+            except NetemUnavailable:
+                for host in shaped:  # all or none: a kernel has netem or does not
+                    host.run("tc", "qdisc", "del", "dev", "eth0", "root")
+        self.start_switch(delay_ms, loss_percent / 100.0)
+        return self.impairment
+
+    def start_switch(self, delay_ms: float, loss: float, seed: int = 1) -> None:
+        """Replace the bridge by the userspace switch (see ``switch.py``), started here."""
+        if self.switch is not None:
+            raise RuntimeError("the userspace switch is already running on this network")
+        for host in self.hosts:  # whole, checksummed frames no larger than the MTU
+            host.run(sys.executable, SWITCH, "--offloads-off", "eth0")
+        ports = [f"p{host.index}" for host in self.hosts]
+        br = ["ip", "netns", "exec", self.bridge]
+        for port in ports:
+            _run(*br, "ip", "link", "set", port, "nomaster")
+            _run(*br, "ip", "link", "set", port, "promisc", "on")
+        argv = [*br, sys.executable, SWITCH, "--delay-ms", str(delay_ms), "--loss", str(loss)]
+        argv += ["--seed", str(seed)]
+        for port in ports:
+            argv += ["--port", port]
+        self.switch = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert self.switch.stdout is not None
+        ready, _, _ = select.select([self.switch.stdout], [], [], SWITCH_START)
+        line = self.switch.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            self.switch.kill()
+            _, err = self.switch.communicate()
+            raise RuntimeError(f"the userspace switch did not start: {line}{err}".strip())
+        self.impairment = "userspace"
+
+    def stop_switch(self) -> str:
+        """Stop the userspace switch; its counters line (``forwarded=… lost=…``)."""
+        if self.switch is None:
+            return ""
+        proc, self.switch = self.switch, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+        return err.strip().splitlines()[-1] if err.strip() else ""
+
     def close(self) -> None:
         """Kill every process on every host, then delete the namespaces (veths go with them)."""
+        if self.switch is not None:
+            try:
+                os.killpg(self.switch.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.switch.communicate()
+            self.switch = None
         for host in self.hosts:
             if host.name in self._made:
                 host.kill_all()
