@@ -135,6 +135,7 @@ def main() -> int:
     results: dict[str, list[tuple[float, float]]] = {}
     rtts: dict[str, list[float]] = {}
     how = ""
+    runs = itertools.count()
     with tempfile.TemporaryDirectory(prefix="epochal-multihost-") as tmp:
         for repeat in range(args.repeats):
             for name, count, places, impairment in configs:
@@ -150,7 +151,7 @@ def main() -> int:
                             net.impair(delay, loss, userspace=True)
                     if count > 1:
                         rtts.setdefault(name, []).append(round_trip(net))
-                    scratch = Path(tmp) / f"{repeat}-{len(results)}-{count}"
+                    scratch = Path(tmp) / f"run{next(runs)}"
                     records = one_run(net, places, args.epochs, scratch)
                 results.setdefault(name, []).append(figures(records))
                 epoch, control = results[name][-1]

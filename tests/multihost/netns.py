@@ -7,6 +7,7 @@ on the way out, even when the body raised::
     net[i].popen([...], env=...)      # runs `ip netns exec NAME ...` with this Python's env
     net[i].ip("link", "set", "eth0", "down")   # cut the host's link
     net[i].netem("delay", "50ms")     # shape its outgoing traffic (NetemUnavailable if no netem)
+    net.impair(50, 1)                 # 50 ms and 1 % loss on every link: "netem" or "userspace"
 
 Layout: the bridge lives in a namespace of its own; each host is a namespace with ``lo`` up and an
 ``eth0`` whose peer is a port of that bridge. Nothing is added to the root namespace, and only the
@@ -14,6 +15,25 @@ addresses of these hosts are ever used. Every host shares this machine's hostnam
 ``/etc/hosts``, so a hostname that resolves to loopback here does so on every test host too, as in
 many containers. At the end every process still running in a host is killed, then the namespaces
 are deleted. Needs root (``ip netns add``).
+
+Impairment. ``net.impair(delay_ms, loss_percent)`` uses netem on every host's ``eth0`` when the
+kernel has ``sch_netem``. Many VM and container kernels do not (``tc`` answers "Specified qdisc
+kind is unknown", and there is no module to load); then the impairment is done in userspace:
+the bridge's ports leave the bridge and ``switch.py``, a learning switch on ``AF_PACKET`` raw
+sockets running in the bridge's namespace, forwards between them, delaying every frame by
+``delay_ms`` and dropping it with probability ``loss_percent`` / 100 (seeded). Checksum and
+segmentation offloads are turned off on the hosts' ``eth0`` for it, so that every frame it reads
+is whole, checksummed and no larger than the MTU (with them on, TCP stalls: frames of 64 KiB
+cannot be sent on, and frames with offloaded checksums arrive bad). Each frame from one host to
+another is delayed once and lost with that probability once, as with netem on the sender, so a
+round trip takes at least twice the delay. What it means for the numbers: the switch adds a
+cost of its own. It is one Python process on a CPU shared with the run, so each hop takes tens
+of microseconds more than the kernel bridge (a UDP round trip through it without impairment
+was 0.1-0.3 ms here against 0.03-0.05 ms through the bridge; ``bench/multihost.py`` measures
+it each time), more under load, and TCP through it cannot carry more than one core's worth of
+frames. With 50 ms of delay that is noise; with 2 ms it is a visible part, which is why the
+bench reports the switch without impairment as a row of its own. ``switch.py`` also counts
+what it forwarded and lost (``net.stop_switch()``), so a test can check that it was in the path.
 """
 
 from __future__ import annotations

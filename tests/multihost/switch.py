@@ -38,6 +38,7 @@ SIOCETHTOOL = 0x8946
 # Legacy ethtool "set" commands (linux/ethtool.h); each takes struct ethtool_value {cmd, data}.
 ETHTOOL_SET = {"tx-checksum": 0x17, "sg": 0x19, "tso": 0x1F, "gso": 0x24, "gro": 0x2C}
 FRAME_MAX = 65536
+IDLE = 1.0  # seconds between looks at the stop flag when nothing is queued
 
 
 def offloads_off(ifname: str) -> None:
@@ -117,24 +118,24 @@ class Switch:
                     key = "oversize" if len(frame) > 1514 else "errors"
                     self.counts[key] += 1
             if queue:
-                left = max(queue[0][0] - now, 0.0005)
+                left = max(queue[0][0] - now, 0.0)
                 wait = left if wait is None else min(wait, left)
         return wait
 
     def serve(self) -> None:
-        poller = select.poll()
-        for fd in self.socks:
-            poller.register(fd, select.POLLIN)
+        # select() takes its timeout in microseconds (poll() in whole milliseconds, which would
+        # add up to a millisecond to every frame's delay); a switch has few ports
+        fds = list(self.socks)
         print("ready", flush=True)
         wait: float | None = None
         while self.running:
-            timeout_ms = 1000 if wait is None else max(1, int(wait * 1000 + 0.999))
+            timeout = IDLE if wait is None else min(wait, IDLE)
             try:
-                events = poller.poll(min(timeout_ms, 1000))
+                readable, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:
                 continue
             now = time.monotonic()
-            for fd, _ in events:
+            for fd in readable:
                 self.receive(fd, now)
             wait = self.send_due(time.monotonic())
 
