@@ -23,20 +23,22 @@ the bridge's ports leave the bridge and ``switch.py``, a learning switch on ``AF
 sockets running in the bridge's namespace, forwards between them, delaying every frame by
 ``delay_ms`` and dropping it with probability ``loss_percent`` / 100 (seeded). Checksum and
 segmentation offloads are turned off on the hosts' ``eth0`` for it, so that every frame it reads
-is whole, checksummed and no larger than the MTU (with them on, TCP stalls: frames of 64 KiB
-cannot be sent on, and frames with offloaded checksums arrive bad). Each frame from one host to
-another is delayed once and lost with that probability once, as with netem on the sender, so a
-round trip takes at least twice the delay. What it means for the numbers: the switch adds a
-cost of its own. It is one Python process that shares the CPUs with the run. Idle, it adds
-little: a UDP round trip through it without impairment took 0.033 ms here, against 0.035 ms
-through the bridge. With 2 ms per hop the round trip took 4.34 ms rather than 4. Under
-training traffic it competes with the run for the CPU, and TCP through it carries at most one
-core's worth of frames. On this 2-core VM, the digits epoch took 1.54 times as long as on one
-host through the switch without impairment, against 1.1 times through the bridge. With 50 ms
-of delay that is noise; with 2 ms it is a visible part. So ``bench/multihost.py`` measures the
-switch without impairment as a row of its own, with the round trip of each configuration.
-``switch.py`` also counts what it forwarded and lost (``net.stop_switch()``), so a test can check
-that it was in the path.
+is whole, checksummed and no larger than the MTU. With the checksum offload on, TCP does not
+even connect: the sender leaves the checksum to the veth, which never computes it, so every
+forwarded segment arrives with a bad checksum and is dropped. Turning that one off was enough
+here; segmentation offloads are turned off too, so that no frame is larger than the MTU.
+
+Each frame from one host to another is delayed once and lost with that probability once, as with
+netem on the sender, so a round trip takes at least twice the delay. What it means for the numbers:
+the switch adds a cost of its own. It is one Python process that shares the CPUs with the run. Idle,
+it adds little: a UDP round trip through it without impairment took 0.033 ms here, against 0.035 ms
+through the bridge. With 2 ms per hop the round trip took 4.34 ms rather than 4. Under training
+traffic it competes with the run for the CPU, and TCP through it carries at most one core's worth of
+frames. On this 2-core VM, the digits epoch took 1.54 times as long as on one host through the
+switch without impairment, against 1.1 times through the bridge. With 50 ms of delay that is noise;
+with 2 ms it is a visible part. So ``bench/multihost.py`` measures the switch without impairment as
+a row of its own, with the round trip of each configuration. ``switch.py`` also counts what it
+forwarded and lost (``net.stop_switch()``), so a test can check that it was in the path.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ It prints ``ready`` once every port is open. On SIGTERM it prints one line of co
 stderr (``forwarded=… lost=… overflow=… oversize=…``) and exits 0. ``--offloads-off IFNAME``
 instead turns off checksum and segmentation offloads on an interface of the current namespace
 and exits: frames read from a raw socket must be whole, checksummed Ethernet frames no larger
-than the MTU, which a host's veth does not guarantee with its offloads on.
+than the MTU, which a host's veth does not guarantee with its offloads on. (With the checksum
+offload on, a host's TCP segments reach the other host with a bad checksum and are dropped.)
 """
 
 from __future__ import annotations
