@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -116,3 +117,15 @@ def test_the_userspace_switch_carries_tcp_whole_and_in_order(make_hosts):
     assert out.strip() == hashlib.sha256(bytes(range(256)) * 8192).hexdigest()
     counts = dict(kv.split("=") for kv in net.stop_switch().split())
     assert int(counts["forwarded"]) > 1400 and int(counts["oversize"]) == 0, counts
+
+
+def test_a_failing_body_still_stops_the_switch(make_hosts):
+    before = namespaces()
+    with pytest.raises(RuntimeError, match="the test failed"), netns.hosts(2) as net:
+        net.impair(0.0, 0.0, userspace=True)
+        assert net.switch is not None
+        switch = net.switch.pid
+        raise RuntimeError("the test failed")
+    with pytest.raises(ProcessLookupError):
+        os.kill(switch, 0)
+    assert namespaces() == before
