@@ -226,7 +226,7 @@ class Network:
         ``"netem"`` or ``"userspace"`` (also kept in ``self.impairment``).
         """
         if not userspace:
-            spec = ("delay", f"{delay_ms}ms", "loss", f"{loss_percent}%")
+            spec = ("delay", f"{delay_ms:g}ms", "loss", f"{loss_percent:g}%")
             shaped: list[Host] = []
             try:
                 for host in self.hosts:
