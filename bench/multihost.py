@@ -6,12 +6,17 @@
 Each configuration is the same invocation: a coordinator (CURVE keys, ``--checkpoint-every 0``)
 and two workers running ``examples/digits.py``, with no network hints. "one host" puts all three
 processes on one namespace host; "3 hosts" puts the coordinator and each worker on a host of its
-own, joined by a bridge; "3 hosts + netem" adds 2 ms delay and 0.1% loss to every host's link
-(when the kernel has netem). From the coordinator's journal it prints, per configuration, the
-median epoch time (decision to decision) and its ratio to one host, and the median control time:
-the part of each epoch that is not the workers' training (from the decision of epoch k-1 to the
-Go of epoch k: the workers' ready, the coordinator's plan, the Go across the hosts). Epoch 0
-(warm-up) is left out. Needs root, like the tests in ``tests/multihost``.
+own, joined by a bridge; "3 hosts + 2ms/0.1%" adds 2 ms delay and 0.1% loss to every link:
+with netem when the kernel has it, otherwise with the userspace switch of
+``tests/multihost/switch.py``. That switch costs time of its own, so when it is used a row
+"3 hosts + switch 0ms/0%" (the switch, no impairment) is measured too: compare the impaired row
+with it for the cost of the impairment, with "3 hosts" for the cost of switch and impairment.
+From the coordinator's journal it prints, per configuration, the median epoch time (decision to
+decision) and its ratio to one host, and the median control time: the part of each epoch that
+is not the workers' training (from the decision of epoch k-1 to the Go of epoch k: the workers'
+ready, the coordinator's plan, the Go across the hosts). Epoch 0 (warm-up) is left out. For each
+three-host configuration it also prints the median UDP round trip between the two worker hosts
+(``tests/multihost/probe.py``, 50 probes). Needs root, like the tests in ``tests/multihost``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ sys.path.insert(0, str(REPO))
 from tests.multihost import netns  # noqa: E402
 
 DIGITS = REPO / "examples" / "digits.py"
+PROBE = REPO / "tests" / "multihost" / "probe.py"
 PORT = 29400
+ECHO_PORT = 29500
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -86,6 +93,20 @@ def one_run(net: netns.Network, places: list[int], epochs: int, scratch: Path) -
     return [r for r in records if r.get("kind") == "epoch"]
 
 
+def round_trip(net: netns.Network) -> float:
+    """Median UDP round trip from host 1 to host 2, in seconds (ARP resolved first)."""
+    echo = net[2].popen(["python", str(PROBE), "echo", str(ECHO_PORT)], stdout=subprocess.PIPE)
+    assert echo.stdout is not None
+    echo.stdout.readline()
+    argv = ["python", str(PROBE), "rtt", net[2].address, str(ECHO_PORT), "--count"]
+    net[1].run(*argv, "3")
+    rtts = json.loads(net[1].run(*argv, "50"))["rtts"]
+    echo.kill()
+    echo.wait()
+    echo.stdout.close()
+    return statistics.median(rtts)
+
+
 def figures(records: list[dict]) -> tuple[float, float]:
     """Median epoch time and median control time, epoch 0 left out."""
     epochs, control = [], []
@@ -104,35 +125,49 @@ def main() -> int:
     reason = netns.available()
     if reason is not None:
         sys.exit(reason)
-    configs: list[tuple[str, int, list[int], tuple[str, ...]]] = [
-        ("one host", 1, [0, 0], ()),
-        ("3 hosts", 3, [1, 2], ()),
-        ("3 hosts + netem 2ms/0.1%", 3, [1, 2], ("delay", "2ms", "loss", "0.1%")),
+    # name, hosts, worker places, impairment (delay ms, loss %, userspace only) or None
+    configs: list[tuple[str, int, list[int], tuple[float, float, bool] | None]] = [
+        ("one host", 1, [0, 0], None),
+        ("3 hosts", 3, [1, 2], None),
+        ("3 hosts + 2ms/0.1%", 3, [1, 2], (2.0, 0.1, False)),
+        ("3 hosts + switch 0ms/0%", 3, [1, 2], (0.0, 0.0, True)),
     ]
     results: dict[str, list[tuple[float, float]]] = {}
+    rtts: dict[str, list[float]] = {}
+    how = ""
+    runs = itertools.count()
     with tempfile.TemporaryDirectory(prefix="epochal-multihost-") as tmp:
         for repeat in range(args.repeats):
-            for name, count, places, shaping in configs:
+            for name, count, places, impairment in configs:
                 with netns.hosts(count) as net:
-                    try:
-                        for host in net:
-                            if shaping:
-                                host.netem(*shaping)
-                    except netns.NetemUnavailable as exc:
-                        print(f"{name}: skipped: {exc}", flush=True)
-                        continue
-                    scratch = Path(tmp) / f"{repeat}-{count}-{len(shaping)}"
+                    if impairment is not None:
+                        delay, loss, userspace = impairment
+                        if userspace and how == "netem":
+                            continue  # the switch is not used, so its cost is not either
+                        if not userspace:
+                            how = net.impair(delay, loss)
+                            name = f"{name} ({how})"
+                        else:
+                            net.impair(delay, loss, userspace=True)
+                    if count > 1:
+                        rtts.setdefault(name, []).append(round_trip(net))
+                    scratch = Path(tmp) / f"run{next(runs)}"
                     records = one_run(net, places, args.epochs, scratch)
                 results.setdefault(name, []).append(figures(records))
                 epoch, control = results[name][-1]
                 ms = f"epoch {1000 * epoch:.1f} ms, control {1000 * control:.2f} ms"
+                if name in rtts:
+                    ms += f", round trip {1000 * rtts[name][-1]:.3f} ms"
                 print(f"{name} #{repeat}: {ms}", flush=True)
     base = statistics.median(e for e, _ in results["one host"])
-    print(f"\n{'configuration':<28}{'epoch ms':>10}{'ratio':>8}{'control ms':>12}")
+    head = f"{'configuration':<36}{'epoch ms':>10}{'ratio':>8}{'control ms':>12}{'rtt ms':>9}"
+    print(f"\n{head}")
     for name, runs in results.items():
         epoch = statistics.median(e for e, _ in runs)
         control = statistics.median(c for _, c in runs)
-        print(f"{name:<28}{1000 * epoch:>10.1f}{epoch / base:>8.3f}{1000 * control:>12.2f}")
+        rtt = f"{1000 * statistics.median(rtts[name]):>9.3f}" if name in rtts else f"{'-':>9}"
+        row = f"{name:<36}{1000 * epoch:>10.1f}{epoch / base:>8.3f}{1000 * control:>12.2f}{rtt}"
+        print(row)
     print(f"\n{args.epochs} epochs per run, epoch 0 left out, {args.repeats} run(s) each; medians")
     return 0
 
