@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -70,34 +70,45 @@ def _not_loopback(address: str) -> bool:
         return False
 
 
+def pick_address(
+    *,
+    explicit: str,
+    route: str | None,
+    host_name: Sequence[str],
+    interfaces: Sequence[str],
+) -> str | None:
+    """The rule: ``explicit`` (EPOCHAL_HOST), else the default route's interface address, else
+    the first non-loopback address the host name resolves to, else the first non-loopback
+    interface address; None when there is none."""
+    if explicit:
+        return explicit
+    candidates = ([route] if route is not None else []) + list(host_name) + list(interfaces)
+    return next((a for a in candidates if _not_loopback(a)), None)
+
+
 def local_address(env: Mapping[str, str] | None = None) -> str:
     """The address of this machine that other machines can reach (see the module docstring)."""
     env = os.environ if env is None else env
     explicit = env.get(HOST_ENV, "")
-    if explicit:
-        return explicit
-    route = default_route_interface()
-    if route is not None:
-        address = _interface_address(route)
-        if address is not None and _not_loopback(address):
-            return address
+    route = None if explicit else default_route_interface()
     try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+        infos = [] if explicit else socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
     except OSError:
         infos = []
-    for info in infos:
-        address = str(info[4][0])
-        if _not_loopback(address):
-            return address
-    for _, name in socket.if_nameindex():
-        address = _interface_address(name)
-        if address is not None and _not_loopback(address):
-            return address
-    raise ConfigError(
-        "this machine has no address other machines could reach (no default route, the host "
-        f"name resolves to loopback, no interface has another address): set {HOST_ENV} to the "
-        "address workers should connect to"
+    interfaces = [] if explicit else [_interface_address(n) for _, n in socket.if_nameindex()]
+    address = pick_address(
+        explicit=explicit,
+        route=_interface_address(route) if route is not None else None,
+        host_name=[str(info[4][0]) for info in infos],
+        interfaces=[a for a in interfaces if a is not None],
     )
+    if address is None:
+        raise ConfigError(
+            "this machine has no address other machines could reach (no default route, the host "
+            f"name resolves to loopback, no interface has another address): set {HOST_ENV} to "
+            "the address workers should connect to"
+        )
+    return address
 
 
 def connectable(endpoint: str, env: Mapping[str, str] | None = None) -> str:

@@ -119,3 +119,29 @@ def test_wait_for_gives_up_at_the_deadline(tmp_path: Path) -> None:
     with pytest.raises(CoordinatorUnreachable, match=r"did not appear within 2 s.*--address-file"):
         addressfile.wait_for(tmp_path / "never", 2.0, clock=clock, sleep=clock.sleep)
     assert clock.now == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("explicit", "route", "host_name", "interfaces", "expected"),
+    [
+        ("10.9.9.9", "10.0.0.2", ["10.0.0.3"], ["10.0.0.4"], "10.9.9.9"),
+        ("", "10.0.0.2", ["10.0.0.3"], ["10.0.0.4"], "10.0.0.2"),
+        # no default route (a private network, a namespace): the host name, if not loopback
+        ("", None, ["127.0.1.1", "10.0.0.3"], ["10.0.0.4"], "10.0.0.3"),
+        # the host name maps to loopback, as in many images: an interface's address
+        ("", None, ["127.0.1.1"], ["127.0.0.1", "198.19.0.5"], "198.19.0.5"),
+        ("", "127.0.0.1", [], ["127.0.0.1"], None),
+        ("", None, [], [], None),
+    ],
+)
+def test_pick_address(
+    explicit: str,
+    route: str | None,
+    host_name: list[str],
+    interfaces: list[str],
+    expected: str | None,
+) -> None:
+    got = addressfile.pick_address(
+        explicit=explicit, route=route, host_name=host_name, interfaces=interfaces
+    )
+    assert got == expected

@@ -86,21 +86,19 @@ def choose(
             f"{IFNAME_ENV}={explicit_if!r} names no interface with an IPv4 address on this "
             f"machine; it has: {known}"
         )
+    routed_if = _interface_of(route_address, interfaces) if remote and route_address else None
     if explicit_host:
-        choice = DataPlane(
-            explicit_host,
-            explicit_if or _interface_of(explicit_host, interfaces),
-            HOST_ENV,
-        )
+        # gloo and NCCL can only bind an address of this machine: with an address none of its
+        # interfaces holds (NAT), they still bind the interface that reaches the coordinator
+        held_by = explicit_if or _interface_of(explicit_host, interfaces) or routed_if
+        choice = DataPlane(explicit_host, held_by, HOST_ENV)
     elif explicit_if:
         choice = DataPlane(interfaces[explicit_if], explicit_if, IFNAME_ENV)
     elif not remote:
         choice = DataPlane("127.0.0.1", _interface_of("127.0.0.1", interfaces), "one machine")
     elif route_address is not None:
         choice = DataPlane(
-            route_address,
-            _interface_of(route_address, interfaces),
-            f"the route to the coordinator at {coordinator_host}",
+            route_address, routed_if, f"the route to the coordinator at {coordinator_host}"
         )
     else:
         raise ConfigError(

@@ -134,6 +134,9 @@ class Host:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
 
 
 class Network:

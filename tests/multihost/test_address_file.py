@@ -7,6 +7,7 @@ the interfaces, and never be 0.0.0.0 or loopback.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,10 +16,22 @@ from pathlib import Path
 import pytest
 
 from tests.multihost import netns
-from tests.multihost.test_across_hosts import RUN_DEADLINE, clean_env
 
 REPO = Path(__file__).resolve().parents[2]
 LINEAR = REPO / "tests" / "integration" / "scripts" / "linear.py"
+RUN_DEADLINE = 300.0  # a short training run on a loaded machine: a hang, not a bound
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any epochal, gloo or NCCL setting: no hints."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("EPOCHAL_", "GLOO_", "NCCL_", "MASTER_"))
+    }
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "EPOCHAL_PROGRESS": "0"})
+    return {**env, **extra}
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(RUN_DEADLINE) + 60)]
 

@@ -27,8 +27,8 @@ LOCAL = dict(coordinator_host="127.0.0.1", coordinator_address="127.0.0.1", rout
         ({"EPOCHAL_IFNAME": "ib0"}, REMOTE, "192.168.5.7", "ib0"),
         # EPOCHAL_HOST picks the address; the interface that holds it goes with it
         ({"EPOCHAL_HOST": "192.168.5.7"}, REMOTE, "192.168.5.7", "ib0"),
-        # an address no interface holds (NAT, a name): advertised, no interface forced
-        ({"EPOCHAL_HOST": "node7.example"}, REMOTE, "node7.example", None),
+        # an address no interface holds (NAT, a name): advertised; gloo binds the routed interface
+        ({"EPOCHAL_HOST": "node7.example"}, REMOTE, "node7.example", "eth0"),
         # both: the address from EPOCHAL_HOST, the interface from EPOCHAL_IFNAME
         ({"EPOCHAL_HOST": "203.0.113.9", "EPOCHAL_IFNAME": "eth0"}, REMOTE, "203.0.113.9", "eth0"),
         # a user who names an address on a one-machine run gets it

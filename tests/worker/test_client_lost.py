@@ -1,0 +1,104 @@
+"""A worker whose coordinator went silent: blocked training code exits, progressing code goes on.
+
+The client runs in a child process (its exit is ``os._exit``) against a ROUTER that never answers:
+the coordinator vanished without a word, as behind a cut link.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from epochal.worker.client import ABORT_EXIT_CODE
+
+HEARTBEAT_INTERVAL = 0.2
+HEARTBEAT_TIMEOUT = 1.0
+ABORT_GRACE = 0.5
+MARGIN = 3.0  # process start and the tick that notices the silence
+
+CHILD = """
+import sys, time
+from epochal.errors import CoordinatorLost
+from epochal.worker.client import ControlClient
+
+client = ControlClient(
+    sys.argv[1], b"w", heartbeat_interval={interval}, heartbeat_timeout={timeout},
+    abort_grace={grace}, reattach=True,
+)
+client.start()
+client.watch_coordinator()
+client.rank = 1
+client.at("train", 0)
+print("training", flush=True)
+if sys.argv[2] == "blocked":
+    time.sleep(600)  # a collective whose peer is gone
+else:
+    end = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < end:  # slow steps, but steps
+        client.check()
+        time.sleep({interval})
+    try:
+        client.receive(timeout=5)
+    except CoordinatorLost as lost:
+        print("took the loss:", lost.reason, flush=True)
+        sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.fixture
+def silent_coordinator() -> Iterator[str]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()
+
+
+def child(endpoint: str, *args: str) -> subprocess.Popen[str]:
+    code = textwrap.dedent(CHILD).format(
+        interval=HEARTBEAT_INTERVAL, timeout=HEARTBEAT_TIMEOUT, grace=ABORT_GRACE
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, endpoint, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, float]:
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "training\n"
+    started = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the worker was still running {deadline} s after training began:\n{out}")
+    return proc.returncode, out, time.monotonic() - started
+
+
+def test_blocked_training_code_exits_within_heartbeat_timeout_and_grace(silent_coordinator):
+    bound = HEARTBEAT_TIMEOUT + ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
+    code, out, took = finish(child(silent_coordinator, "blocked"), bound + 10)
+    assert code == ABORT_EXIT_CODE, out
+    assert took < bound, (took, out)
+    assert "rank 1: the coordinator at" in out and "cannot re-attach" in out, out
+    assert len(out.strip().splitlines()) == 1, out  # one line, no traceback
+
+
+def test_training_code_that_makes_progress_is_left_to_take_the_loss(silent_coordinator):
+    # steps go on well past the point where a blocked worker would have been ended
+    keep_going = 2 * (HEARTBEAT_TIMEOUT + ABORT_GRACE) + 1
+    code, out, _ = finish(child(silent_coordinator, "progress", str(keep_going)), keep_going + 30)
+    assert code == 0, out
+    assert "took the loss" in out, out
