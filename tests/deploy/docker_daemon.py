@@ -36,6 +36,9 @@ LOCAL_WHEELS = Path("/opt/wheels")
 START_TIMEOUT = 60.0
 """Seconds for dockerd to answer on its socket."""
 
+DATA_TMPFS_SIZE = "8g"
+"""Upper bound of the daemon's in-memory data root (the build uses about 2-3 GB of it)."""
+
 PROGRAMS = ("dockerd", "debootstrap")
 
 
@@ -179,6 +182,23 @@ def private_dockerd(env: dict[str, str]) -> Iterator[Docker]:
     """
     root = Path(tempfile.mkdtemp(prefix="epd-", dir="/tmp"))
     sock = root / "docker.sock"
+    # image layers in memory: a build writes ~2 GB of small files, which a disk shared with other
+    # jobs takes minutes to delete again; a tmpfs goes with one umount
+    (root / "data").mkdir()
+    subprocess.run(
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size={DATA_TMPFS_SIZE},mode=0700",
+            "tmpfs",
+            str(root / "data"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     log = (root / "dockerd.log").open("wb")
     proc = subprocess.Popen(
         [
