@@ -22,7 +22,7 @@ from epochal.errors import ConfigError
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
 from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
-from epochal.worker.state import TrainState as TrainState  # its home before state.py
+from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
 from epochal.worker.strategies import ModeOptions, to_device, wrap
 
 Loader = Iterable[Any]
