@@ -16,8 +16,9 @@ from epochal.worker.session import (
     join,
 )
 from epochal.worker.sharding import ShardSampler
+from epochal.worker.state import TrainState
 from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
-from epochal.worker.train import TrainState, fit, train
+from epochal.worker.train import fit, train
 
 __all__ = [
     "MODES",

@@ -31,6 +31,7 @@ import torch
 from epochal.errors import EpochalError
 from epochal.manifest import MANIFEST, checkpoint_path, file_digest, verify_checkpoint
 from epochal.worker import faults
+from epochal.worker.state import Stateful
 
 
 def rng_state() -> dict[str, Any]:
@@ -76,7 +77,7 @@ class Checkpointer:
         self.rank = rank
         self.run_id = run_id
 
-    def save(self, epoch: int, state: Any, *, history: Any = None) -> Path | None:
+    def save(self, epoch: int, state: Stateful, *, history: Any = None) -> Path | None:
         """Collective: write ``state`` (a DCP Stateful) for ``epoch``; rank 0 commits it.
 
         ``history`` (plain picklable data: the learning curve so far) is kept with this rank's
@@ -114,7 +115,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         return final
 
-    def load(self, epoch: int, state: Any, *, rng: bool = True) -> Any:
+    def load(self, epoch: int, state: Stateful, *, rng: bool = True) -> Any:
         """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs.
 
         The checkpoint is first checked against its manifest; a mismatch raises

@@ -68,6 +68,7 @@ from epochal.worker import faults, launchenv, network
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.fingerprint import fingerprint
+from epochal.worker.state import Stateful
 from epochal.worker.store import connect_store, new_key, open_store, scoped
 from epochal.worker.waiting import WaitNotices, exit_on_unreachable
 
@@ -274,7 +275,7 @@ class Session:
         *,
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         on_best: Callable[[int], None] | None = None,
-        state: Any = None,
+        state: Stateful | None = None,
     ) -> RunResult:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
@@ -338,7 +339,7 @@ class Session:
         train_epoch: Callable[[EpochContext], LossSum],
         valid_epoch: Callable[[EpochContext], LossSum] | None,
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
-        state: Any,
+        state: Stateful | None,
         curve: list[EpochRecord],
     ) -> tuple[Decision, EpochRecord] | Finish:
         """One epoch's exchange with the coordinator; Finish when the run is over instead."""
@@ -391,7 +392,7 @@ class Session:
             self._save(decision.epoch, state, [*curve, record])
         return decision, record
 
-    def _resume(self, state: Any) -> list[EpochRecord]:
+    def _resume(self, state: Stateful | None) -> list[EpochRecord]:
         """Load the checkpoint the coordinator resumes from; the learning curve up to it."""
         if self.resume_epoch is None:
             return []
@@ -409,14 +410,14 @@ class Session:
             if isinstance(r, dict) and r["epoch"] <= self.resume_epoch
         ]
 
-    def _save(self, epoch: int, state: Any, curve: list[EpochRecord]) -> None:
+    def _save(self, epoch: int, state: Stateful, curve: list[EpochRecord]) -> None:
         if self.checkpointer is None:
             return
         history = [asdict(r) for r in curve]
         if self.checkpointer.save(epoch, state, history=history) is not None:
             self.client.send(Checkpointed(epoch=epoch))  # rank 0, once the rename is durable
 
-    def load_checkpoint(self, epoch: int, state: Any) -> None:
+    def load_checkpoint(self, epoch: int, state: Stateful) -> None:
         """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).
 
         Raises :class:`~epochal.worker.checkpoint.CheckpointCorrupt` (nothing loaded) when the
@@ -426,7 +427,7 @@ class Session:
             raise EpochalError("this run has no checkpoint directory")
         self.checkpointer.load(epoch, state, rng=False)
 
-    def restore_best(self, result: RunResult, state: Any) -> RunResult:
+    def restore_best(self, result: RunResult, state: Stateful) -> RunResult:
         """Collective: load the best epoch's checkpoint into ``state`` at the end of the run.
 
         A damaged checkpoint is never loaded: ``state`` keeps the last epoch's weights, and the

@@ -22,46 +22,12 @@ from epochal.errors import ConfigError
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
 from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
+from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
 from epochal.worker.strategies import ModeOptions, to_device, wrap
 
 Loader = Iterable[Any]
 LoaderArg = Loader | Callable[[int, int], Loader]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class TrainState:
-    """Model and optimizer as one ``torch.distributed.checkpoint`` Stateful.
-
-    Uses DCP's ``get_state_dict``/``set_state_dict``, which key optimizer state by parameter name
-    and work the same for plain, DDP, ZeRO and FSDP2 models.
-    """
-
-    def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, model_only: bool = False
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.model_only = model_only
-
-    def state_dict(self) -> dict[str, Any]:
-        # imported here: torch.distributed.checkpoint costs ~1 s at import, paid only when used
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd} if self.model_only else {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.model_only:
-            set_model_state_dict(self.model, state["model"])
-        else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-            )
 
 
 def _progress_enabled(rank: int, progress: bool | None) -> bool:

@@ -9,6 +9,7 @@ The tests then read what each rank wrote. Each group runs under a deadline and i
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -117,6 +118,11 @@ class LocalSession:
     def load_checkpoint(self, epoch: int, state: Any) -> None:
         self.checkpointer.load(epoch, state, rng=False)
 
+    def restore_best(self, result: RunResult, state: Any) -> RunResult:
+        assert result.best_epoch is not None
+        self.load_checkpoint(result.best_epoch, state)
+        return result
+
 
 def fit_twice(
     mode: str, rank: int, world: int, directory: Path, kept: list[nn.Module]
@@ -217,7 +223,45 @@ def params_only(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
 
 
-@pytest.mark.parametrize("mode", MODES)
+def one_process_replicated(world: int) -> dict[str, torch.Tensor]:
+    """What ``bare_strategy`` computes in mode replicated, in one process without DDP: each step,
+    every rank's copy of rank 0's model accumulates its own batches' gradients (BatchNorm on its
+    own batch statistics), their average is applied, and the running statistics are rank 0's."""
+    model = make_model(10)
+    optimizer = make_optimizer(model)
+    data = [make_data(r) for r in range(world)]
+    replicas = [copy.deepcopy(model) for _ in range(world)]
+    for start in range(0, BATCHES, ACCUMULATE):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r, replica in enumerate(replicas):
+            replica.load_state_dict(model.state_dict())
+            replica.zero_grad(set_to_none=True)
+            for x, y in data[r][start : start + ACCUMULATE]:
+                loss = nn.functional.mse_loss(replica(x), y) / ACCUMULATE
+                loss.backward()  # type: ignore[no-untyped-call]
+            for g, p in zip(grads, replica.parameters(), strict=True):
+                g += p.grad / world
+        with torch.no_grad():
+            for b, b0 in zip(model.buffers(), replicas[0].buffers(), strict=True):
+                b.copy_(b0)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_replicated_reaches_the_weights_of_averaged_gradients_in_one_process(ranks):
+    close(ranks[0]["replicated"]["weights"], one_process_replicated(len(ranks)))
+    for other in ranks[1:]:  # every rank holds the same parameters
+        for key in ("run_last", "weights"):
+            close(
+                params_only(other["replicated"][key]),
+                params_only(ranks[0]["replicated"][key]),
+                exact=True,
+            )
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "replicated"])
 def test_every_mode_reaches_the_weights_of_replicated(ranks, mode):
     rank0, ref = ranks[0][mode], ranks[0]["replicated"]
     for key in ("run_last", "run_best", "weights"):

@@ -1,0 +1,145 @@
+"""Mode ``fully_sharded``: FSDP2's ``fully_shard``, parameters, gradients and state all ~1/N.
+
+For models whose parameters do not fit one device. The optimizer passed in is rebuilt over the
+sharded parameters; the checkpoint is :class:`~epochal.worker.state.TrainState` over the DTensors
+(DCP reshards on load), and :meth:`FullySharded.finish` gathers the whole model back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from epochal.errors import ConfigError
+from epochal.worker.initialization import broadcast_module, broadcast_tensors, is_dtensor
+from epochal.worker.placement import LayeredModel
+from epochal.worker.strategies.base import Mode, Strategy, constructor_kwargs, groups_by_name
+from epochal.worker.strategies.options import ModeOptions
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    units: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList | nn.ModuleDict):
+                visit(child)  # containers have no forward of their own to hook
+            elif any(True for _ in child.parameters()):
+                units.append(child)
+
+    visit(model)
+    return units
+
+
+class FullySharded(Strategy):
+    """FSDP2: ``fully_shard`` on each unit and the root; parameters, gradients and optimizer
+    state are each split across ranks (the optimizer is rebuilt over the sharded parameters).
+
+    While it trains, the model's parameters are this rank's DTensor shards. When training ends
+    (:meth:`finish`) every rank gathers the whole model and the model becomes the plain module it
+    was (:func:`epochal.worker.unshard.unshard`), so ``model`` holds full weights after
+    ``train()`` returns, as in the other modes. The checkpoints hold it sharded (DCP reshards on
+    load).
+    """
+
+    mode: ClassVar[Mode] = Mode.FULLY_SHARDED
+    options: ClassVar[frozenset[str]] = frozenset({"reshard_after_forward", "shard_units"})
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        opts: ModeOptions,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        groups = groups_by_name(model, optimizer)
+        root = 0 if group is None else dist.get_global_rank(group, 0)
+        broadcast_module(model, src=root, group=group)  # start where DDP starts: rank 0's weights
+        world = dist.get_world_size(group)
+        mesh = (
+            init_device_mesh(device.type, (world,))
+            if group is None
+            else DeviceMesh.from_group(group, device.type)
+        )
+        units = list(
+            opts.shard_units(model) if opts.shard_units is not None else _default_units(model)
+        )
+        for unit in [*units, model]:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=opts.reshard_after_forward)
+        params = dict(model.named_parameters())
+        try:
+            rebuilt = type(optimizer)(
+                [{**hyper, "params": [params[n] for n in names]} for hyper, names in groups],
+                **constructor_kwargs(optimizer),
+            )
+        except TypeError as exc:
+            raise ConfigError(
+                f"cannot rebuild {type(optimizer).__name__} over the sharded parameters: {exc}"
+            ) from None
+        super().__init__(model, rebuilt, model)
+        self._root, self._group = root, group
+        self._buffers = list(model.buffers())  # FSDP2 leaves buffers whole and unsynchronised
+
+    @classmethod
+    def check_model(cls, model: nn.Module) -> None:
+        if isinstance(model, LayeredModel) and len(model.devices) > 1:
+            raise ConfigError(
+                "a model placed over several devices cannot be fully sharded (one FSDP2 mesh has "
+                "one device type and index per rank): use mode replicated, main or sharded with it"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        opts: ModeOptions,
+        ddp_options: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        *,
+        placed: bool,
+    ) -> Strategy:
+        return cls(model, optimizer, device, opts, group)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        # DDP broadcasts rank 0's buffers (BatchNorm statistics); so does every mode here
+        broadcast_tensors(self._buffers, src=self._root, group=self._group)
+
+    @contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self._no_sync()
+
+    def finish(self) -> None:
+        from epochal.worker.unshard import unshard
+
+        unshard(self.model)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        # each rank keeps its own shards: no collective, and no rank ever holds the whole model
+        return {
+            k: (v.to_local() if is_dtensor(v) else v).detach().to("cpu", copy=True)
+            for k, v in self.model.state_dict().items()
+        }
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                (v.to_local() if is_dtensor(v) else v).copy_(snapshot[k])

@@ -1,0 +1,122 @@
+"""Mode ``main``: gradients reduced onto rank 0, which alone holds optimizer state and steps.
+
+burn's ``OptimMainDevice``, lamp's root optimizer. No DDP: the gradients travel in buckets when
+the step comes, and the new parameters are broadcast back; the checkpoint is
+:class:`~epochal.worker.state.MainState` (every rank's model, rank 0's optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from epochal.worker.initialization import (
+    DEFAULT_BUCKET_BYTES,
+    broadcast_tensors,
+    buckets,
+    module_tensors,
+)
+from epochal.worker.state import MainState, Stateful
+from epochal.worker.strategies.base import Mode, Strategy, state_bytes
+from epochal.worker.strategies.options import ModeOptions
+
+
+class Main(Strategy):
+    """Gradients averaged onto rank 0, which alone holds optimizer state and steps; parameters
+    are broadcast back. Communication happens in :meth:`step`, so accumulation needs no
+    ``no_sync`` and the batches before a step exchange nothing."""
+
+    mode: ClassVar[Mode] = Mode.MAIN
+    options: ClassVar[frozenset[str]] = frozenset(
+        {"bucket_cap_mb", "find_unused_parameters", "sync_batchnorm"}
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        bucket_bytes: int,
+        find_unused_parameters: bool,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        super().__init__(model, optimizer, model)
+        self._group = group
+        self._root = 0 if group is None else dist.get_global_rank(group, 0)
+        self.is_root = dist.get_rank() == self._root
+        self._world = dist.get_world_size(group)
+        self._find_unused = find_unused_parameters
+        self._bucket_bytes = bucket_bytes
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._buckets = buckets(self._params, bucket_bytes)
+        self._tensors = module_tensors(model)
+        broadcast_tensors(self._tensors, src=self._root, group=group, cap_bytes=bucket_bytes)
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        opts: ModeOptions,
+        ddp_options: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        *,
+        placed: bool,
+    ) -> Strategy:
+        cap = opts.bucket_cap_mb
+        return cls(
+            model,
+            optimizer,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if cap is None else int(cap * 1024 * 1024),
+            find_unused_parameters=opts.find_unused_parameters,
+            group=group,
+        )
+
+    @property
+    def state(self) -> Stateful:
+        return MainState(self.model, self.optimizer, self.is_root)
+
+    def step(self) -> None:
+        used: dict[int, bool] | None = None
+        if self._find_unused:
+            mask = torch.tensor(
+                [p.grad is not None for p in self._params],
+                dtype=torch.int32,
+                device=self._params[0].device if self._params else None,
+            )
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self._group)
+            used = {id(p): bool(m) for p, m in zip(self._params, mask.tolist(), strict=True)}
+        with torch.no_grad():
+            for bucket in self._buckets:
+                flat = torch.cat(
+                    [
+                        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                        for p in bucket
+                    ]
+                )
+                flat.div_(self._world)  # DDP's order: divide, then sum
+                dist.reduce(flat, dst=self._root, op=dist.ReduceOp.SUM, group=self._group)
+                if not self.is_root:
+                    continue
+                offset = 0
+                for p in bucket:
+                    piece = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if used is not None and not used[id(p)]:
+                        p.grad = None
+                    elif p.grad is None:
+                        p.grad = piece.clone()
+                    else:
+                        p.grad.copy_(piece)
+        if self.is_root:
+            self.optimizer.step()
+        broadcast_tensors(
+            self._tensors, src=self._root, group=self._group, cap_bytes=self._bucket_bytes
+        )
+
+    def optimizer_state_bytes(self) -> int:
+        return state_bytes(self.optimizer) if self.is_root else 0

@@ -1,0 +1,36 @@
+"""Mode ``replicated`` (the default): DDP all-reduce, every rank holds and steps the optimizer."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from epochal.worker.state import BuffersFromRoot, Stateful
+from epochal.worker.strategies.base import Mode
+from epochal.worker.strategies.ddp import DdpStrategy
+
+
+class Replicated(DdpStrategy):
+    """DDP: gradients all-reduced in buckets during backward; every rank steps the optimizer."""
+
+    mode: ClassVar[Mode] = Mode.REPLICATED
+    optimizer_of_model_only: ClassVar[bool] = False  # steps the optimizer it was given, as is
+
+    @classmethod
+    def over_ddp(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ddp: DistributedDataParallel,
+        group: dist.ProcessGroup | None,
+    ) -> Replicated:
+        return cls(model, optimizer, ddp, ddp)
+
+    @property
+    def state(self) -> Stateful:
+        assert self.ddp is not None
+        return BuffersFromRoot(super().state, self.ddp)

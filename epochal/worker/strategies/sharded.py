@@ -1,0 +1,70 @@
+"""Mode ``sharded``: DDP all-reduce, ``ZeroRedundancyOptimizer`` steps ~1/N of the state per rank.
+
+burn's ``OptimSharded``. The optimizer passed in is rebuilt as ZeRO's local shard optimizer of the
+same class, groups and hyperparameters; the checkpoint is
+:class:`~epochal.worker.state.ShardedState` (each rank's shard keyed by parameter name).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from epochal.errors import ConfigError
+from epochal.worker.state import BuffersFromRoot, ShardedState, Stateful
+from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
+from epochal.worker.strategies.ddp import DdpStrategy
+
+
+class Sharded(DdpStrategy):
+    """DDP for gradients, ``ZeroRedundancyOptimizer`` for the step: each rank keeps and steps the
+    optimizer state of its share of the parameters, then broadcasts their new values."""
+
+    mode: ClassVar[Mode] = Mode.SHARDED
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ddp: DistributedDataParallel,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+        try:
+            zero = ZeroRedundancyOptimizer(
+                groups,
+                optimizer_class=type(optimizer),
+                process_group=group,
+                **constructor_kwargs(optimizer),
+            )
+        except TypeError as exc:
+            raise ConfigError(
+                f"cannot build a sharded {type(optimizer).__name__}: {exc}; mode 'sharded' builds "
+                "the optimizer again from its class and defaults"
+            ) from None
+        super().__init__(model, zero, ddp, ddp)
+        self.zero = zero
+
+    @classmethod
+    def over_ddp(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ddp: DistributedDataParallel,
+        group: dist.ProcessGroup | None,
+    ) -> Sharded:
+        return cls(model, optimizer, ddp, group)
+
+    @property
+    def state(self) -> Stateful:
+        assert self.ddp is not None
+        return BuffersFromRoot(ShardedState(self.model, self.zero), self.ddp)
+
+    def optimizer_state_bytes(self) -> int:
+        return state_bytes(self.zero.optim)
