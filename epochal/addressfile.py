@@ -37,16 +37,18 @@ _SIOCGIFADDR = 0x8915
 _WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
-def _interface_address(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (Linux ioctl); None when it has none."""
+def interface_addresses() -> dict[str, str]:
+    """Every interface of this machine that has an IPv4 address, by name (Linux ioctl)."""
+    found: dict[str, str] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(
-                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
-            )
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # down, or no IPv4 address
+            found[name] = socket.inet_ntoa(reply[20:24])
+    return found
 
 
 def default_route_interface(route_table: str | None = None) -> str | None:
@@ -95,12 +97,12 @@ def local_address(env: Mapping[str, str] | None = None) -> str:
         infos = [] if explicit else socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
     except OSError:
         infos = []
-    interfaces = [] if explicit else [_interface_address(n) for _, n in socket.if_nameindex()]
+    interfaces = {} if explicit else interface_addresses()
     address = pick_address(
         explicit=explicit,
-        route=_interface_address(route) if route is not None else None,
+        route=interfaces.get(route) if route is not None else None,
         host_name=[str(info[4][0]) for info in infos],
-        interfaces=[a for a in interfaces if a is not None],
+        interfaces=list(interfaces.values()),
     )
     if address is None:
         raise ConfigError(

@@ -12,15 +12,14 @@ environment variables, which a user who set them keeps.
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
 import socket
-import struct
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from epochal.addressfile import interface_addresses
 from epochal.environment import HOST_ENV, IFNAME_ENV
 from epochal.errors import ConfigError
 
@@ -29,8 +28,6 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
 """NCCL's interface for its bootstrap and socket transport; kept when the user set it."""
-
-_SIOCGIFADDR = 0x8915
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,16 +134,7 @@ def apply(choice: DataPlane, env: MutableMapping[str, str]) -> dict[str, str]:
 
 def interfaces() -> dict[str, str]:
     """Every interface of this machine that has an IPv4 address, by name."""
-    found: dict[str, str] = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            request = struct.pack("256s", name.encode()[:15])
-            try:
-                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
-            except OSError:
-                continue  # down, or no IPv4 address
-            found[name] = socket.inet_ntoa(reply[20:24])
-    return found
+    return interface_addresses()
 
 
 def route_address(address: str) -> str | None:
