@@ -827,8 +827,11 @@ class Coordinator:
                 continue
             phase, epoch, _, since = status
             waiting = phase == "waiting" and epoch == self._epoch
-            if waiting and since > self._phase_started and now - since > margin:
-                member = self._members_by_rank[rank]
+            member = self._members_by_rank[rank]
+            # heard from for longer than the margin while it waits: its link works, so the message
+            # was lost; a rank that went silent meanwhile is the heartbeat timeout's to name
+            heard = self._last_seen.get(member.peer, since)
+            if waiting and since > self._phase_started and heard - since > margin:
                 return (
                     f"rank {rank} ({member.describe()}) has waited {now - since:.1f} s for "
                     f"epoch {epoch}'s {answer}, but its {what} never arrived: a control "

@@ -114,19 +114,31 @@ def output(workdir: Path, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def release_requeued(cluster: SlurmCluster, job: str, deadline: float) -> None:
+REVOKE_GRANULARITY = 1.0
+"""Seconds: slurmd revokes a requeued job's credential by time stamp in whole seconds, and a new
+credential stamped in the same second as the revocation is refused ("Job credential revoked")."""
+
+
+def release_requeued(cluster: SlurmCluster, job: str, deadline: float, requeued_at: float) -> None:
     """Start a requeued job now rather than after Slurm's hold (BeginTime = requeue + ~2 min).
 
     Slurm holds a requeued batch job for about two minutes so its nodes can finish cleaning up;
-    released earlier, while a node still holds the old batch step, its launch fails. So: wait
-    until the job is pending on its begin time and both nodes are idle, then set its start time.
+    released earlier, while a node still holds the old batch step, its launch fails, and so does
+    a launch in the same second as the requeue (``requeued_at``, wall clock). So: wait until the
+    job is pending on its begin time, both nodes are idle and the requeue's second has passed,
+    then set its start time.
     """
     while True:
         info = cluster.job(job)
         if info["JobState"] == "RUNNING" or info["JobState"] in ENDED:
             return
         nodes = cluster.node_states().values()
-        if info.get("Reason") == "BeginTime" and all(s.rstrip("*") == "idle" for s in nodes):
+        settled = time.time() > int(requeued_at) + 2 * REVOKE_GRANULARITY
+        if (
+            settled
+            and info.get("Reason") == "BeginTime"
+            and all(s.rstrip("*") == "idle" for s in nodes)
+        ):
             cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
             return
         assert time.monotonic() < deadline, f"requeued job never became startable: {info}"
@@ -190,9 +202,10 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster: SlurmCluster, tmp_p
         assert time.monotonic() < deadline, output(tmp_path, job)
         time.sleep(0.2)
     assert any(checkpoints.iterdir()), "the journal names checkpoints the directory lacks"
+    requeued_at = time.time()
     cluster.run("scontrol", "requeue", job)
     requeued = time.monotonic()
-    release_requeued(cluster, job, deadline=requeued + JOB_DEADLINE)
+    release_requeued(cluster, job, deadline=requeued + JOB_DEADLINE, requeued_at=requeued_at)
 
     info = cluster.wait_job(job, ENDED, JOB_DEADLINE + KILL_WAIT)
     out = output(tmp_path, job)
