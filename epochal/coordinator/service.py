@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import os
 import shutil
 import socket
@@ -208,6 +209,8 @@ class Coordinator:
         self._last_seen: dict[bytes, float] = {}
         self._ranks: dict[bytes, int] = {}
         self._members_by_rank: list[Member] = []
+        self._rehello_logged: dict[int, float] = {}
+        # when each rank's hello in the middle of the run was last logged
         self._backend = "gloo"
         self._store: StoreReady | None = None
         self._epoch = 0
@@ -589,6 +592,7 @@ class Coordinator:
                 if again and peer in self._ranks:
                     if self._store is not None:
                         await self._send(peer, self._welcome_for(peer))
+                        self._note_rehello(self._ranks[peer])
                     return
                 await self._send(
                     peer,
@@ -602,6 +606,18 @@ class Coordinator:
                 )
                 if self._rendezvous.complete:
                     await self._open_store()
+
+    def _note_rehello(self, rank: int) -> None:
+        """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
+        now = time.monotonic()
+        if now - self._rehello_logged.get(rank, -math.inf) < self.config.heartbeat_timeout:
+            return
+        self._rehello_logged[rank] = now
+        self._log(
+            f"rank {rank} ({self._members_by_rank[rank].describe()}) said hello again: it heard "
+            "nothing from this coordinator for its own heartbeat timeout (was the coordinator "
+            "not running?) and re-attached; it carries on where it was"
+        )
 
     # ------------------------------------------------------------------ phases
 

@@ -137,6 +137,11 @@ class ControlClient:
         if self._error is not None:
             raise EpochalError(f"control client failed to start: {self._error}") from self._error
 
+    @property
+    def session(self) -> str:
+        """The session the coordinator issued this worker ("" before it was admitted)."""
+        return self._session
+
     def watch_coordinator(self) -> None:
         """From now on a silent coordinator counts as lost (called once the worker has joined)."""
         self._last_heard = time.monotonic()

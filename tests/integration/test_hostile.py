@@ -160,3 +160,74 @@ def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(
     assert "the coordinator itself was not running for" in output
     assert "sent nothing for" not in output
     spawn.assert_none_left()
+
+
+def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
+    spawn: Spawner, tmp_path: Path
+):
+    """The workers give the stopped coordinator up and say hello again; once it runs, they go on.
+
+    The coordinator answers with what it queued (the Go or Decision they waited for) or with a
+    welcome carrying their session: the same coordinator, only stalled. The run finishes; nobody
+    meets an "unexpected Go" and no rank is blamed.
+    """
+    heartbeat_timeout = 3.0  # the coordinator's and the workers' alike
+    heartbeat_interval = 0.5
+    reattach = 60.0
+    freeze = 3 * heartbeat_timeout  # past both timeouts: every worker declares the coordinator lost
+    run_dir = tmp_path / "run"
+    coordinator = spawn.epochal(
+        "coordinator",
+        "--world-size",
+        "2",
+        *POLICY,
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+        "--heartbeat-interval",
+        str(heartbeat_interval),
+        "--run-dir",
+        str(run_dir),
+    )
+    line = coordinator.stdout.readline()
+    assert line.startswith(PREFIX), line
+    endpoint = line[len(PREFIX) :].strip()
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
+    reader.start()
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.03",
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+            EPOCHAL_REATTACH_TIMEOUT=str(reattach),
+        )
+        for rank in (0, 1)
+    ]
+    wait_for_first_epoch(run_dir, coordinator)
+    os.kill(coordinator.pid, signal.SIGSTOP)
+    try:
+        time.sleep(freeze)
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+    outputs = []
+    for worker in workers:
+        code, output = spawn.finish(worker, DEADLINE)
+        outputs.append(output)
+        assert code == 0, output
+        assert "unexpected" not in output, output
+    assert any("sent nothing for" in o and "answered again" in o for o in outputs), outputs
+    code = coordinator.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(log)
+    assert code == 0, output
+    assert "finished after 4 epochs" in output
+    assert "the coordinator itself was not running for" in output
+    assert "said hello again" in output
+    assert "sent nothing for" not in output
+    spawn.assert_none_left()
