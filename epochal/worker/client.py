@@ -159,6 +159,8 @@ class ControlClient:
                 target=self._exit_if_stuck, args=(reason, taken), name="epochal-lost", daemon=True
             ).start()
         else:
+            if self._outbox is not None:  # a coordinator that was only stopped reads why, later
+                self._outbox.put_nowait(Failed(reason=clip(f"it gave up waiting: {reason}")))
             self._fail(reason)
 
     def send(self, message: WorkerMessage) -> None:

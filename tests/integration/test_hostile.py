@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import threading
@@ -230,4 +231,67 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
     assert "the coordinator itself was not running for" in output
     assert "said hello again" in output
     assert "sent nothing for" not in output
+    spawn.assert_none_left()
+
+
+def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence(
+    spawn: Spawner, tmp_path: Path
+):
+    """With no re-attach window the workers stop; every reason names the coordinator's stall."""
+    heartbeat_timeout = 3.0
+    freeze = 3 * heartbeat_timeout
+    run_dir = tmp_path / "run"
+    coordinator = spawn.epochal(
+        "coordinator",
+        "--world-size",
+        "2",
+        *POLICY,
+        "--heartbeat-timeout",
+        str(heartbeat_timeout),
+        "--heartbeat-interval",
+        "0.5",
+        "--run-dir",
+        str(run_dir),
+    )
+    line = coordinator.stdout.readline()
+    assert line.startswith(PREFIX), line
+    endpoint = line[len(PREFIX) :].strip()
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
+    reader.start()
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(tmp_path / "out"),
+            "--delay",
+            "0.03",
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+            EPOCHAL_REATTACH_TIMEOUT="0",
+        )
+        for rank in (0, 1)
+    ]
+    wait_for_first_epoch(run_dir, coordinator)
+    os.kill(coordinator.pid, signal.SIGSTOP)
+    try:
+        time.sleep(freeze)
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+    for worker in workers:
+        code, output = spawn.finish(worker, DEADLINE)
+        assert code != 0, output
+        assert f"sent nothing for {heartbeat_timeout:g} s" in output, output
+        assert "unexpected" not in output, output
+    code = coordinator.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(log)
+    assert code != 0, output
+    assert "the coordinator itself was not running for" in output
+    aborted = next(line for line in output.splitlines() if line.startswith("run aborted: "))
+    assert aborted.startswith("run aborted: this coordinator was not running for "), aborted
+    assert f"the coordinator at {endpoint} sent nothing for {heartbeat_timeout:g} s" in aborted
+    assert not re.search(r"rank \d \(.*\) sent nothing", aborted), aborted
     spawn.assert_none_left()
