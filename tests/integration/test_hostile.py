@@ -36,6 +36,10 @@ pytestmark = pytest.mark.slow
 DEADLINE = 120.0
 POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
 PREFIX = "epochal coordinator listening on "
+TEARDOWN = 4.0
+"""Seconds a process takes from its decision to leave to its last words on a loaded machine."""
+INTERPRETER_EXIT = 5.0
+"""Seconds a worker's interpreter takes to exit after that (torch's teardown, under load)."""
 WORKER_HEARTBEAT_TIMEOUT = 15.0
 """The workers' own heartbeat timeout (epochal.join's default; the test scripts keep it)."""
 
@@ -237,9 +241,15 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
 def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence(
     spawn: Spawner, tmp_path: Path
 ):
-    """With no re-attach window the workers stop; every reason names the coordinator's stall."""
+    """With no re-attach window the workers stop; every reason names the coordinator's stall.
+
+    The coordinator stays stopped until both workers have left (README: within the abort grace
+    after their heartbeat timeout and a tick), so its stall outlasts their timeout; once running
+    again it aborts after the failure settle window, naming its own stall and their reason.
+    """
     heartbeat_timeout = 3.0
-    freeze = 3 * heartbeat_timeout
+    # the workers' notice (timeout + their heartbeat tick), abort grace, unwinding, torch's exit
+    workers_gone = heartbeat_timeout + 1.0 + 2.0 + TEARDOWN + INTERPRETER_EXIT
     run_dir = tmp_path / "run"
     coordinator = spawn.epochal(
         "coordinator",
@@ -276,16 +286,23 @@ def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence
     ]
     wait_for_first_epoch(run_dir, coordinator)
     os.kill(coordinator.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
-        time.sleep(freeze)
+        while any(w.poll() is None for w in workers):
+            assert time.monotonic() - stopped < workers_gone, "the workers did not leave in time"
+            time.sleep(0.05)
     finally:
         os.kill(coordinator.pid, signal.SIGCONT)
+    continued = time.monotonic()
+    assert continued - stopped > heartbeat_timeout
     for worker in workers:
         code, output = spawn.finish(worker, DEADLINE)
         assert code != 0, output
         assert f"sent nothing for {heartbeat_timeout:g} s" in output, output
         assert "unexpected" not in output, output
-    code = coordinator.wait(timeout=30)
+    code = coordinator.wait(timeout=DEADLINE)
+    # the failure settle window (0.25 s), a turn of its loop (within a second), its own exit
+    assert time.monotonic() - continued < 0.25 + 1.0 + TEARDOWN
     reader.join(timeout=10)
     output = "".join(log)
     assert code != 0, output
