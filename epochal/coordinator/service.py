@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import os
 import shutil
 import socket
@@ -208,6 +209,10 @@ class Coordinator:
         self._last_seen: dict[bytes, float] = {}
         self._ranks: dict[bytes, int] = {}
         self._members_by_rank: list[Member] = []
+        self._rehello_logged: dict[int, float] = {}
+        self._stall: tuple[float, float] | None = None
+        # the latest time this coordinator was not running: (seconds lost, when it ran again)
+        # when each rank's hello in the middle of the run was last logged
         self._backend = "gloo"
         self._store: StoreReady | None = None
         self._epoch = 0
@@ -555,7 +560,7 @@ class Coordinator:
                     self._end()
             case Failed():
                 member = self._members_by_rank[rank]
-                self.report_failure(f"rank {rank} ({member.describe()}) failed: {message.reason}")
+                self.report_failure(self._failed_line(rank, member, message.reason))
             case _:
                 await self._abort(
                     f"rank {rank} sent {type(message).__name__} while the coordinator was in "
@@ -589,6 +594,7 @@ class Coordinator:
                 if again and peer in self._ranks:
                     if self._store is not None:
                         await self._send(peer, self._welcome_for(peer))
+                        self._note_rehello(self._ranks[peer])
                     return
                 await self._send(
                     peer,
@@ -602,6 +608,34 @@ class Coordinator:
                 )
                 if self._rendezvous.complete:
                     await self._open_store()
+
+    def _failed_line(self, rank: int, member: Member, reason: str) -> str:
+        """How a rank's Failed reads; one sent while this coordinator was not running says so.
+
+        A worker that heard nothing from the coordinator for its own heartbeat timeout and may
+        not re-attach stops, telling why; a coordinator that was stopped reads that on waking.
+        """
+        line = f"rank {rank} ({member.describe()}) failed: {reason}"
+        stall = self._stall
+        if stall is not None and time.monotonic() - stall[1] <= self.config.heartbeat_timeout:
+            self._stall = None  # said once, before the first such failure
+            line = (
+                f"this coordinator was not running for {stall[0]:.1f} s (its process was stopped, "
+                f"or the machine suspended or overloaded), and meanwhile {line}"
+            )
+        return line
+
+    def _note_rehello(self, rank: int) -> None:
+        """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
+        now = time.monotonic()
+        if now - self._rehello_logged.get(rank, -math.inf) < self.config.heartbeat_timeout:
+            return
+        self._rehello_logged[rank] = now
+        self._log(
+            f"rank {rank} ({self._members_by_rank[rank].describe()}) said hello again: it heard "
+            "nothing from this coordinator for its own heartbeat timeout (was the coordinator "
+            "not running?) and re-attached; it carries on where it was"
+        )
 
     # ------------------------------------------------------------------ phases
 
@@ -885,6 +919,7 @@ class Coordinator:
         self._stall_reported += lost
         if self._failure_deadline is not None:
             self._failure_deadline += lost
+        self._stall = (lost, time.monotonic())
         if lost > self.config.heartbeat_interval:
             self._log(
                 f"the coordinator itself was not running for {lost:.1f} s (its process was "

@@ -137,6 +137,11 @@ class ControlClient:
         if self._error is not None:
             raise EpochalError(f"control client failed to start: {self._error}") from self._error
 
+    @property
+    def session(self) -> str:
+        """The session the coordinator issued this worker ("" before it was admitted)."""
+        return self._session
+
     def watch_coordinator(self) -> None:
         """From now on a silent coordinator counts as lost (called once the worker has joined)."""
         self._last_heard = time.monotonic()
@@ -154,6 +159,8 @@ class ControlClient:
                 target=self._exit_if_stuck, args=(reason, taken), name="epochal-lost", daemon=True
             ).start()
         else:
+            if self._outbox is not None:  # a coordinator that was only stopped reads why, later
+                self._outbox.put_nowait(Failed(reason=clip(f"it gave up waiting: {reason}")))
             self._fail(reason)
 
     def send(self, message: WorkerMessage) -> None:

@@ -224,8 +224,18 @@ class Session:
             else None
         )
 
-    def _reattach(self, lost: CoordinatorLost) -> None:
-        """Say hello to a restarted coordinator and take the run up from its last checkpoint."""
+    def _reattach(self, lost: CoordinatorLost, waiting: tuple[type[Any], ...]) -> Any:
+        """Say hello again after losing the coordinator; carry on, or resume from a checkpoint.
+
+        The coordinator that answers is either the same one, which was only stalled (its process
+        stopped, its machine suspended) and still runs this run with this worker in it, or a
+        restarted one. The same one answers with the message this worker was waiting for
+        (``waiting``), queued while it was stalled, or with a ``welcome`` carrying this run's id
+        and this worker's session: that answer is returned and the exchange goes on where it was
+        (a ``welcome`` is skipped by :meth:`_expect`, as any answer to a retried hello). A
+        restarted coordinator issues a new session: the worker adopts its ``welcome`` and raises
+        :class:`_TakenBack`, so that :meth:`run_epochs` resumes from its last checkpoint.
+        """
         if self._reattach_timeout <= 0:
             raise lost
         print(
@@ -234,7 +244,9 @@ class Session:
             file=sys.stderr,
             flush=True,
         )
+        session = self.client.session
         hello = replace(self._hello, rank_hint=self.rank)
+        stalled_since = time.monotonic()
         try:
             welcome, _ = _rendezvous(
                 self.client,
@@ -243,9 +255,14 @@ class Session:
                 self._reattach_timeout,
                 self._store_timeout,
                 store=self._store,
+                answers=waiting,
             )
+        except _StillRunning as running:
+            return self._carry_on(running.message, stalled_since)
         except (CoordinatorUnreachable, JoinRefused) as exc:
             raise CoordinatorLost(f"{lost.reason}; and then: {exc}") from None
+        if welcome.run_id == self.run_id and welcome.session == session:
+            return self._carry_on(welcome, stalled_since)
         same = (welcome.rank, welcome.world_size, welcome.backend)
         if same != (self.rank, self.world_size, self.backend):
             raise CoordinatorLost(
@@ -265,6 +282,19 @@ class Session:
             file=sys.stderr,
             flush=True,
         )
+        raise _TakenBack
+
+    def _carry_on(self, answer: Any, stalled_since: float) -> Any:
+        """The coordinator that was lost answered again: it was stalled, not gone; go on."""
+        self.client.watch_coordinator()
+        print(
+            f"epochal: rank {self.rank}: the coordinator of run {self.run_id} answered again after "
+            f"{time.monotonic() - stalled_since:.1f} s (it was stalled, not restarted); carrying "
+            f"on where this worker was (epoch {self.client.epoch})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return answer
 
     # ------------------------------------------------------------------ the loop
 
@@ -302,8 +332,7 @@ class Session:
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state, curve)
-                except CoordinatorLost as lost:
-                    self._reattach(lost)
+                except _TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
                     epoch, stopped = self.start_epoch, False
                     curve = [r for r in curve if r.epoch < epoch]
@@ -454,7 +483,10 @@ class Session:
 
     def _expect(self, *kinds: type[Any]) -> Any:
         while True:
-            message = self.client.receive()
+            try:
+                message = self.client.receive()
+            except CoordinatorLost as lost:
+                message = self._reattach(lost, kinds)
             if isinstance(message, kinds):
                 return message
             if isinstance(message, Welcome | Joined):
@@ -644,6 +676,18 @@ def _tell_join_failure(client: ControlClient, exc: BaseException) -> None:
     client.send(Failed(reason=clip(f"{client.phase.description} failed: {error}")))
 
 
+class _TakenBack(Exception):
+    """A restarted coordinator took this worker back: resume from the checkpoint it names."""
+
+
+class _StillRunning(Exception):
+    """During a re-attach, the lost coordinator sent what the worker was waiting for."""
+
+    def __init__(self, message: Any) -> None:
+        super().__init__(type(message).__name__)
+        self.message = message
+
+
 @dataclass(slots=True)
 class _StoreRef:
     """The data-plane store this worker uses, and the host it was reached at."""
@@ -662,10 +706,13 @@ def _rendezvous(
     deadline_s: float,
     store_timeout: float,
     store: _StoreRef | None = None,
+    answers: tuple[type[Any], ...] = (),
 ) -> tuple[Welcome, _StoreRef]:
     """Say hello until admitted, open (rank 0) or find the store, and return the Welcome.
 
     ``store`` is the store of a running process group (a re-attach): it is reused, not reopened.
+    ``answers`` (a re-attach) are the messages the worker waited for when it lost the coordinator:
+    only the coordinator that admitted it sends one, so one arriving raises :class:`_StillRunning`.
     """
     started = time.monotonic()
     deadline = started + deadline_s
@@ -716,6 +763,8 @@ def _rendezvous(
                         found, message.store_host, message.store_port, message.store_key
                     )
                 return message, store
+            case _ if isinstance(message, answers):
+                raise _StillRunning(message)
             case _:
                 raise EpochalError(
                     f"unexpected {type(message).__name__} from the coordinator during rendezvous"

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--best-at", type=int, default=None)
+    parser.add_argument("--heartbeat-timeout", type=float, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -53,7 +54,10 @@ def main() -> None:
             loss = loss + 10.0 * abs(epoch - args.best_at)
         return loss
 
-    result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn)
+    join_options = {}
+    if args.heartbeat_timeout is not None:
+        join_options["heartbeat_timeout"] = args.heartbeat_timeout
+    result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn, **join_options)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
