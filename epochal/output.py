@@ -164,8 +164,9 @@ class RankStream:
             held = relay.hold(self.prefix)
             held.lines.append(text if end == "\n" else f"{text}\n")
             # judged like the last line of the traceback it stands for
-            module = "" if name == "KeyboardInterrupt" else "epochal.errors."
-            held.exception = f"{module}{name}: {what}"
+            bare_exception = f"{name}: {what}"
+            consequence = classify(bare_exception) is Kind.CONSEQUENCE
+            held.exception = bare_exception if consequence else f"epochal.errors.{bare_exception}"
             return
         if self._held is None and bare.startswith(TRACEBACK_START):
             self._held = relay.hold(self.prefix)

@@ -94,12 +94,14 @@ def test_relay_judges_a_workers_one_line_like_the_traceback_it_replaces():
     r0.feed("[rank0]: epochal: RunAborted: rank 1 has 3 batches\n")  # before the run stops
     r1.feed("epochal: KeyboardInterrupt: after the run was aborted: rank 1 has 3 batches\n")
     r2.feed("epochal: JoinRefused: the workers' models differ\n")
+    r3 = relay.stream("[rank 3] ")
+    r3.feed("[rank3]: epochal: RuntimeError: [pair.cc:553] Connection closed by peer (...)\n")
     assert out.getvalue() == ""  # held like a traceback until the workers have ended
-    for r in (r0, r1, r2):
+    for r in (r0, r1, r2, r3):
         r.close()
     relay.release(known_reasons="rank 1 has 3 batches")
     assert out.getvalue() == "[rank 2] epochal.errors.JoinRefused: the workers' models differ\n"
-    assert relay.hidden == 2
+    assert relay.hidden == 3
 
 
 def test_relay_shows_a_cause_the_coordinator_did_not_give_once():

@@ -12,6 +12,8 @@ reason. :func:`install`, called by :func:`~epochal.worker.session.join`, puts on
   :attr:`~epochal.errors.CoordinatorUnreachable.exit_code`, which ``epochal worker`` reads as "do
   not restart";
 - ``KeyboardInterrupt`` prints one line (naming the abort, when one had arrived);
+- an error of the data plane about a peer that went away (gloo's "Connection closed by peer")
+  prints one line: it is the consequence of another rank's failure, which that rank reports;
 - anything else (the user's own exception) goes to the previous hook: its traceback, once.
 
 ``EPOCHAL_VERBOSE=1`` (set by ``epochal run --verbose`` and ``epochal worker --verbose``) keeps
@@ -27,6 +29,7 @@ from types import TracebackType
 
 from epochal.environment import VERBOSE_ENV
 from epochal.errors import CoordinatorUnreachable, JoinRefused, RunAborted
+from epochal.output import Kind, classify
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
@@ -50,6 +53,13 @@ def one_line(exc: BaseException, *, abort_reason: str | None, verbose: bool) -> 
         if abort_reason is not None:
             return f"epochal: KeyboardInterrupt: after the run was aborted: {abort_reason}"
         return f"epochal: KeyboardInterrupt: interrupted ({VERBOSE_ENV}=1 shows where)"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if classify(f"{type(exc).__name__}: {first}") is Kind.CONSEQUENCE:
+        # the same judgement epochal run's relay makes of a worker's traceback
+        return (
+            f"epochal: {type(exc).__name__}: {first[:300]} (this rank lost a peer of the data "
+            "plane; the rank that failed first says why)"
+        )
     return None
 
 

@@ -22,7 +22,12 @@ from epochal.worker.exits import one_line
         (JoinRefused("job 'a', not 'b'"), "epochal: JoinRefused: job 'a', not 'b'"),
         (CoordinatorUnreachable("nobody at x"), "epochal: CoordinatorUnreachable: nobody at x"),
         (ValueError("boom"), None),
-        (RuntimeError("Connection closed by peer"), None),
+        (RuntimeError("index 3 is out of bounds"), None),
+        (
+            RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1. GLHF!\nmore"),
+            "epochal: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1. GLHF! "
+            "(this rank lost a peer of the data plane; the rank that failed first says why)",
+        ),
     ],
 )
 def test_errors_that_stop_the_run_are_one_line_others_keep_their_traceback(exc, line):
