@@ -17,7 +17,7 @@ reason. :func:`install`, called by :func:`~epochal.worker.session.join`, puts on
 - anything else (the user's own exception) goes to the previous hook: its traceback, once.
 
 ``EPOCHAL_VERBOSE=1`` (set by ``epochal run --verbose`` and ``epochal worker --verbose``) keeps
-every traceback. :func:`one_line` is the decision, pure; the hook only prints it.
+every traceback. :func:`one_line` is the decision, pure; the hook prints what it decided.
 """
 
 from __future__ import annotations
