@@ -33,7 +33,7 @@ from epochal.coordinator.config import (
 )
 from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import Coordinator, new_run_id
-from epochal.environment import COORDINATOR_ENV, TOKEN_ENV
+from epochal.environment import COORDINATOR_ENV, TOKEN_ENV, VERBOSE_ENV
 from epochal.errors import ConfigError, RunAborted
 from epochal.security.cli import (
     add_coordinator_arguments,
@@ -352,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait before a restart (default: 1)",
     )
+    w.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"the worker prints the full traceback of an error that stops the run (sets "
+        f"{VERBOSE_ENV}=1; by default it prints the cause on one line)",
+    )
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     add_keys_command(sub)
     return parser
@@ -537,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command,
                 max_restarts=args.max_restarts,
                 restart_delay=args.restart_delay,
+                verbose=args.verbose,
             )
         from epochal.launcher import launch, script_command
 

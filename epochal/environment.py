@@ -47,3 +47,8 @@ PROGRESS_ENV = "EPOCHAL_PROGRESS"
 WORLD_SIZE_ENV = "EPOCHAL_WORLD_SIZE"
 """World size this worker expects; one that differs from the coordinator's is refused. Default:
 what the launcher says (torchrun's ``WORLD_SIZE``, Slurm's ``SLURM_NTASKS``), else unchecked."""
+
+VERBOSE_ENV = "EPOCHAL_VERBOSE"
+"""``1`` keeps a worker's full traceback for an error that stops the run (``RunAborted``,
+``JoinRefused``, ...), which otherwise ends the worker with one line; ``epochal run --verbose``
+and ``epochal worker --verbose`` set it for their workers."""

@@ -35,6 +35,7 @@ from epochal.environment import (
     RANK_ENV,
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
+    VERBOSE_ENV,
     WORKER_ID_ENV,
     WORLD_SIZE_ENV,
 )
@@ -112,7 +113,8 @@ async def launch(
     same run directory (which resumes from the last committed checkpoint) and new workers.
     Once the run has finished, the workers exit in their own time; ``exit_timeout`` (seconds,
     default: no bound) kills those still running that long after the finish. ``verbose`` shows
-    every line the workers print, also the noise that follows an abort.
+    every line the workers print, also the noise that follows an abort, and has the workers
+    print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
     """
     say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
     if not config.token:
@@ -217,6 +219,8 @@ async def _attempt(
     env_base.setdefault("OMP_NUM_THREADS", "1")  # N workers on one machine: don't oversubscribe
     if out.isatty():
         env_base.setdefault(PROGRESS_ENV, "1")
+    if verbose:
+        env_base[VERBOSE_ENV] = "1"  # the workers keep their tracebacks too
 
     relay = Relay(out, verbose=verbose)
     procs: list[asyncio.subprocess.Process] = []

@@ -1,10 +1,11 @@
 """How ``epochal run`` shows its workers' output: one stream, each line prefixed with its rank.
 
 When a run fails, every rank has something to say, and most of it is noise: a rank whose peer
-died prints gloo's "Connection closed by peer" traceback, every rank of an aborted run prints a
-``RunAborted`` traceback that repeats the coordinator's reason, Ctrl-C leaves ``KeyboardInterrupt``
-tracebacks and half-drawn progress bars. So a worker's traceback is held back until the worker
-has exited, and then judged by its last exception line:
+died prints gloo's "Connection closed by peer" traceback, every rank of an aborted run prints
+``epochal: RunAborted: ...`` repeating the coordinator's reason (a worker's one line for an error
+that stops the run, :mod:`epochal.worker.exits`), Ctrl-C leaves ``KeyboardInterrupt`` tracebacks
+and half-drawn progress bars. So a worker's traceback, or that one line, is held back until the
+worker has exited, and then judged by its exception line:
 
 - a user's own exception is shown, once (from the first rank that printed it);
 - epochal's own errors (``RunAborted``, ``JoinRefused``, ...) are shown as their one exception
@@ -28,6 +29,8 @@ _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 """torch.distributed's excepthook prefixes every traceback line with ``[rankN]: ``."""
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
 _EPOCHAL_ERROR = re.compile(r"^epochal\.errors\.\w+: ")
+_ONE_LINE = re.compile(r"^epochal: ([A-Z]\w*): (.*)$")
+"""A worker's one line for an error that stops the run: ``epochal: RunAborted: <reason>``."""
 _CONSEQUENCES = (
     "KeyboardInterrupt",
     "Connection closed by peer",
@@ -155,6 +158,16 @@ class RankStream:
             self.out.flush()
             return
         bare = _TORCH_PREFIX.sub("", line)
+        one_line = _ONE_LINE.match(bare) if self._held is None else None
+        if one_line is not None:
+            name, what = one_line.groups()
+            held = relay.hold(self.prefix)
+            held.lines.append(text if end == "\n" else f"{text}\n")
+            # judged like the last line of the traceback it stands for
+            bare_exception = f"{name}: {what}"
+            consequence = classify(bare_exception) is Kind.CONSEQUENCE
+            held.exception = bare_exception if consequence else f"epochal.errors.{bare_exception}"
+            return
         if self._held is None and bare.startswith(TRACEBACK_START):
             self._held = relay.hold(self.prefix)
         if self._held is not None:

@@ -3,9 +3,11 @@
 The supervisor runs the training command with ``EPOCHAL_COORDINATOR`` set, prefixes nothing (the
 output is the worker's own), and when the command fails starts it again, up to ``--max-restarts``
 times: a coordinator started with ``--max-restarts`` holds a new rendezvous after a failure and
-resumes the run from its last committed checkpoint. A worker that gave up on an unreachable
-coordinator (status :attr:`~epochal.errors.CoordinatorUnreachable.exit_code`) is not restarted:
-it would only wait again. The child runs in its own process group and dies with the supervisor
+resumes the run from its last committed checkpoint. An aborted run ends the worker with one line
+saying why (``epochal: RunAborted: ...``; with ``--verbose``, the whole traceback). A worker that
+gave up on an unreachable coordinator (status
+:attr:`~epochal.errors.CoordinatorUnreachable.exit_code`) is not restarted: it would only wait
+again. The child runs in its own process group and dies with the supervisor
 (``PR_SET_PDEATHSIG`` on Linux); SIGINT and SIGTERM are passed on to it.
 """
 
@@ -20,7 +22,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from epochal.environment import COORDINATOR_ENV, WORKER_ID_ENV
+from epochal.environment import COORDINATOR_ENV, VERBOSE_ENV, WORKER_ID_ENV
 from epochal.errors import CoordinatorUnreachable
 from epochal.launcher import _die_with_parent
 
@@ -31,10 +33,17 @@ def supervise(
     *,
     max_restarts: int = 0,
     restart_delay: float = 1.0,
+    verbose: bool = False,
 ) -> int:
-    """Run ``command`` as a worker of ``endpoint``; return the exit status to leave with."""
+    """Run ``command`` as a worker of ``endpoint``; return the exit status to leave with.
+
+    ``verbose`` sets ``EPOCHAL_VERBOSE=1`` for the worker: full tracebacks instead of the one line
+    it prints for an error that stops the run.
+    """
     env = dict(os.environ)
     env[COORDINATOR_ENV] = endpoint
+    if verbose:
+        env[VERBOSE_ENV] = "1"
     base_id = env.get(WORKER_ID_ENV) or f"{socket.gethostname()}/{os.getpid()}"
     child: subprocess.Popen[bytes] | None = None
     received: list[int] = []

@@ -87,6 +87,35 @@ def test_relay_turns_an_epochal_error_into_one_line_unless_the_coordinator_said_
     assert out.getvalue() == "[rank 1] epochal.errors.JoinRefused: the workers' models differ\n"
 
 
+def test_relay_judges_a_workers_one_line_like_the_traceback_it_replaces():
+    out = io.StringIO()
+    relay = Relay(out)
+    r0, r1, r2 = (relay.stream(f"[rank {i}] ") for i in range(3))
+    r0.feed("[rank0]: epochal: RunAborted: rank 1 has 3 batches\n")  # before the run stops
+    r1.feed("epochal: KeyboardInterrupt: after the run was aborted: rank 1 has 3 batches\n")
+    r2.feed("epochal: JoinRefused: the workers' models differ\n")
+    r3 = relay.stream("[rank 3] ")
+    r3.feed("[rank3]: epochal: RuntimeError: [pair.cc:553] Connection closed by peer (...)\n")
+    assert out.getvalue() == ""  # held like a traceback until the workers have ended
+    for r in (r0, r1, r2, r3):
+        r.close()
+    relay.release(known_reasons="rank 1 has 3 batches")
+    assert out.getvalue() == "[rank 2] epochal.errors.JoinRefused: the workers' models differ\n"
+    assert relay.hidden == 3
+
+
+def test_relay_shows_a_cause_the_coordinator_did_not_give_once():
+    out = io.StringIO()
+    relay = Relay(out)
+    r0, r1 = relay.stream("[rank 0] "), relay.stream("[rank 1] ")
+    r0.feed("epochal: RunAborted: the coordinator stopped\n")
+    r1.feed(_traceback(1, "epochal.errors.RunAborted: the coordinator stopped"))
+    r0.close()
+    r1.close()
+    relay.release()
+    assert out.getvalue() == "[rank 0] epochal.errors.RunAborted: the coordinator stopped\n"
+
+
 def test_relay_hides_keyboard_interrupts_and_shows_everything_when_verbose():
     for verbose, expected in ((False, ""), (True, _traceback(0, "KeyboardInterrupt"))):
         out = io.StringIO()

@@ -67,10 +67,11 @@ from epochal.security.curve import ClientSecurity
 from epochal.worker import faults, launchenv, network
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
+from epochal.worker.exits import install as install_excepthook
 from epochal.worker.fingerprint import fingerprint
 from epochal.worker.state import Stateful
 from epochal.worker.store import connect_store, new_key, open_store, scoped
-from epochal.worker.waiting import WaitNotices, exit_on_unreachable
+from epochal.worker.waiting import WaitNotices
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,6 +614,8 @@ def join(
         reattach=reattach > 0,
         security=security,
     )
+    # from here on, an error that stops the run ends the process with one line, no traceback
+    install_excepthook(aborted=lambda: client._abort_reason)
     client.start()
     try:
         hello = Hello(
@@ -646,7 +649,6 @@ def join(
         client.at(Phase.SETUP, welcome.start_epoch)
     except CoordinatorUnreachable:
         client.close(flush=0.5)
-        exit_on_unreachable()
         raise
     except BaseException as exc:
         _tell_join_failure(client, exc)

@@ -3,21 +3,17 @@
 A worker may start before its coordinator and retries its hello until the connect deadline. So
 that a person watching it is never left with silence, :class:`WaitNotices` decides (purely, from
 the clock it is given) when to say that the worker is still waiting, where, and for how long
-more. When the deadline passes, :func:`exit_on_unreachable` makes an uncaught
-:class:`~epochal.errors.CoordinatorUnreachable` end the process with one line and the status
-:attr:`~epochal.errors.CoordinatorUnreachable.exit_code`, which ``epochal worker`` reads as "do not
-restart: the next attempt would wait the same way".
+more. When the deadline passes, an uncaught :class:`~epochal.errors.CoordinatorUnreachable` ends
+the process with one line and the status
+:attr:`~epochal.errors.CoordinatorUnreachable.exit_code` (:mod:`epochal.worker.exits`), which
+``epochal worker`` reads as "do not restart: the next attempt would wait the same way".
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
-from types import TracebackType
 
 from epochal.environment import CONNECT_TIMEOUT_ENV
-from epochal.errors import CoordinatorUnreachable
 
 FIRST_NOTICE_AFTER = 1.0
 """Seconds without an answer before the worker says it is waiting (a live coordinator answers
@@ -61,27 +57,3 @@ class WaitNotices:
             f"epochal: still no answer from the coordinator at {self.endpoint} after "
             f"{waited:.0f} s; giving up in {left:.0f} s"
         )
-
-
-def exit_on_unreachable() -> None:
-    """From now on, an uncaught CoordinatorUnreachable prints one line and ends the process.
-
-    Installed when the worker gives up on its coordinator: a traceback through the training
-    script would only bury the one fact that matters. The process ends at once with
-    :attr:`CoordinatorUnreachable.exit_code` (nothing of the run was started, so nothing needs
-    cleaning up); any other uncaught exception goes to the hook that was there before.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_epochal_unreachable", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if not isinstance(value, CoordinatorUnreachable):
-            previous(kind, value, tb)
-            return
-        sys.stdout.flush()
-        print(f"epochal: {kind.__name__}: {value}", file=sys.stderr, flush=True)
-        os._exit(CoordinatorUnreachable.exit_code)
-
-    hook._epochal_unreachable = True  # type: ignore[attr-defined]
-    sys.excepthook = hook

@@ -1,0 +1,106 @@
+"""A worker's excepthook: one line for an error that stops the run, the traceback for the rest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import TracebackType
+
+import pytest
+
+from epochal.errors import CoordinatorLost, CoordinatorUnreachable, JoinRefused, RunAborted
+from epochal.worker import exits
+from epochal.worker.exits import one_line
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (RunAborted("rank 1 has 3 batches"), "epochal: RunAborted: rank 1 has 3 batches"),
+        (CoordinatorLost("gone for 15 s"), "epochal: CoordinatorLost: gone for 15 s"),
+        (JoinRefused("job 'a', not 'b'"), "epochal: JoinRefused: job 'a', not 'b'"),
+        (CoordinatorUnreachable("nobody at x"), "epochal: CoordinatorUnreachable: nobody at x"),
+        (ValueError("boom"), None),
+        (RuntimeError("index 3 is out of bounds"), None),
+        (
+            RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1. GLHF!\nmore"),
+            "epochal: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1. GLHF! "
+            "(this rank lost a peer of the data plane; the rank that failed first says why)",
+        ),
+    ],
+)
+def test_errors_that_stop_the_run_are_one_line_others_keep_their_traceback(exc, line):
+    assert one_line(exc, abort_reason=None, verbose=False) == line
+    assert one_line(exc, abort_reason=None, verbose=True) is None
+
+
+def test_an_interrupt_names_the_abort_it_followed():
+    after = one_line(
+        KeyboardInterrupt(), abort_reason="the launcher received SIGINT", verbose=False
+    )
+    assert (
+        after
+        == "epochal: KeyboardInterrupt: after the run was aborted: the launcher received SIGINT"
+    )
+    alone = one_line(KeyboardInterrupt(), abort_reason=None, verbose=False)
+    assert alone == "epochal: KeyboardInterrupt: interrupted (EPOCHAL_VERBOSE=1 shows where)"
+
+
+def test_verbose_is_read_from_the_environment():
+    assert not exits.is_verbose({})
+    assert not exits.is_verbose({"EPOCHAL_VERBOSE": "0"})
+    assert exits.is_verbose({"EPOCHAL_VERBOSE": "1"})
+
+
+def test_the_hook_prints_the_line_or_passes_on(monkeypatch, capsys):
+    monkeypatch.delenv("EPOCHAL_VERBOSE", raising=False)
+    passed: list[BaseException] = []
+
+    def previous(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        passed.append(value)
+
+    hook = exits.make_hook(previous, lambda: None)
+    hook(RunAborted, RunAborted("why"), None)
+    error = ValueError("mine")
+    hook(ValueError, error, None)
+    assert capsys.readouterr().err == "epochal: RunAborted: why\n"
+    assert passed == [error]
+    monkeypatch.setenv("EPOCHAL_VERBOSE", "1")
+    hook(RunAborted, RunAborted("why"), None)
+    assert capsys.readouterr().err == "" and len(passed) == 2
+
+
+def test_install_chains_to_the_previous_hook_once(monkeypatch):
+    monkeypatch.setattr(exits, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    exits.install()
+    first = sys.excepthook
+    exits.install(aborted=lambda: "second join")
+    assert sys.excepthook is first
+    assert exits._aborted() == "second join"
+
+
+SCRIPT = """
+import sys
+from epochal.errors import {name}
+from epochal.worker import exits
+exits.install()
+raise {name}("the reason")
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "status"), [("RunAborted", 1), ("JoinRefused", 1), ("CoordinatorUnreachable", 69)]
+)
+def test_a_process_ends_with_one_line_and_its_status(name, status):
+    env = {k: v for k, v in os.environ.items() if k != "EPOCHAL_VERBOSE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(name=name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == status
+    assert proc.stderr == f"epochal: {name}: the reason\n"
