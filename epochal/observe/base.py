@@ -3,9 +3,11 @@
 The coordinator calls a :class:`RunObserver`'s methods as the run goes: ``on_start`` when a
 coordinator (the first, or one started again after a failure) has bound, ``on_join`` as workers
 join and once the ranks are assigned, ``on_epoch`` with every record it journals, ``on_status``
-every heartbeat interval, ``on_end`` with what it writes to ``result.json``, and ``close`` when the
-process is done with the run. :class:`Observers` calls several and drops one that raises, with one
-warning line: watching a run must never stop it. Nothing here imports torch.
+every heartbeat interval, ``on_end`` with what it writes to ``result.json``. The owner of the
+observers (the command line, the launcher) calls ``close`` once the run's last attempt is over,
+outside the coordinator's event loop: slow work (drawing the learning curve) belongs there.
+:class:`Observers` calls several and drops one that raises, with one warning line: watching a
+run must never stop it. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class RunObserver:
         """``result`` is result.json's content: ``status`` "finished" or "aborted"."""
 
     def close(self) -> None:
-        pass
+        """The run is over (its last attempt too): finish, release files, ports and threads."""
 
 
 class Observers(RunObserver):

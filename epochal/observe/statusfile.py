@@ -51,6 +51,9 @@ class StatusFile(RunObserver):
         self._interval = interval
         self._clock = clock
         self._written = -float("inf")
+        self._ended = False
+        # after on_end, a late snapshot (the coordinator still in its last phase) must not turn
+        # the final state back into a running one
         self._data: dict[str, Any] = {
             "state": "starting",
             "pid": os.getpid(),
@@ -67,6 +70,7 @@ class StatusFile(RunObserver):
         self._written = self._clock()
 
     def on_start(self, start: RunStart) -> None:
+        self._ended = False
         events: list[dict[str, Any]] = self._data["events"]
         if not events and start.resumed_from is not None:
             previous = read_status(self.path.parent) or {}
@@ -110,6 +114,8 @@ class StatusFile(RunObserver):
         self._write()
 
     def _take(self, snapshot: StatusSnapshot) -> None:
+        if self._ended:
+            return
         self._data.update(
             run_id=snapshot.run_id,
             state=snapshot.state,
@@ -127,6 +133,8 @@ class StatusFile(RunObserver):
             self._data["round_seconds"] = snapshot.round_seconds
 
     def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
+        if self._ended:
+            return
         self._take(status)
         if record.get("kind") == "checkpoint":
             self._data["last_checkpoint"] = record.get("epoch")
@@ -137,6 +145,8 @@ class StatusFile(RunObserver):
         self._write()
 
     def on_status(self, snapshot: StatusSnapshot) -> None:
+        if self._ended:
+            return
         self._take(snapshot)
         if self._clock() - self._written >= self._interval:
             self._write()
@@ -145,6 +155,7 @@ class StatusFile(RunObserver):
         self._data["state"] = str(result.get("status", "ended"))
         self._data["result"] = dict(result)
         self._write()
+        self._ended = True
 
 
 # ---------------------------------------------------------------------- reading it back

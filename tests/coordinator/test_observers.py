@@ -29,6 +29,7 @@ from epochal.observe import (
     World,
     options,
 )
+from epochal.observe.curve import Curve
 from epochal.observe.prometheus import Prometheus, parse_address
 from epochal.observe.statusfile import StatusFile, describe, ended
 from epochal.observe.tensorboard import TensorBoard
@@ -185,6 +186,31 @@ def test_status_json_follows_the_run(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["state"] == "finished" and data["result"]["best_epoch"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]  # no temporary left
+
+
+def test_a_snapshot_after_the_end_does_not_undo_it(tmp_path: Path) -> None:
+    status = StatusFile(tmp_path, interval=0.0)
+    status.on_start(start(tmp_path))
+    status.on_end({"status": "finished"})
+    status.on_status(snapshot(9, state="finishing"))  # the coordinator's last heartbeat
+    status.on_epoch({"kind": "checkpoint", "epoch": 9}, snapshot(9, state="finishing"))
+    data = json.loads((tmp_path / "status.json").read_text())
+    assert data["state"] == "finished" and data["epoch"] == 0
+
+
+def test_the_curve_is_drawn_when_the_observers_close(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.start({"run_id": "run0"})
+    journal.epoch(record(0))
+    journal.close()
+    curve = Curve(tmp_path)
+    curve.close()  # never started: nothing was run, nothing drawn
+    assert not (tmp_path / "curve.png").exists()
+    curve.on_start(start(tmp_path))
+    curve.on_end({"status": "finished"})
+    assert not (tmp_path / "curve.png").exists()  # not inside the coordinator's event loop
+    curve.close()
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_restarts_and_resumes_are_kept_across_coordinators(tmp_path: Path) -> None:
