@@ -72,7 +72,7 @@ def further_metrics(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
 
 def restart_marks(run_dir: Path) -> list[tuple[float, str]]:
     """Where the run started again, as (x between two epochs, label): from status.json's
-    events, else the latest resume run.json names."""
+    events, else the latest resume run.json names. Starts at the same epoch share one mark."""
     marks: list[tuple[float, str]] = []
     status = read_status(run_dir) or {}
     events = status.get("events")
@@ -88,7 +88,11 @@ def restart_marks(run_dir: Path) -> list[tuple[float, str]]:
         resumed = (read_run(run_dir) or {}).get("resumed_from")
         if isinstance(resumed, int):
             marks.append((resumed + 0.5, "resumed"))
-    return marks
+    merged: dict[float, list[str]] = {}  # a restart that failed again, then a resume: one mark
+    for x, label in marks:
+        if label not in merged.setdefault(x, []):
+            merged[x].append(label)
+    return [(x, ", ".join(labels)) for x, labels in merged.items()]
 
 
 def _points(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:

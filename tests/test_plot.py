@@ -90,11 +90,13 @@ def test_restarts_come_from_status_json_and_the_latest_resume_from_run_json(
                     {"kind": "start", "start_epoch": 0},
                     {"kind": "restart", "start_epoch": 2},
                     {"kind": "resume", "start_epoch": 4},
+                    {"kind": "restart", "start_epoch": 4},
+                    {"kind": "resume", "start_epoch": 4},
                 ]
             }
         )
     )
-    assert restart_marks(run_dir) == [(1.5, "restart"), (3.5, "resumed")]
+    assert restart_marks(run_dir) == [(1.5, "restart"), (3.5, "resumed, restart")]
     assert plot_run(run_dir).read_bytes().startswith(PNG)
 
 
