@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.coordinator.journal import EPOCHS_FILE, FILE_MODE, RESULT_FILE, RUN_FILE
 
 STATUS_FILE = "status.json"
 CURVE_FILE = "curve.png"
@@ -69,10 +69,13 @@ def is_run_dir(run_dir: Path) -> bool:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one."""
+    """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one.
+
+    Mode 0600, as the journal's files: status.json names the endpoint, hosts and pids."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with open(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(tmp, path)

@@ -186,6 +186,7 @@ def test_status_json_follows_the_run(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["state"] == "finished" and data["result"]["best_epoch"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]  # no temporary left
+    assert path.stat().st_mode & 0o777 == 0o600  # as private as the journal
 
 
 def test_a_snapshot_after_the_end_does_not_undo_it(tmp_path: Path) -> None:
@@ -271,6 +272,37 @@ def test_status_of_a_finished_run_comes_from_its_result_and_journal(
     assert ended(tmp_path)
     assert main(["status", str(tmp_path), "--watch", "0.01"]) == 0  # ended: printed once
     assert capsys.readouterr().out.count("finished after 3 epochs") == 1
+
+
+def test_watch_repeats_a_live_run_until_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journal = Journal(tmp_path)
+    journal.start({"run_id": "run0", "config": {"epochs": 10}})
+    status = StatusFile(tmp_path)
+    status.on_start(start(tmp_path))
+    status.on_epoch(record(0), snapshot(1))
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the run goes on while status waits, then ends
+        waits.append(seconds)
+        journal.epoch(record(len(waits)))
+        if len(waits) == 2:
+            result = {"status": "finished", "best_epoch": 2, "best_loss": 0.5, "epochs_run": 3}
+            journal.result(result)
+            status.on_end(result)
+
+    monkeypatch.setattr("time.sleep", sleep)
+    assert main(["status", str(tmp_path), "--watch", "3"]) == 0
+    journal.close()
+    views = capsys.readouterr().out.split("\n\n")
+    assert waits == [3.0, 3.0]
+    assert [v.splitlines()[0].split(": ", 1)[1] for v in views] == [
+        "running, epoch 1 of 10, 2/2 workers joined",
+        "running, epoch 1 of 10, 2/2 workers joined",
+        "finished after 3 epochs, best epoch 2 (smoothed loss 0.5000)",
+    ]
+    assert "last epoch 1: " in views[1] and "rank  host" in views[1]
 
 
 def test_an_aborted_attempt_that_was_restarted_reads_as_live(tmp_path: Path) -> None:
