@@ -1,0 +1,34 @@
+"""Draw RUN_DIR/curve.png once the run is over (see :func:`epochal.plot.write_curve`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from epochal.observe.base import RunObserver, RunStart
+
+
+class Curve(RunObserver):
+    """Writes the learning curve when the observers are closed, after the run's last attempt;
+    never fails the run.
+
+    Not at ``on_end``: that is called inside the coordinator's event loop, and importing
+    matplotlib and drawing take a second or two, which the coordinator would (rightly) report as
+    time it was not running.
+    """
+
+    def __init__(self, run_dir: Path | None = None) -> None:
+        self.run_dir = run_dir
+        self._started = False
+
+    def on_start(self, start: RunStart) -> None:
+        self._started = True
+        if start.run_dir is not None:
+            self.run_dir = start.run_dir
+
+    def close(self) -> None:
+        if not self._started:
+            return  # nothing was run (a usage error, a run that had already finished)
+        self._started = False
+        from epochal.plot import write_curve  # matplotlib only now, never at import
+
+        write_curve(self.run_dir)

@@ -1,0 +1,107 @@
+"""``--tensorboard DIR``: every scalar the journal records, per epoch, as TensorBoard events.
+
+Written with the ``tensorboard`` package's own event writer and protocol buffers (the
+``tensorboard`` extra), not torch's: the coordinator never imports torch. One writer per run, in
+``DIR/NAME`` where NAME is the run directory's name, so ``tensorboard --logdir DIR`` shows the
+runs side by side and a resumed run continues its own curves. Each start of the coordinator writes
+TensorBoard's restart marker (a ``SessionLog.START`` event at the epoch it starts from), with which
+TensorBoard drops the epochs a resume trains again instead of drawing them twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from epochal.errors import ConfigError
+from epochal.observe.base import RunObserver, RunStart, StatusSnapshot
+
+EXTRA_HINT = "pip install 'epochal[tensorboard]'"
+
+TAGS = {
+    "train_loss": "loss/train",
+    "valid_loss": "loss/valid",
+    "smoothed_loss": "loss/smoothed",
+    "best_loss": "loss/best",
+    "best_epoch": "best/epoch",
+    "lr_factor": "lr/factor",
+    "next_lr_factor": "lr/next_factor",
+    "seconds": "time/epoch_seconds",
+    "train_batches": "batches/train",
+    "valid_batches": "batches/valid",
+}
+"""The tag of each known field; any other numeric field NAME of a record (or entry of its
+``metrics`` object) is written as ``metrics/NAME``."""
+
+_NOT_SCALARS = {"epoch", "time", "kind"}
+
+
+def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+    """(tag, value) for every finite number in an epoch record (booleans and None are not)."""
+    fields = {k: v for k, v in record.items() if k not in _NOT_SCALARS and k != "metrics"}
+    nested = record.get("metrics")
+    if isinstance(nested, Mapping):
+        fields.update({f"metrics.{k}": v for k, v in nested.items()})
+    for name, value in sorted(fields.items()):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value):
+            continue
+        plain = name.removeprefix("metrics.")
+        yield TAGS.get(name, f"metrics/{plain}"), float(value)
+
+
+class TensorBoard(RunObserver):
+    """Writes the run's scalars to ``logdir/NAME`` (see the module's text)."""
+
+    def __init__(self, logdir: Path) -> None:
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            raise ConfigError(
+                f"--tensorboard needs the tensorboard package: {EXTRA_HINT}"
+            ) from None
+        self._event_pb2: Any = event_pb2
+        self._summary_pb2: Any = summary_pb2
+        self._writer_class: Any = EventFileWriter
+        self.logdir = Path(logdir)
+        self.directory: Path | None = None
+        self._writer: Any = None
+
+    def on_start(self, start: RunStart) -> None:
+        if self._writer is None:
+            name = start.run_dir.name if start.run_dir is not None else start.run_id
+            self.directory = self.logdir / name
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._writer = self._writer_class(str(self.directory), flush_secs=10)
+        log = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+        self._writer.add_event(
+            self._event_pb2.Event(wall_time=time.time(), step=start.start_epoch, session_log=log)
+        )
+        self._writer.flush()
+
+    def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
+        if record.get("kind") != "epoch" or self._writer is None:
+            return
+        values = [
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
+            for tag, value in scalars(record)
+        ]
+        wall = record.get("time")
+        self._writer.add_event(
+            self._event_pb2.Event(
+                wall_time=float(wall) if isinstance(wall, int | float) else time.time(),
+                step=int(record["epoch"]),
+                summary=self._summary_pb2.Summary(value=values),
+            )
+        )
+        self._writer.flush()  # an epoch is rare: a live TensorBoard sees it at once
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
