@@ -112,11 +112,12 @@ class Main(Strategy):
                         p.grad = piece.clone()
                     else:
                         p.grad.copy_(piece)
-        if self.is_root:
-            self.optimizer.step()
+        if self.is_root:  # rank 0 alone holds the averaged gradients: it unscales and clips
+            self.policy.step(self.optimizer)
         broadcast_tensors(
             self._tensors, src=self._root, group=self._group, cap_bytes=self._bucket_bytes
         )
+        self.policy.share_scale(self._root, self._group)  # fp16: rank 0 saw whether it overflowed
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self.optimizer) if self.is_root else 0
