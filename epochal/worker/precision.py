@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 
 from epochal.errors import ConfigError
+from epochal.worker.state import Stateful
+
+SCALER_KEY = "grad_scaler"  # the loss scaler's entry in a checkpoint's state (fp16)
 
 
 class Precision(StrEnum):
@@ -144,22 +147,42 @@ class StepPolicy:
         scaler.step(optimizer)
         scaler.update()
 
-    def share_scale(self, src: int, group: dist.ProcessGroup | None) -> None:
-        """Collective, fp16 only: every rank takes ``src``'s loss scale (mode main, where rank 0
-        alone steps and so alone learns whether a step overflowed)."""
+    def share_scale(self, src: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        """Collective, fp16 only: every rank takes ``src``'s scaler state (mode main, where rank
+        0 alone steps and so alone learns whether a step overflowed). ``device``: where the
+        process group's backend communicates (a parameter's device)."""
         scaler = self.scaler
         if scaler is None:
             return
-        scale = torch.tensor([scaler.get_scale()], dtype=torch.float32, device=self._comm_device)
-        dist.broadcast(scale, src=src, group=group)
+        mine = scaler.state_dict()
+        values = [mine["scale"], mine["_growth_tracker"]]
+        shared = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.broadcast(shared, src=src, group=group)
         if dist.get_rank() != src:
-            scaler.update(new_scale=float(scale.item()))
+            scale, tracker = shared.tolist()
+            scaler.load_state_dict({**mine, "scale": scale, "_growth_tracker": int(tracker)})
 
-    @property
-    def _comm_device(self) -> torch.device:
-        if self.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.device_type)
+    def checkpointed(self, state: Stateful) -> Stateful:
+        """``state``, with the scaler's state beside it under :data:`SCALER_KEY` (fp16)."""
+        return state if self.scaler is None else ScaledState(state, self.scaler)
+
+
+class ScaledState:
+    """A checkpoint's state and the loss scaler's (its scale and count of clean steps), so that
+    a resumed fp16 run does not start over from the initial scale and skip steps the
+    uninterrupted run did not. Every rank's scaler is the same, so any rank's copy serves."""
+
+    def __init__(self, inner: Stateful, scaler: torch.amp.GradScaler) -> None:
+        self.inner = inner
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.inner.state_dict(), SCALER_KEY: self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.scaler.load_state_dict(state.pop(SCALER_KEY))
+        self.inner.load_state_dict(state)
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

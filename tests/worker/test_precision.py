@@ -24,6 +24,7 @@ from torch import nn
 
 import epochal
 from epochal.errors import ConfigError
+from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.initialization import is_dtensor
 from epochal.worker.precision import PRECISIONS, StepPolicy, check_clip_grad_norm
 from epochal.worker.session import EpochContext, RunResult
@@ -145,10 +146,40 @@ def run_case(mode: str, rank: int, world: int, case: str) -> dict[str, Any]:
     }
 
 
+def scaler_after_resume(mode: str, rank: int, world: int, directory: Path) -> dict[str, Any]:
+    """fp16 through the bare Strategy: a step that overflows on the last rank, a clean one, a
+    checkpoint; then a fresh model and strategy load it. Returns both scalers' states."""
+    states = []
+    for seed in (10, 77):
+        model = make_model(seed + rank)
+        strategy = wrap(
+            model, make_optimizer(model), torch.device("cpu"), mode=mode, precision="fp16"
+        )
+        checkpointer = Checkpointer(directory, rank=rank, run_id="t")
+        if seed == 77:
+            checkpointer.load(0, strategy.state, rng=False)
+        else:
+            x, y = make_data(rank)[0]
+            for factor in (1e20 if rank == world - 1 else 1.0, 1.0):
+                strategy.zero_grad()
+                with strategy.policy.autocast():
+                    loss = nn.functional.mse_loss(strategy.module(x), y) * factor
+                strategy.policy.backward(loss)
+                strategy.step()
+            checkpointer.save(0, strategy.state)
+        assert strategy.policy.scaler is not None
+        states.append(strategy.policy.scaler.state_dict())
+    return {"trained": states[0], "resumed": states[1]}
+
+
 def policy_rank(rank: int, world: int, store: str, out: str) -> None:
     start_rank(rank, world, store, DEADLINE)
     try:
-        results = {(m, c): run_case(m, rank, world, c) for m in MODES for c in CASES}
+        results: dict[Any, Any] = {
+            (m, c): run_case(m, rank, world, c) for m in MODES for c in CASES
+        }
+        for m in MODES:
+            results[(m, "scaler")] = scaler_after_resume(m, rank, world, Path(out) / f"ck-{m}")
     finally:
         dist.destroy_process_group()
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -266,6 +297,15 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank_and_clips_unscal
         assert got["scale"] == ref["scale"]  # every rank lowered the scale, main's too
         # scaling and unscaling multiply by powers of two: exact, so the bf16 case's bound holds
         close(got["weights"], ref["weights"], HALF_TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_checkpoint_holds_the_loss_scale_every_rank_shares(ranks, mode):
+    for rank in ranks:
+        got = rank[(mode, "scaler")]
+        # one overflow (scale halved, count reset), then one clean step counted
+        assert got["trained"]["scale"] == 2.0**15 and got["trained"]["_growth_tracker"] == 1
+        assert got["resumed"] == got["trained"]  # not the initial 2**16 and 0
 
 
 # ---------------------------------------------------------------- refusals, in this process

@@ -114,9 +114,15 @@ class Strategy:
             self.configure(self.ddp)
 
     @property
-    def state(self) -> Stateful:
-        """Model and optimizer, as this mode holds them, for a checkpoint."""
+    def mode_state(self) -> Stateful:
+        """Model and optimizer, as this mode holds them (a mode overrides this, not ``state``)."""
         return TrainState(self.model, self.optimizer)
+
+    @property
+    def state(self) -> Stateful:
+        """What a checkpoint holds: :attr:`mode_state`, and with fp16 the loss scaler's state,
+        so that a resumed run scales (and skips steps) as the uninterrupted one."""
+        return self.policy.checkpointed(self.mode_state)
 
     @property
     def model_state(self) -> Stateful:

@@ -77,7 +77,7 @@ class Main(Strategy):
         )
 
     @property
-    def state(self) -> Stateful:
+    def mode_state(self) -> Stateful:
         return MainState(self.model, self.optimizer, self.is_root)
 
     def step(self) -> None:
@@ -117,7 +117,8 @@ class Main(Strategy):
         broadcast_tensors(
             self._tensors, src=self._root, group=self._group, cap_bytes=self._bucket_bytes
         )
-        self.policy.share_scale(self._root, self._group)  # fp16: rank 0 saw whether it overflowed
+        if self._tensors:  # fp16: rank 0 alone saw whether the step overflowed
+            self.policy.share_scale(self._root, self._group, self._tensors[0].device)
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self.optimizer) if self.is_root else 0
