@@ -9,7 +9,8 @@ strategy (:mod:`epochal.worker.strategies`) holds and the training loop uses:
   exponent range, so gradients need no scaling.
 - ``precision="fp16"``: autocast with float16, and a ``torch.amp.GradScaler`` on the same device
   type. float16's range is what needs the scaler, not the device: small gradients underflow to
-  zero on CPU as on CUDA, so CPU autocast's float16 (torch 2.4 and later) gets a CPU scaler too.
+  zero on CPU as on CUDA, so CPU autocast's float16 gets a CPU scaler too. A torch whose CPU
+  autocast lacks float16 warns and runs float32; here that is a ConfigError instead.
   The loss is multiplied by the scale before backward; at a step the gradients are unscaled, and
   a step whose gradients hold an inf or NaN is skipped and the scale halved (the scale doubles
   after 2000 clean steps).
@@ -86,7 +87,7 @@ def _check_autocast(device_type: str, dtype: torch.dtype) -> None:
     """Refuse an autocast torch would quietly disable (it warns) or cannot run here."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
+            warnings.simplefilter("error", UserWarning)  # torch warns, then disables it
             with torch.autocast(device_type, dtype=dtype):
                 pass
     except (UserWarning, RuntimeError) as exc:
