@@ -252,10 +252,11 @@ def train(
     a ``torch.amp.GradScaler`` (on CPU too: float16's narrow range, not the device, is what makes
     small gradients underflow): the loss is scaled before backward, the gradients unscaled before
     the step, and a step with inf or NaN gradients is skipped on every rank while the scale
-    drops. ``clip_grad_norm=X`` (a number > 0; default None, no clipping) rescales the gradients
-    so that their global L2 norm is at most X, with ``torch.nn.utils.clip_grad_norm_``: once per
-    optimizer step (after ``accumulate`` batches), on the gradients averaged across ranks and
-    unscaled, over the whole model in every mode (fully_sharded reduces the norm of its shards).
+    drops; checkpoints keep the scaler's state. ``clip_grad_norm=X`` (a number > 0; default
+    None, no clipping) rescales the gradients so that their global L2 norm is at most X, with
+    ``torch.nn.utils.clip_grad_norm_``: once per optimizer step (after ``accumulate`` batches),
+    on the gradients averaged across ranks and unscaled, over the whole model in every mode
+    (fully_sharded reduces the norm of its shards).
     Other values raise :class:`~epochal.errors.ConfigError` before the run is joined.
     """
     check_precision(precision)
