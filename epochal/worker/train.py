@@ -21,6 +21,7 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.precision import check_clip_grad_norm, check_precision
 from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
 from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
 from epochal.worker.strategies import ModeOptions, to_device, wrap
@@ -87,11 +88,15 @@ def fit(
     mode_options: ModeOptions | Mapping[str, Any] | None = None,
     initialize: Callable[[torch.nn.Module], None] | None = None,
     configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
+    clip_grad_norm: float | None = None,
+    precision: str = "32",
     **ddp_options: Any,
 ) -> RunResult:
     """Train ``model`` in an already joined ``session``; see :func:`train`."""
     if type(accumulate) is not int or accumulate < 1:
         raise ConfigError(f"accumulate must be a whole number of batches >= 1, got {accumulate!r}")
+    check_precision(precision)
+    check_clip_grad_norm(clip_grad_norm)
     train_data = _resolve(train_loader, session, "train")
     assert train_data is not None
     valid_data = _resolve(valid_loader, session, "validation")
@@ -100,9 +105,16 @@ def fit(
         to_device(model, device)
         initialize_on_rank(model, initialize)
     strategy = wrap(
-        model, optimizer, device, mode=mode, options=mode_options, ddp_options=ddp_options
+        model,
+        optimizer,
+        device,
+        mode=mode,
+        options=mode_options,
+        ddp_options=ddp_options,
+        precision=precision,
+        clip_grad_norm=clip_grad_norm,
     )
-    model, optimizer = strategy.model, strategy.optimizer
+    model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
     if configure_ddp is not None:
         if strategy.ddp is None:
             raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
@@ -139,11 +151,12 @@ def fit(
                 strategy.zero_grad()
             # gradients are exchanged only for the batch that steps; the others accumulate locally
             with nullcontext() if stepping else strategy.no_sync():
-                loss = loss_fn(strategy.module(inputs), targets)
+                with policy.autocast():
+                    loss = loss_fn(strategy.module(inputs), targets)
                 micro = group_end - (step - step % accumulate)  # batches in this step
-                (loss / micro if micro > 1 else loss).backward()  # type: ignore[no-untyped-call]
+                policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
             if stepping:
-                strategy.step()
+                strategy.step()  # unscales and clips the accumulated, averaged gradients
             total += loss.detach().double() * n
             count += n
             if bar is not None:
@@ -163,7 +176,9 @@ def fit(
                     break
                 ctx.check()
                 inputs, targets, n = _split(batch, device)
-                total += loss_fn(model(inputs), targets).double() * n
+                with policy.autocast():
+                    loss = loss_fn(model(inputs), targets)
+                total += loss.double() * n
                 count += n
         return LossSum(float(total.item()), count)
 
@@ -206,6 +221,8 @@ def train(
     initialize: Callable[[torch.nn.Module], None] | None = None,
     configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
     ddp_options: dict[str, Any] | None = None,
+    clip_grad_norm: float | None = None,
+    precision: str = "32",
     **join_options: Any,
 ) -> RunResult:
     """Train ``model`` data-parallel under the coordinator and return how the run went.
@@ -228,7 +245,22 @@ def train(
     before training (not on a resume) and its parameters and buffers are broadcast to every rank:
     initial parameters computed from data, e.g. k-means centroids. ``join_options`` go to
     :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
+
+    ``precision`` is ``"32"`` (the default: float32 throughout), ``"bf16"`` or ``"fp16"``: the
+    forward and the loss (training and validation) run under ``torch.autocast`` with that dtype,
+    on CPU or CUDA, while parameters, gradients and optimizer state stay float32. ``"fp16"`` adds
+    a ``torch.amp.GradScaler`` (on CPU too: float16's narrow range, not the device, is what makes
+    small gradients underflow): the loss is scaled before backward, the gradients unscaled before
+    the step, and a step with inf or NaN gradients is skipped on every rank while the scale
+    drops; checkpoints keep the scaler's state. ``clip_grad_norm=X`` (a number > 0; default
+    None, no clipping) rescales the gradients so that their global L2 norm is at most X, with
+    ``torch.nn.utils.clip_grad_norm_``: once per optimizer step (after ``accumulate`` batches),
+    on the gradients averaged across ranks and unscaled, over the whole model in every mode
+    (fully_sharded reduces the norm of its shards).
+    Other values raise :class:`~epochal.errors.ConfigError` before the run is joined.
     """
+    check_precision(precision)
+    check_clip_grad_norm(clip_grad_norm)
     session = join(model, **join_options)
     try:
         return fit(
@@ -244,6 +276,8 @@ def train(
             mode_options=mode_options,
             initialize=initialize,
             configure_ddp=configure_ddp,
+            clip_grad_norm=clip_grad_norm,
+            precision=precision,
             **(ddp_options or {}),
         )
     finally:

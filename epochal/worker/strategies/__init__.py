@@ -25,11 +25,14 @@ all modes hold the same weights as ``replicated``, up to float rounding.
 
 A :class:`Strategy` is what the training loop talks to: ``module`` for the training forward,
 ``step()``, ``zero_grad()``, ``no_sync()`` around batches that only accumulate gradients,
-``optimizer`` (whose ``param_groups`` take the learning rate), and ``state``, a
-``torch.distributed.checkpoint`` Stateful that saves and loads the model and the optimizer the way
-the mode holds them (:mod:`epochal.worker.state`: ZeRO's shards keyed by parameter name,
-FSDP2's DTensors through ``torch.distributed.checkpoint.state_dict``). The optimizer state is
-always keyed by parameter name, in the format of DCP's ``get_state_dict``.
+``optimizer`` (whose ``param_groups`` take the learning rate), ``policy``
+(:class:`~epochal.worker.precision.StepPolicy`: the forward runs under ``policy.autocast()``, the
+backward through ``policy.backward(loss)``; ``step()`` unscales and clips the combined gradients
+with it), and ``state``, a ``torch.distributed.checkpoint`` Stateful that saves and loads the
+model and the optimizer the way the mode holds them (:mod:`epochal.worker.state`: ZeRO's shards
+keyed by parameter name, FSDP2's DTensors through ``torch.distributed.checkpoint.state_dict``),
+and with fp16 the loss scaler. The optimizer state is always keyed by parameter name, in the
+format of DCP's ``get_state_dict``.
 
 The package has one module per mode (:mod:`.replicated`, :mod:`.main`, :mod:`.sharded`,
 :mod:`.fully_sharded`), the interface they implement (:mod:`.base`: :class:`Strategy`,

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
 from epochal.worker.initialization import is_dtensor
+from epochal.worker.precision import StepPolicy
 from epochal.worker.state import ModelState, Stateful, TrainState
 from epochal.worker.strategies.options import ModeOptions
 
@@ -68,6 +69,9 @@ class Strategy:
         self.configure: Callable[[DistributedDataParallel], None] | None = None
         # applied to every DDP wrapper this strategy makes (configure_ddp: comm hooks and such)
         self._fresh_ddp: Callable[[], DistributedDataParallel] | None = None
+        self.policy = StepPolicy()
+        # autocast, loss scaling and clipping (train's precision and clip_grad_norm): the loop
+        # runs its forward under policy.autocast() and its backward through policy.backward()
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -110,9 +114,15 @@ class Strategy:
             self.configure(self.ddp)
 
     @property
-    def state(self) -> Stateful:
-        """Model and optimizer, as this mode holds them, for a checkpoint."""
+    def mode_state(self) -> Stateful:
+        """Model and optimizer, as this mode holds them (a mode overrides this, not ``state``)."""
         return TrainState(self.model, self.optimizer)
+
+    @property
+    def state(self) -> Stateful:
+        """What a checkpoint holds: :attr:`mode_state`, and with fp16 the loss scaler's state,
+        so that a resumed run scales (and skips steps) as the uninterrupted one."""
+        return self.policy.checkpointed(self.mode_state)
 
     @property
     def model_state(self) -> Stateful:
@@ -120,8 +130,12 @@ class Strategy:
         return ModelState(self.model)
 
     def step(self) -> None:
-        """Apply the averaged gradients: every rank ends with the same parameters."""
-        self.optimizer.step()
+        """Apply the averaged gradients: every rank ends with the same parameters.
+
+        Unscaling (fp16) and clipping happen here, through :attr:`policy`, on gradients already
+        averaged across ranks: DDP's all-reduce ran in the stepping batch's backward.
+        """
+        self.policy.step(self.optimizer)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

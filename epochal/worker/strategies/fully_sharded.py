@@ -112,7 +112,9 @@ class FullySharded(Strategy):
         return cls(model, optimizer, device, opts, group)
 
     def step(self) -> None:
-        self.optimizer.step()
+        # the gradients are DTensor shards: clip_grad_norm_ reduces their norm across ranks, and
+        # the scaler's inf check is reduced too, so every rank clips and skips alike
+        self.policy.step(self.optimizer)
         # DDP broadcasts rank 0's buffers (BatchNorm statistics); so does every mode here
         broadcast_tensors(self._buffers, src=self._root, group=self._group)
 

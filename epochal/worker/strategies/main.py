@@ -77,7 +77,7 @@ class Main(Strategy):
         )
 
     @property
-    def state(self) -> Stateful:
+    def mode_state(self) -> Stateful:
         return MainState(self.model, self.optimizer, self.is_root)
 
     def step(self) -> None:
@@ -112,11 +112,13 @@ class Main(Strategy):
                         p.grad = piece.clone()
                     else:
                         p.grad.copy_(piece)
-        if self.is_root:
-            self.optimizer.step()
+        if self.is_root:  # rank 0 alone holds the averaged gradients: it unscales and clips
+            self.policy.step(self.optimizer)
         broadcast_tensors(
             self._tensors, src=self._root, group=self._group, cap_bytes=self._bucket_bytes
         )
+        if self._tensors:  # fp16: rank 0 alone saw whether the step overflowed
+            self.policy.share_scale(self._root, self._group, self._tensors[0].device)
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self.optimizer) if self.is_root else 0

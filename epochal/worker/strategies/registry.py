@@ -17,6 +17,7 @@ from torch import nn
 
 from epochal.errors import ConfigError
 from epochal.worker.placement import LayeredModel
+from epochal.worker.precision import Precision, StepPolicy
 from epochal.worker.strategies.base import Mode, Strategy, groups_by_name
 from epochal.worker.strategies.fully_sharded import FullySharded
 from epochal.worker.strategies.main import Main
@@ -91,6 +92,8 @@ def wrap(
     options: ModeOptions | Mapping[str, Any] | None = None,
     ddp_options: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    precision: str = Precision.FP32,
+    clip_grad_norm: float | None = None,
 ) -> Strategy:
     """Prepare ``model`` and ``optimizer`` for data-parallel training in ``mode``. Collective.
 
@@ -98,8 +101,13 @@ def wrap(
     it was placed) and gives every rank rank 0's parameters and buffers. ``options`` are
     :class:`ModeOptions` (or a mapping of them); ``ddp_options`` are further keyword arguments of
     ``DistributedDataParallel`` (replicated, sharded). ``group`` is the process group of the data
-    parallelism (default: every rank).
+    parallelism (default: every rank). ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``) and
+    ``clip_grad_norm`` (a float > 0 or None) make the strategy's
+    :class:`~epochal.worker.precision.StepPolicy` (``Strategy.policy``): the loop's forward runs
+    under ``policy.autocast()``, its backward through ``policy.backward(loss)``, and
+    :meth:`Strategy.step` unscales and clips.
     """
+    policy = StepPolicy(precision, clip_grad_norm, device.type)  # refuses bad values first
     cls = strategy_class(mode)
     opts = mode_options(options)
     extra = dict(ddp_options or {})
@@ -113,4 +121,6 @@ def wrap(
         groups_by_name(model, optimizer)  # refuses an optimizer over other parameters
     if opts.sync_batchnorm:
         model = _sync_batchnorm(model, device, group)
-    return cls.build(model, optimizer, device, opts, extra, group, placed=placed)
+    strategy = cls.build(model, optimizer, device, opts, extra, group, placed=placed)
+    strategy.policy = policy
+    return strategy

@@ -31,6 +31,6 @@ class Replicated(DdpStrategy):
         return cls(model, optimizer, ddp, ddp)
 
     @property
-    def state(self) -> Stateful:
+    def mode_state(self) -> Stateful:
         assert self.ddp is not None
-        return BuffersFromRoot(super().state, self.ddp)
+        return BuffersFromRoot(super().mode_state, self.ddp)

@@ -62,7 +62,7 @@ class Sharded(DdpStrategy):
         return cls(model, optimizer, ddp, group)
 
     @property
-    def state(self) -> Stateful:
+    def mode_state(self) -> Stateful:
         assert self.ddp is not None
         return BuffersFromRoot(ShardedState(self.model, self.zero), self.ddp)
 

@@ -70,6 +70,8 @@ def main() -> None:
         choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid", "hang-valid"],
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--precision", default="32")
+    parser.add_argument("--clip-grad-norm", type=float, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     my_rank = int(os.environ.get("EPOCHAL_RANK", "0"))
@@ -97,7 +99,13 @@ def main() -> None:
         return nn.functional.mse_loss(out, target)
 
     result = epochal.train(
-        model, optimizer, train_loader, None if args.mode == "no-valid" else valid_loader, loss_fn
+        model,
+        optimizer,
+        train_loader,
+        None if args.mode == "no-valid" else valid_loader,
+        loss_fn,
+        precision=args.precision,
+        clip_grad_norm=args.clip_grad_norm,
     )
     print(f"rank {result.rank}: best epoch {result.best_epoch} of {result.epochs_run}", flush=True)
     if args.out is not None:
