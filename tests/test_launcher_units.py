@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launcher import ORPHAN_EXIT_CODE, _die_with_parent, worker_environment
+from epochal.launch.launcher import worker_environment
+from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.output import Kind, RankStream, Relay, classify
 
 
@@ -39,7 +40,8 @@ def test_parser_requires_world_size_and_validates_numbers():
 
 def test_cli_does_not_import_torch():
     code = (
-        "import sys, epochal.cli, epochal.launcher, epochal.coordinator; "
+        "import sys, epochal.cli, epochal.launch.launcher, epochal.launch.supervisor, "
+        "epochal.coordinator; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -166,7 +168,7 @@ def test_a_worker_whose_launcher_died_while_starting_it_leaves(orphaned):
     expected = os.getppid() if orphaned else os.getpid()
     proc = subprocess.run(
         [sys.executable, "-c", "pass"],
-        preexec_fn=functools.partial(_die_with_parent, expected),
+        preexec_fn=functools.partial(die_with_parent, expected),
         timeout=60,
     )
     assert proc.returncode == (ORPHAN_EXIT_CODE if orphaned else 0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from epochal.coordinator.service import FAILURE_SETTLE
-from epochal.launcher import ABORT_EXIT_TIMEOUT
+from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
 from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
 
 pytestmark = pytest.mark.slow
