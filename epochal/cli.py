@@ -15,14 +15,13 @@ import asyncio
 import ipaddress
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from epochal import __version__, addressfile
+from epochal import __version__, addressfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
 from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import (
@@ -33,8 +32,16 @@ from epochal.coordinator.config import (
 )
 from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import Coordinator, new_run_id
-from epochal.environment import COORDINATOR_ENV, TOKEN_ENV, VERBOSE_ENV
+from epochal.environment import (
+    COORDINATOR_ENV,
+    LOG_FORMAT_ENV,
+    LOG_LEVEL_ENV,
+    TOKEN_ENV,
+    VERBOSE_ENV,
+)
 from epochal.errors import ConfigError, RunAborted
+from epochal.launch.restarts import Outcome, restarting
+from epochal.log import COORDINATOR
 from epochal.security.cli import (
     add_coordinator_arguments,
     add_keys_command,
@@ -243,6 +250,26 @@ def _config(
     )
 
 
+def _add_log_options(p: argparse.ArgumentParser, default: str | None) -> None:
+    """``--log-level`` and ``--log-format``, before the command or after it (a subcommand's
+    ``default`` is SUPPRESS, so that it does not overwrite what was given before it)."""
+    g = p.add_argument_group("logging")
+    g.add_argument(
+        "--log-level",
+        choices=log.LEVELS,
+        default=default,
+        help=f"the least severe message to write (default: ${LOG_LEVEL_ENV}, else info); "
+        "workers started here get the same",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=log.FORMATS,
+        default=default,
+        help=f"text: each message as a line (default: ${LOG_FORMAT_ENV}, else text); json: one "
+        "object a line with time, level, logger and message; workers started here get the same",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochal",
@@ -252,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage, 70 crashed.",
     )
     parser.add_argument("--version", action="version", version=f"epochal {__version__}")
+    _add_log_options(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     c = sub.add_parser(
@@ -293,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_coordinator_arguments(c)
     _add_run_options(c)
+    _add_log_options(c, argparse.SUPPRESS)
 
     r = sub.add_parser(
         "run",
@@ -324,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none, the scripts end in their own time)",
     )
     _add_run_options(r)
+    _add_log_options(r, argparse.SUPPRESS)
     r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     r.add_argument(
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
@@ -358,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the worker prints the full traceback of an error that stops the run (sets "
         f"{VERBOSE_ENV}=1; by default it prints the cause on one line)",
     )
+    _add_log_options(w, argparse.SUPPRESS)
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     add_keys_command(sub)
     _add_plot_command(sub)
@@ -423,7 +454,12 @@ async def _serve(
 ) -> int:
     config = _config(args, args.world_size, token, run_id)
     coordinator = Coordinator(
-        config, bind=args.bind, run_id=run_id, fresh=args.fresh, security=security
+        config,
+        bind=args.bind,
+        run_id=run_id,
+        fresh=args.fresh,
+        security=security,
+        log=COORDINATOR.info,
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
@@ -435,15 +471,13 @@ async def _serve(
         attach = f"file:{args.address_file}"
     else:
         attach = endpoint  # a wildcard host is replaced by this machine's address in the hint
-    print(
+    COORDINATOR.info(
         attach_hint(
             attach,
             address=local_address(),
             server_secret_key=args.curve_key and Path(args.curve_key),
             allowed_dir=args.curve_allowed and Path(args.curve_allowed),
-        ),
-        file=sys.stderr,
-        flush=True,
+        )
     )
     try:
         return await _serve_runs(args, config, coordinator, endpoint, security)
@@ -459,6 +493,8 @@ async def _serve_runs(
     endpoint: str,
     security: ServerSecurity | None,
 ) -> int:
+    """Serve runs at ``endpoint``: after an aborted one, up to ``--max-restarts`` times, a new
+    coordinator on the same address and run directory waits for the workers to come back."""
     received: list[int] = []
 
     def on_signal(signum: int) -> None:
@@ -468,24 +504,31 @@ async def _serve_runs(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
-    for attempt in range(args.max_restarts + 1):
+
+    async def attempt(n: int) -> Outcome:
+        if received:  # a signal while the coordinator was started again
+            return Outcome(128 + received[0])
         try:
             await coordinator.run()
-            return 0
-        except RunAborted:
+            return Outcome(0)
+        except RunAborted as exc:
             if received:
-                return 128 + received[0]
-        if attempt == args.max_restarts:
-            break
+                return Outcome(128 + received[0])
+            return Outcome(1, exc.reason, retry=True)
+
+    async def restart(n: int, failed: Outcome) -> None:
+        nonlocal coordinator
         coordinator.log(
-            f"restart {attempt + 1} of {args.max_restarts}: waiting at {endpoint} for the "
+            f"restart {n} of {args.max_restarts}: waiting at {endpoint} for the "
             "workers to come back; the run resumes from its last committed checkpoint"
         )
-        coordinator = Coordinator(config, bind=endpoint, security=security)
+        coordinator = Coordinator(config, bind=endpoint, security=security, log=COORDINATOR.info)
         await _start_again(coordinator)
-    if args.max_restarts:
+
+    def give_up(failed: Outcome) -> None:
         coordinator.log(f"FAILED: {args.max_restarts} restarts used up")
-    return 1
+
+    return await restarting(attempt, args.max_restarts, restart=restart, give_up=give_up)
 
 
 async def _start_again(coordinator: Coordinator) -> None:
@@ -508,12 +551,10 @@ def _serve_or_crash(
     except (ConfigError, OSError, KeyboardInterrupt):
         raise
     except Exception:
-        traceback.print_exc()
-        print(
+        COORDINATOR.error(traceback.format_exc().rstrip("\n"))
+        COORDINATOR.error(
             f"epochal: the coordinator crashed (exit status {EXIT_CRASH}); the traceback above is "
-            "a bug to report. Started again with the same --run-dir, it resumes the run",
-            file=sys.stderr,
-            flush=True,
+            "a bug to report. Started again with the same --run-dir, it resumes the run"
         )
         return EXIT_CRASH
 
@@ -599,12 +640,24 @@ def _run_status(args: argparse.Namespace) -> int:
         return 0
 
 
+def _configure_logging(args: argparse.Namespace) -> None:
+    """``--log-level`` / ``--log-format``, else the environment's, else info and text; this
+    process's setting is what the workers it starts get (see :func:`log.child_environment`)."""
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV) or "info"
+    fmt = args.log_format or os.environ.get(LOG_FORMAT_ENV) or "text"
+    try:
+        log.configure(level, fmt)
+    except ValueError as exc:  # only an environment variable can hold a value argparse refuses
+        raise ConfigError(f"{LOG_LEVEL_ENV} / {LOG_FORMAT_ENV}: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     token = os.environ.get(TOKEN_ENV, "")
     run_id = new_run_id()
     try:
+        _configure_logging(args)
         if args.command == "keys":
             return run_keys_command(args)
         handler = getattr(args, "handler", None)
@@ -614,10 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             security = server_security_from_args(args)
             warning = check_exposure(args.bind, security is not None, args.insecure)
             if warning:
-                print(f"epochal: {warning}", file=sys.stderr, flush=True)
+                COORDINATOR.warning(f"epochal: {warning}")
             return _serve_or_crash(args, token, run_id, security)
         if args.command == "worker":
-            from epochal.supervisor import supervise
+            from epochal.launch.supervisor import supervise
 
             command = args.worker_command
             if command[:1] == ["--"]:
@@ -631,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 restart_delay=args.restart_delay,
                 verbose=args.verbose,
             )
-        from epochal.launcher import launch, script_command
+        from epochal.launch.launcher import launch, script_command
 
         command = script_command(args.script, args.script_args, module=args.module)
         identity = script_identity(args.script, args.script_args, module=args.module)

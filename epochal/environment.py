@@ -52,3 +52,12 @@ VERBOSE_ENV = "EPOCHAL_VERBOSE"
 """``1`` keeps a worker's full traceback for an error that stops the run (``RunAborted``,
 ``JoinRefused``, ...), which otherwise ends the worker with one line; ``epochal run --verbose``
 and ``epochal worker --verbose`` set it for their workers."""
+
+LOG_LEVEL_ENV = "EPOCHAL_LOG_LEVEL"
+"""``debug``, ``info`` (the default), ``warning`` or ``error``: the least severe message epochal's
+loggers write; ``--log-level`` of ``epochal run`` and ``epochal worker`` sets it for their
+workers."""
+
+LOG_FORMAT_ENV = "EPOCHAL_LOG_FORMAT"
+"""``text`` (the default: the lines alone) or ``json`` (one object a line); ``--log-format`` of
+``epochal run`` and ``epochal worker`` sets it for their workers."""

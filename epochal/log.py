@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Literal, TextIO
 
+from epochal.environment import LOG_FORMAT_ENV, LOG_LEVEL_ENV
+
 ROOT = "epochal"
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error")
@@ -90,6 +92,18 @@ def ensure_configured() -> None:
     :func:`configure` already ran in this process. ``epochal run`` sets both for its workers."""
     if _installed() is None:
         configure(
-            os.environ.get("EPOCHAL_LOG_LEVEL", "info") or "info",
-            os.environ.get("EPOCHAL_LOG_FORMAT", "text") or "text",
+            os.environ.get(LOG_LEVEL_ENV, "info") or "info",
+            os.environ.get(LOG_FORMAT_ENV, "text") or "text",
         )
+
+
+def child_environment() -> dict[str, str]:
+    """``EPOCHAL_LOG_LEVEL`` and ``EPOCHAL_LOG_FORMAT`` as this process is configured (see
+    :func:`ensure_configured`): what a process epochal starts needs to log the same way."""
+    ensure_configured()
+    handler = _installed()
+    fmt = (
+        "json" if handler is not None and isinstance(handler.formatter, _JsonFormatter) else "text"
+    )
+    level = logging.getLevelName(logging.getLogger(ROOT).getEffectiveLevel()).lower()
+    return {LOG_LEVEL_ENV: level if level in LEVELS else "info", LOG_FORMAT_ENV: fmt}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import os
@@ -11,7 +12,9 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launcher import ORPHAN_EXIT_CODE, _die_with_parent, worker_environment
+from epochal.launch.launcher import worker_environment
+from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
+from epochal.launch.restarts import Outcome, restarting
 from epochal.output import Kind, RankStream, Relay, classify
 
 
@@ -39,7 +42,8 @@ def test_parser_requires_world_size_and_validates_numbers():
 
 def test_cli_does_not_import_torch():
     code = (
-        "import sys, epochal.cli, epochal.launcher, epochal.coordinator; "
+        "import sys, epochal.cli, epochal.launch.launcher, epochal.launch.supervisor, "
+        "epochal.coordinator; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -166,7 +170,7 @@ def test_a_worker_whose_launcher_died_while_starting_it_leaves(orphaned):
     expected = os.getppid() if orphaned else os.getpid()
     proc = subprocess.run(
         [sys.executable, "-c", "pass"],
-        preexec_fn=functools.partial(_die_with_parent, expected),
+        preexec_fn=functools.partial(die_with_parent, expected),
         timeout=60,
     )
     assert proc.returncode == (ORPHAN_EXIT_CODE if orphaned else 0)
@@ -180,3 +184,42 @@ def test_run_takes_verbose_and_an_exit_timeout():
     assert (args.verbose, args.exit_timeout) == (True, 30.0)
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "--nproc", "2", "--exit-timeout", "0", "s.py"])
+
+
+def run_restarting(outcomes: list[Outcome], max_restarts: int) -> tuple[int, list[str]]:
+    """Drive the restart loop with ``outcomes`` for successive attempts; what it said."""
+    said: list[str] = []
+
+    async def attempt(n: int) -> Outcome:
+        said.append(f"attempt {n}")
+        return outcomes[n]
+
+    async def restart(n: int, failed: Outcome) -> None:
+        said.append(f"restart {n} after {failed.reason}")
+
+    def give_up(failed: Outcome) -> None:
+        said.append(f"gave up after {failed.reason}")
+
+    status = asyncio.run(restarting(attempt, max_restarts, restart=restart, give_up=give_up))
+    return status, said
+
+
+FAILED = Outcome(1, "boom", retry=True)
+
+
+def test_the_restart_loop_retries_a_failure_until_one_attempt_ends_it():
+    assert run_restarting([FAILED, FAILED, Outcome(0)], 3) == (
+        0,
+        ["attempt 0", "restart 1 after boom", "attempt 1", "restart 2 after boom", "attempt 2"],
+    )
+    # a final outcome (a signal, an unreachable coordinator) is not retried, restarts or not
+    assert run_restarting([Outcome(143, "SIGTERM")], 3) == (143, ["attempt 0"])
+
+
+def test_the_restart_loop_gives_up_with_the_last_failures_status():
+    last = Outcome(3, "status 3", retry=True)
+    assert run_restarting([FAILED, last], 1) == (
+        3,
+        ["attempt 0", "restart 1 after boom", "attempt 1", "gave up after status 3"],
+    )
+    assert run_restarting([FAILED], 0) == (1, ["attempt 0"])  # no restarts: nothing to give up

@@ -11,14 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 MARK = "EPOCHAL_TEST_MARK"
+LISTENING = "epochal coordinator listening on "
+"""The first line ``epochal coordinator`` prints on stdout, before the address it bound."""
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,3 +128,99 @@ def spawn(tmp_path: Path) -> Iterator[Spawner]:
     yield spawner
     leftover = spawner.cleanup()
     assert not leftover, f"processes left behind after the test: {leftover}"
+
+
+class StandaloneRun:
+    """``epochal coordinator`` as a service (run directory ``TMP/run``) and ``resumable.py``
+    workers started apart from it, pointed at it by ``EPOCHAL_COORDINATOR`` alone: the
+    multi-machine setup, on one machine.
+
+    The coordinator's output (stdout and stderr) is read as it comes, so that a full pipe never
+    stalls it; :meth:`finish_coordinator` returns it.
+    """
+
+    def __init__(self, spawn: Spawner, world: int, *coordinator_args: str) -> None:
+        self.spawn = spawn
+        self.run_dir = spawn.tmp / "run"
+        self.out = spawn.tmp / "out"
+        self.coordinator = spawn.epochal(
+            "coordinator",
+            "--world-size",
+            str(world),
+            *coordinator_args,
+            "--run-dir",
+            str(self.run_dir),
+        )
+        assert self.coordinator.stdout is not None
+        line = self.coordinator.stdout.readline()
+        assert line.startswith(LISTENING), line
+        self.endpoint = line[len(LISTENING) :].strip()
+        self.world = world
+        self.workers: list[subprocess.Popen[str]] = []
+        self._log: list[str] = []
+        stdout = self.coordinator.stdout
+        self._reader = threading.Thread(target=lambda: self._log.extend(stdout), daemon=True)
+        self._reader.start()
+
+    def start_workers(
+        self,
+        *script_args: str,
+        delay: float = 0.03,
+        connect: Mapping[int, str] | None = None,
+        **env: str,
+    ) -> list[subprocess.Popen[str]]:
+        """One worker per rank, asking for that rank; ``connect`` gives some ranks another
+        address than the coordinator's (a proxy in between)."""
+        self.workers = [
+            self.spawn.script(
+                "resumable.py",
+                "--out",
+                str(self.out),
+                "--delay",
+                str(delay),
+                *script_args,
+                EPOCHAL_COORDINATOR=(connect or {}).get(rank, self.endpoint),
+                EPOCHAL_RANK=str(rank),
+                **env,
+            )
+            for rank in range(self.world)
+        ]
+        return self.workers
+
+    def wait_for_first_epoch(self, deadline: float = 60.0) -> None:
+        """Until the journal holds a first line: the run is under way."""
+        epochs = self.run_dir / "epochs.jsonl"
+        end = time.monotonic() + deadline
+        while not (epochs.exists() and epochs.read_text().strip()):
+            assert self.coordinator.poll() is None, "the coordinator ended before the first epoch"
+            assert time.monotonic() < end, "the job did not start"
+            time.sleep(0.05)
+
+    def finish_coordinator(self, deadline: float) -> tuple[int, str]:
+        """Wait for the coordinator at most ``deadline`` seconds; its status and its output."""
+        try:
+            code = self.coordinator.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.coordinator.pid, signal.SIGKILL)
+            self._reader.join(timeout=10)
+            pytest.fail(f"the coordinator hung past {deadline} s; its output:\n{self.output}")
+        self._reader.join(timeout=10)
+        return code, self.output
+
+    @property
+    def output(self) -> str:
+        return "".join(self._log)
+
+
+def standalone_run(
+    spawn: Spawner,
+    *coordinator_args: str,
+    world: int = 2,
+    worker_args: tuple[str, ...] = (),
+    delay: float = 0.03,
+    **worker_env: str,
+) -> StandaloneRun:
+    """A :class:`StandaloneRun` with its workers started."""
+    run = StandaloneRun(spawn, world, *coordinator_args)
+    run.start_workers(*worker_args, delay=delay, **worker_env)
+    return run

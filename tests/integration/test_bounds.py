@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from epochal.launcher import ABORT_EXIT_TIMEOUT
+from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
 from tests.integration.test_faults import (
     POLICY,
     SCRIPTS,

@@ -19,8 +19,14 @@ import pytest
 import torch
 
 from epochal.coordinator.service import FAILURE_SETTLE
-from epochal.launcher import ABORT_EXIT_TIMEOUT
-from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
+from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
+from tests.integration.conftest import (
+    SCRIPTS,
+    Spawner,
+    StandaloneRun,
+    marked_pids,
+    standalone_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -183,28 +189,12 @@ def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
     assert took < 3 + STOP_BOUND  # --heartbeat-timeout 3, then as for a dead worker
 
 
-def test_a_killed_coordinator_stops_its_workers(spawn, tmp_path):
-    coordinator = spawn.epochal(
-        "coordinator", "--world-size", "3", *POLICY, "--run-dir", str(tmp_path / "run")
-    )
-    endpoint = coordinator.stdout.readline().split()[-1]
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.02",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(r),
-            EPOCHAL_REATTACH_TIMEOUT="0",
-        )
-        for r in range(3)
-    ]
-    wait_for_epoch(tmp_path / "run")
-    coordinator.kill()
+def test_a_killed_coordinator_stops_its_workers(spawn):
+    run = standalone_run(spawn, *POLICY, world=3, delay=0.02, EPOCHAL_REATTACH_TIMEOUT="0")
+    wait_for_epoch(run.run_dir)
+    run.coordinator.kill()
     killed = time.monotonic()
-    for w in workers:
+    for w in run.workers:
         code, output = spawn.finish(w, DEADLINE)
         assert code != 0
         assert "the connection to the coordinator at" in output, output
@@ -266,41 +256,21 @@ class CuttableProxy(threading.Thread):
             s.close()
 
 
-def test_a_cut_control_link_stops_everything(spawn, tmp_path):
-    coordinator = spawn.epochal(
-        "coordinator",
-        "--world-size",
-        "3",
-        *POLICY,
-        "--heartbeat-timeout",
-        "3",
-        "--run-dir",
-        str(tmp_path / "run"),
-    )
-    endpoint = coordinator.stdout.readline().split()[-1]
-    proxy = CuttableProxy(int(endpoint.rsplit(":", 1)[1]))
+def test_a_cut_control_link_stops_everything(spawn):
+    run = StandaloneRun(spawn, 3, *POLICY, "--heartbeat-timeout", "3")
+    proxy = CuttableProxy(int(run.endpoint.rsplit(":", 1)[1]))
     proxy.start()
     try:
-        workers = [
-            spawn.script(
-                "resumable.py",
-                "--out",
-                str(tmp_path / "out"),
-                "--delay",
-                "0.02",
-                EPOCHAL_COORDINATOR=f"tcp://127.0.0.1:{proxy.port}" if r == 2 else endpoint,
-                EPOCHAL_RANK=str(r),
-                EPOCHAL_REATTACH_TIMEOUT="0",
-            )
-            for r in range(3)
-        ]
-        wait_for_epoch(tmp_path / "run")
+        run.start_workers(
+            delay=0.02, connect={2: f"tcp://127.0.0.1:{proxy.port}"}, EPOCHAL_REATTACH_TIMEOUT="0"
+        )
+        wait_for_epoch(run.run_dir)
         proxy.flowing.clear()
         cut = time.monotonic()
-        code, output = spawn.finish(coordinator, DEADLINE)
+        code, output = run.finish_coordinator(DEADLINE)
         assert code == 1
         assert "rank 2 (worker" in output and "sent nothing for" in output
-        for w in workers:
+        for w in run.workers:
             code, _ = spawn.finish(w, DEADLINE)
             assert code != 0
         # rank 2 hears nothing either: it leaves after its own heartbeat timeout

@@ -6,7 +6,6 @@ run, the coordinator must stay up, and its memory must stay bounded.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -27,13 +26,12 @@ from epochal.protocol import (
     Status,
     encode,
 )
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import SCRIPTS, Spawner, standalone_run
 
 pytestmark = pytest.mark.slow
 
 DEADLINE = 120.0
 POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
-PREFIX = "epochal coordinator listening on "
 
 
 def valid_frames() -> list[bytes]:
@@ -184,41 +182,17 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
     code, output = spawn.finish(reference, DEADLINE)
     assert code == 0, output
 
-    run_dir = tmp_path / "run"
-    coordinator = spawn.epochal(
-        "coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)
-    )
-    line = coordinator.stdout.readline()
-    assert line.startswith(PREFIX), line
-    endpoint = line[len(PREFIX) :].strip()
-    log: list[str] = []  # read as it comes: a full pipe would stall the coordinator
-    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
-    reader.start()
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.03",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-        )
-        for rank in (0, 1)
-    ]
+    run = standalone_run(spawn, *POLICY)
     # fuzz once the run is under way (a hello before the rendezvous completes would be a worker)
-    epochs = run_dir / "epochs.jsonl"
-    deadline = time.monotonic() + 60
-    while not (epochs.exists() and epochs.read_text().strip()):
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.05)
-    fuzzers = [Fuzzer(endpoint, seed) for seed in (1, 2)]
+    run.wait_for_first_epoch()
+    deadline = time.monotonic() + DEADLINE
+    fuzzers = [Fuzzer(run.endpoint, seed) for seed in (1, 2)]
     for f in fuzzers:
         f.start()
     peak = 0
-    while any(w.poll() is None for w in workers):
-        peak = max(peak, peak_memory_kb(coordinator.pid))
-        assert time.monotonic() < deadline + DEADLINE, "the job did not finish"
+    while any(w.poll() is None for w in run.workers):
+        peak = max(peak, peak_memory_kb(run.coordinator.pid))
+        assert time.monotonic() < deadline, "the job did not finish"
         time.sleep(0.1)
     for f in fuzzers:
         f.stop.set()
@@ -226,19 +200,16 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
     sent = {k: sum(f.sent[k] for f in fuzzers) for k in fuzzers[0].sent}
     assert all(f.error is None for f in fuzzers), [f.error for f in fuzzers]
 
-    for worker in workers:
+    for worker in run.workers:
         code, output = spawn.finish(worker, 30)
         assert code == 0, output
-    code = coordinator.wait(timeout=30)
-    reader.join(timeout=10)
-    output = "".join(log)
+    code, output = run.finish_coordinator(30)
     assert code == 0, output
     assert "finished after 4 epochs" in output
     assert output.count("refused worker") <= 20  # the log is rate-limited, not flooded
     assert "unreadable frames" in output
     assert sum(sent.values()) >= 2000, sent
     assert peak < 200_000, f"coordinator peak memory {peak} kB"  # python + zmq is ~40 MB
-    (tmp_path / "fuzz.json").write_text(json.dumps({"sent": sent, "peak_kb": peak}))
     print(f"fuzz volume {sent}, coordinator peak RSS {peak / 1024:.1f} MiB")
 
     for rank in (0, 1):
@@ -250,38 +221,12 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
     spawn.assert_none_left()
 
 
-def test_bomb_frames_leave_the_coordinator_small_and_the_run_finishing(
-    spawn: Spawner, tmp_path: Path
-):
+def test_bomb_frames_leave_the_coordinator_small_and_the_run_finishing(spawn: Spawner):
     # 20 frames at the size limit, each decoding to about a gigabyte with plain msgpack, from 20
     # strangers (so no reply budget spares the decoder), while a real 2-worker run goes on
-    run_dir = tmp_path / "run"
-    coordinator = spawn.epochal(
-        "coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)
-    )
-    line = coordinator.stdout.readline()
-    assert line.startswith(PREFIX), line
-    endpoint = line[len(PREFIX) :].strip()
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
-    reader.start()
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.03",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-        )
-        for rank in (0, 1)
-    ]
-    epochs = run_dir / "epochs.jsonl"
-    deadline = time.monotonic() + 60
-    while not (epochs.exists() and epochs.read_text().strip()):
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.05)
+    run = standalone_run(spawn, *POLICY)
+    run.wait_for_first_epoch()
+    deadline = time.monotonic() + DEADLINE
     frame = bomb(MAX_FRAME_BYTES)
     assert len(frame) <= MAX_FRAME_BYTES
     ctx = zmq.Context()
@@ -291,24 +236,22 @@ def test_bomb_frames_leave_the_coordinator_small_and_the_run_finishing(
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"bomber-{i}".encode())
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
+            sock.connect(run.endpoint)
             sock.send(frame)
             socks.append(sock)
         peak = 0
-        while any(w.poll() is None for w in workers):
-            peak = max(peak, peak_memory_kb(coordinator.pid))
-            assert time.monotonic() < deadline + DEADLINE, "the job did not finish"
+        while any(w.poll() is None for w in run.workers):
+            peak = max(peak, peak_memory_kb(run.coordinator.pid))
+            assert time.monotonic() < deadline, "the job did not finish"
             time.sleep(0.05)
     finally:
         for sock in socks:
             sock.close(linger=0)
         ctx.term()
-    for worker in workers:
+    for worker in run.workers:
         code, output = spawn.finish(worker, 30)
         assert code == 0, output
-    code = coordinator.wait(timeout=30)
-    reader.join(timeout=10)
-    output = "".join(log)
+    code, output = run.finish_coordinator(30)
     assert code == 0, output
     assert "finished after 4 epochs" in output
     assert "dropped 20 unreadable frames" in output

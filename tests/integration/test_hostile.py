@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import stat
-import threading
 import time
 from pathlib import Path
 
@@ -29,13 +28,12 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import SCRIPTS, Spawner, standalone_run
 
 pytestmark = pytest.mark.slow
 
 DEADLINE = 120.0
 POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
-PREFIX = "epochal coordinator listening on "
 TEARDOWN = 4.0
 """Seconds a process takes from its decision to leave to its last words on a loaded machine."""
 INTERPRETER_EXIT = 5.0
@@ -111,55 +109,28 @@ def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run
     spawn.assert_none_left()
 
 
-def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(
-    spawn: Spawner, tmp_path: Path
-):
+def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(spawn: Spawner):
     heartbeat_timeout = 3.0
     freeze = 2 * heartbeat_timeout  # past the coordinator's timeout, within the workers'
     assert freeze + 2 < WORKER_HEARTBEAT_TIMEOUT
-    run_dir = tmp_path / "run"
-    coordinator = spawn.epochal(
-        "coordinator",
-        "--world-size",
-        "2",
+    run = standalone_run(
+        spawn,
         *POLICY,
         "--heartbeat-timeout",
         str(heartbeat_timeout),
         "--heartbeat-interval",
         "0.5",
-        "--run-dir",
-        str(run_dir),
     )
-    line = coordinator.stdout.readline()
-    assert line.startswith(PREFIX), line
-    endpoint = line[len(PREFIX) :].strip()
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
-    reader.start()
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.03",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-        )
-        for rank in (0, 1)
-    ]
-    wait_for_first_epoch(run_dir, coordinator)
-    os.kill(coordinator.pid, signal.SIGSTOP)
+    run.wait_for_first_epoch()
+    os.kill(run.coordinator.pid, signal.SIGSTOP)
     try:
         time.sleep(freeze)
     finally:
-        os.kill(coordinator.pid, signal.SIGCONT)
-    for worker in workers:
+        os.kill(run.coordinator.pid, signal.SIGCONT)
+    for worker in run.workers:
         code, output = spawn.finish(worker, DEADLINE)
         assert code == 0, output
-    code = coordinator.wait(timeout=30)
-    reader.join(timeout=10)
-    output = "".join(log)
+    code, output = run.finish_coordinator(30)
     assert code == 0, output
     assert "finished after 4 epochs" in output
     assert "the coordinator itself was not running for" in output
@@ -167,9 +138,7 @@ def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(
     spawn.assert_none_left()
 
 
-def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
-    spawn: Spawner, tmp_path: Path
-):
+def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(spawn: Spawner):
     """The workers give the stopped coordinator up and say hello again; once it runs, they go on.
 
     The coordinator answers with what it queued (the Go or Decision they waited for) or with a
@@ -180,56 +149,30 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
     heartbeat_interval = 0.5
     reattach = 60.0
     freeze = 3 * heartbeat_timeout  # past both timeouts: every worker declares the coordinator lost
-    run_dir = tmp_path / "run"
-    coordinator = spawn.epochal(
-        "coordinator",
-        "--world-size",
-        "2",
+    run = standalone_run(
+        spawn,
         *POLICY,
         "--heartbeat-timeout",
         str(heartbeat_timeout),
         "--heartbeat-interval",
         str(heartbeat_interval),
-        "--run-dir",
-        str(run_dir),
+        worker_args=("--heartbeat-timeout", str(heartbeat_timeout)),
+        EPOCHAL_REATTACH_TIMEOUT=str(reattach),
     )
-    line = coordinator.stdout.readline()
-    assert line.startswith(PREFIX), line
-    endpoint = line[len(PREFIX) :].strip()
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
-    reader.start()
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.03",
-            "--heartbeat-timeout",
-            str(heartbeat_timeout),
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-            EPOCHAL_REATTACH_TIMEOUT=str(reattach),
-        )
-        for rank in (0, 1)
-    ]
-    wait_for_first_epoch(run_dir, coordinator)
-    os.kill(coordinator.pid, signal.SIGSTOP)
+    run.wait_for_first_epoch()
+    os.kill(run.coordinator.pid, signal.SIGSTOP)
     try:
         time.sleep(freeze)
     finally:
-        os.kill(coordinator.pid, signal.SIGCONT)
+        os.kill(run.coordinator.pid, signal.SIGCONT)
     outputs = []
-    for worker in workers:
+    for worker in run.workers:
         code, output = spawn.finish(worker, DEADLINE)
         outputs.append(output)
         assert code == 0, output
         assert "unexpected" not in output, output
     assert any("sent nothing for" in o and "answered again" in o for o in outputs), outputs
-    code = coordinator.wait(timeout=30)
-    reader.join(timeout=10)
-    output = "".join(log)
+    code, output = run.finish_coordinator(30)
     assert code == 0, output
     assert "finished after 4 epochs" in output
     assert "the coordinator itself was not running for" in output
@@ -238,9 +181,7 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
     spawn.assert_none_left()
 
 
-def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence(
-    spawn: Spawner, tmp_path: Path
-):
+def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence(spawn: Spawner):
     """With no re-attach window the workers stop; every reason names the coordinator's stall.
 
     The coordinator stays stopped until both workers have left (README: within the abort grace
@@ -250,65 +191,39 @@ def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence
     heartbeat_timeout = 3.0
     # the workers' notice (timeout + their heartbeat tick), abort grace, unwinding, torch's exit
     workers_gone = heartbeat_timeout + 1.0 + 2.0 + TEARDOWN + INTERPRETER_EXIT
-    run_dir = tmp_path / "run"
-    coordinator = spawn.epochal(
-        "coordinator",
-        "--world-size",
-        "2",
+    run = standalone_run(
+        spawn,
         *POLICY,
         "--heartbeat-timeout",
         str(heartbeat_timeout),
         "--heartbeat-interval",
         "0.5",
-        "--run-dir",
-        str(run_dir),
+        worker_args=("--heartbeat-timeout", str(heartbeat_timeout)),
+        EPOCHAL_REATTACH_TIMEOUT="0",
     )
-    line = coordinator.stdout.readline()
-    assert line.startswith(PREFIX), line
-    endpoint = line[len(PREFIX) :].strip()
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(coordinator.stdout), daemon=True)
-    reader.start()
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(tmp_path / "out"),
-            "--delay",
-            "0.03",
-            "--heartbeat-timeout",
-            str(heartbeat_timeout),
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-            EPOCHAL_REATTACH_TIMEOUT="0",
-        )
-        for rank in (0, 1)
-    ]
-    wait_for_first_epoch(run_dir, coordinator)
-    os.kill(coordinator.pid, signal.SIGSTOP)
+    run.wait_for_first_epoch()
+    os.kill(run.coordinator.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        while any(w.poll() is None for w in workers):
+        while any(w.poll() is None for w in run.workers):
             assert time.monotonic() - stopped < workers_gone, "the workers did not leave in time"
             time.sleep(0.05)
     finally:
-        os.kill(coordinator.pid, signal.SIGCONT)
+        os.kill(run.coordinator.pid, signal.SIGCONT)
     continued = time.monotonic()
     assert continued - stopped > heartbeat_timeout
-    for worker in workers:
+    for worker in run.workers:
         code, output = spawn.finish(worker, DEADLINE)
         assert code != 0, output
         assert f"sent nothing for {heartbeat_timeout:g} s" in output, output
         assert "unexpected" not in output, output
-    code = coordinator.wait(timeout=DEADLINE)
+    code, output = run.finish_coordinator(DEADLINE)
     # the failure settle window (0.25 s), a turn of its loop (within a second), its own exit
     assert time.monotonic() - continued < 0.25 + 1.0 + TEARDOWN
-    reader.join(timeout=10)
-    output = "".join(log)
     assert code != 0, output
     assert "the coordinator itself was not running for" in output
     aborted = next(line for line in output.splitlines() if line.startswith("run aborted: "))
     assert aborted.startswith("run aborted: this coordinator was not running for "), aborted
-    assert f"the coordinator at {endpoint} sent nothing for {heartbeat_timeout:g} s" in aborted
+    assert f"the coordinator at {run.endpoint} sent nothing for {heartbeat_timeout:g} s" in aborted
     assert not re.search(r"rank \d \(.*\) sent nothing", aborted), aborted
     spawn.assert_none_left()

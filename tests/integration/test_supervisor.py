@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -56,6 +57,34 @@ def test_restarts_used_up_end_with_the_worker_status(spawn, tmp_path):
     assert "the worker failed (status 3); 1 restarts used up" in output
 
 
+def test_a_signal_during_the_restart_delay_ends_the_supervisor_without_a_restart(spawn, tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY)
+    proc = spawn.epochal(
+        "worker",
+        "--connect",
+        "tcp://127.0.0.1:5555",
+        "--max-restarts",
+        "1",
+        "--restart-delay",
+        "600",  # the signal comes long before the restart would
+        "--",
+        sys.executable,
+        str(script),
+        str(tmp_path / "count"),
+        "99",
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # said just before the delay begins
+        if "restart 1 of 1" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    code, output = spawn.finish(proc, 60)
+    assert code == 128 + signal.SIGTERM, output
+    assert (tmp_path / "count").read_text() == "1"  # the worker was not started again
+    spawn.assert_none_left()
+
+
 def test_a_command_is_required(spawn):
     code, output = spawn.finish(spawn.epochal("worker", "--connect", "tcp://127.0.0.1:5555"), 30)
     assert code == 2 and "give the command to run after --" in output
@@ -64,7 +93,6 @@ def test_a_command_is_required(spawn):
 @pytest.mark.slow
 def test_remote_workers_and_a_restarting_coordinator_recover_a_killed_worker(spawn, tmp_path):
     import os
-    import signal
     import time
 
     import torch

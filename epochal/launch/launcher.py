@@ -13,16 +13,13 @@ runs in its own process group, killed at the end).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import dataclasses
 import functools
+import logging
 import os
 import secrets
 import signal
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -40,6 +37,9 @@ from epochal.environment import (
     WORLD_SIZE_ENV,
 )
 from epochal.errors import RunAborted
+from epochal.launch.processes import die_with_parent, kill_group
+from epochal.launch.restarts import Outcome, restarting
+from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
 from epochal.output import RankStream, Relay
 
 EXIT_OK = 0
@@ -59,9 +59,6 @@ NEVER_CALLED_HINT = (
     "'__main__':` guard around a function that is never called does this too)"
 )
 
-PR_SET_PDEATHSIG = 1
-"""prctl(2) option: the signal a child gets when its parent dies (Linux)."""
-
 
 async def _pump(stream: asyncio.StreamReader, prefixer: RankStream) -> None:
     while chunk := await stream.read(65536):
@@ -69,29 +66,12 @@ async def _pump(stream: asyncio.StreamReader, prefixer: RankStream) -> None:
     prefixer.close()
 
 
-def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+def _say(line: str, level: int) -> None:
+    LAUNCHER.log(level, f"[epochal] {line}")
 
 
-ORPHAN_EXIT_CODE = 70
-"""A worker's exit status when its launcher died while starting it (before exec)."""
-
-
-def _die_with_parent(parent: int | None = None) -> None:
-    """In the child, before exec: SIGKILL it when the launcher dies, however the launcher dies.
-
-    The death signal is armed only for a parent alive at the ``prctl``; a launcher that died
-    between the fork and here has already been replaced by a reaper, so the child compares its
-    parent with ``parent`` (the launcher's pid) and leaves at once when they differ.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the process-group kill at exit still applies
-        pass
-    if parent is not None and os.getppid() != parent:
-        os._exit(ORPHAN_EXIT_CODE)
+def _coordinator_say(line: str) -> None:
+    COORDINATOR.info(f"[epochal] {line}")
 
 
 async def launch(
@@ -100,7 +80,6 @@ async def launch(
     command: list[str],
     *,
     out: TextIO = sys.stdout,
-    log: Callable[[str], None] | None = None,
     run_id: str | None = None,
     fresh: bool = False,
     max_restarts: int = 0,
@@ -116,42 +95,39 @@ async def launch(
     every line the workers print, also the noise that follows an abort, and has the workers
     print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
     """
-    say = log or (lambda line: print(f"[epochal] {line}", file=sys.stderr, flush=True))
+    ensure_configured()
     if not config.token:
         # a job token of its own, only in the workers' environment: a local process that reads
         # the endpoint from run.json still cannot join the run or take a worker's place
         config = dataclasses.replace(config, token=secrets.token_urlsafe(32))
-    reasons: list[str] = []
-    for attempt in range(max_restarts + 1):
+
+    async def attempt(n: int) -> Outcome:
         coordinator = Coordinator(
-            config, log=say, run_id=run_id if attempt == 0 else None, fresh=fresh and attempt == 0
+            config,
+            log=_coordinator_say,
+            run_id=run_id if n == 0 else None,
+            fresh=fresh and n == 0,
         )
-        outcome = await _attempt(
+        return await _attempt(
             coordinator,
             config,
             nproc,
             command,
             out,
-            say,
             verbose=verbose,
             exit_timeout=exit_timeout,
         )
-        if not outcome.retry:
-            return outcome.status
-        reasons.append(outcome.reason)
-        if attempt < max_restarts:
-            say(f"restart {attempt + 1} of {max_restarts}: resuming from the last checkpoint")
-    if max_restarts:
-        say(f"FAILED: {max_restarts} restarts used up; the last failure: {reasons[-1]}")
-    return EXIT_FAILED
 
+    async def restart(n: int, failed: Outcome) -> None:
+        _say(f"restart {n} of {max_restarts}: resuming from the last checkpoint", logging.WARNING)
 
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    status: int
-    reason: str = ""
-    retry: bool = False
-    """The run itself failed (not the workers after it finished): a restart may resume it."""
+    def give_up(failed: Outcome) -> None:
+        _say(
+            f"FAILED: {max_restarts} restarts used up; the last failure: {failed.reason}",
+            logging.ERROR,
+        )
+
+    return await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
 
 
 def worker_environment(
@@ -196,17 +172,20 @@ async def _attempt(
     nproc: int,
     command: list[str],
     out: TextIO,
-    say: Callable[[str], None],
     *,
     verbose: bool,
     exit_timeout: float | None,
-) -> _Outcome:
-    """One coordinator and one set of workers."""
+) -> Outcome:
+    """One coordinator and one set of workers; a failed run's outcome asks for a retry (the
+    workers failing after the run finished, or a signal, do not)."""
     endpoint = await coordinator.start()
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
-        return _Outcome(EXIT_OK)
-    say(f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers")
+        return Outcome(EXIT_OK)
+    _say(
+        f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers",
+        logging.INFO,
+    )
 
     env_base = dict(os.environ)
     env_base[COORDINATOR_ENV] = endpoint
@@ -215,6 +194,7 @@ async def _attempt(
     env_base[REATTACH_TIMEOUT_ENV] = "0"  # this coordinator dies with the launcher: stop at once
     if config.token:
         env_base[TOKEN_ENV] = config.token
+    env_base.update(child_environment())  # the workers log as the launcher does
     env_base.setdefault("PYTHONUNBUFFERED", "1")
     env_base.setdefault("OMP_NUM_THREADS", "1")  # N workers on one machine: don't oversubscribe
     if out.isatty():
@@ -234,7 +214,7 @@ async def _attempt(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         procs.append(proc)
         assert proc.stdout is not None
@@ -247,14 +227,14 @@ async def _attempt(
     def on_signal(signum: int) -> None:
         if interrupted:  # a second Ctrl-C: stop waiting for anyone
             for p in procs:
-                _kill_group(p, signal.SIGKILL)
+                kill_group(p.pid, signal.SIGKILL)
             return
         name = signal.Signals(signum).name
         interrupted.append(name)
         relay.stop()
         coordinator.abort(f"the launcher received {name}")
         for p in procs:
-            _kill_group(p, signum)
+            kill_group(p.pid, signum)
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -289,10 +269,10 @@ async def _attempt(
         await _wait_for_exit(watchers, bound, interrupted)
         stuck = [i for i, p in enumerate(procs) if p.returncode is None]
         for i in stuck:
-            _kill_group(procs[i], signal.SIGKILL)
+            kill_group(procs[i].pid, signal.SIGKILL)
         codes = [await w for w in watchers]
         for p in procs:  # the workers' children (data loader workers) go too
-            _kill_group(p, signal.SIGKILL)
+            kill_group(p.pid, signal.SIGKILL)
         await asyncio.gather(*pumps, return_exceptions=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
@@ -308,27 +288,29 @@ async def _attempt(
     killed = f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck else ""
     if interrupted:
         when = " after the run finished (result.json says so)" if summary is not None else ""
-        say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}")
-        return _Outcome(128 + int(getattr(signal, interrupted[0])), reason)
+        _say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}", logging.WARNING)
+        return Outcome(128 + int(getattr(signal, interrupted[0])), reason)
     if summary is None:
-        say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}")
-        return _Outcome(EXIT_FAILED, reason, retry=True)
+        _say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}", logging.ERROR)
+        return Outcome(EXIT_FAILED, reason, retry=True)
     if stuck:
-        say(
+        _say(
             f"FAILED: the run finished (result.json says so), but {_workers(stuck)} still "
-            f"running {bound:g} s later (--exit-timeout) and killed"
+            f"running {bound:g} s later (--exit-timeout) and killed",
+            logging.ERROR,
         )
-        return _Outcome(EXIT_FAILED, "workers did not exit after the finish")
+        return Outcome(EXIT_FAILED, "workers did not exit after the finish")
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     if bad:
         listed = ", ".join(f"worker {i}: status {c}" for i, c in bad)
-        say(
+        _say(
             "FAILED: the run finished (result.json says so), but the script failed after "
-            f"epochal.train() returned ({listed})"
+            f"epochal.train() returned ({listed})",
+            logging.ERROR,
         )
-        return _Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
-    say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}")
-    return _Outcome(EXIT_OK)
+        return Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
+    _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}", logging.INFO)
+    return Outcome(EXIT_OK)
 
 
 def _workers(indices: list[int]) -> str:
