@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sized
 from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,7 +22,9 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
-from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
+from epochal.worker.options import JoinOptions
+from epochal.worker.results import EpochContext, LossSum, RunResult
+from epochal.worker.session import Session, join
 from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
 from epochal.worker.strategies import ModeOptions, to_device, wrap
 
@@ -73,6 +76,33 @@ def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
     return inputs, targets, int(targets.shape[0])
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FitOptions:
+    """How :func:`fit` trains; see :func:`train` for each option's meaning."""
+
+    progress: bool | None = None
+    # the in-epoch progress bar on rank 0; None: when stderr is a terminal (or EPOCHAL_PROGRESS)
+    accumulate: int = 1
+    # batches whose gradients are summed before one optimizer step
+    mode: str = "replicated"
+    # the parallel strategy (epochal.worker.strategies)
+    mode_options: ModeOptions | Mapping[str, Any] | None = None
+    initialize: Callable[[torch.nn.Module], None] | None = None
+    # run on rank 0 before training (not on a resume), its result broadcast to every rank
+    configure_ddp: Callable[[DistributedDataParallel], None] | None = None
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    # further keyword arguments of DistributedDataParallel
+
+    def __post_init__(self) -> None:
+        if type(self.accumulate) is not int or self.accumulate < 1:
+            raise ConfigError(
+                f"accumulate must be a whole number of batches >= 1, got {self.accumulate!r}"
+            )
+
+
+FIT_OPTIONS = frozenset(f.name for f in fields(FitOptions))
+
+
 def fit(
     session: Session,
     model: torch.nn.Module,
@@ -80,35 +110,44 @@ def fit(
     train_loader: LoaderArg,
     valid_loader: LoaderArg | None,
     loss_fn: LossFn,
-    *,
-    progress: bool | None = None,
-    accumulate: int = 1,
-    mode: str = "replicated",
-    mode_options: ModeOptions | Mapping[str, Any] | None = None,
-    initialize: Callable[[torch.nn.Module], None] | None = None,
-    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
-    **ddp_options: Any,
+    options: FitOptions | None = None,
+    **given: Any,
 ) -> RunResult:
-    """Train ``model`` in an already joined ``session``; see :func:`train`."""
-    if type(accumulate) is not int or accumulate < 1:
-        raise ConfigError(f"accumulate must be a whole number of batches >= 1, got {accumulate!r}")
+    """Train ``model`` in an already joined ``session``; see :func:`train`.
+
+    The keyword arguments are the fields of :class:`FitOptions` (or pass ``options``); any other
+    is an option of DistributedDataParallel.
+    """
+    if options is None:
+        ddp = {k: v for k, v in given.items() if k not in FIT_OPTIONS}
+        own = {k: v for k, v in given.items() if k in FIT_OPTIONS and k != "ddp_options"}
+        options = FitOptions(**own, ddp_options={**given.get("ddp_options", {}), **ddp})
+    elif given:
+        raise TypeError("fit() takes options or keyword arguments, not both")
+    accumulate, mode = options.accumulate, options.mode
     train_data = _resolve(train_loader, session, "train")
     assert train_data is not None
     valid_data = _resolve(valid_loader, session, "validation")
     device = session.device
+    initialize = options.initialize
     if initialize is not None and session.resume_epoch is None:  # a resume loads its weights
         to_device(model, device)
         initialize_on_rank(model, initialize)
     strategy = wrap(
-        model, optimizer, device, mode=mode, options=mode_options, ddp_options=ddp_options
+        model,
+        optimizer,
+        device,
+        mode=mode,
+        options=options.mode_options,
+        ddp_options=dict(options.ddp_options),
     )
     model, optimizer = strategy.model, strategy.optimizer
-    if configure_ddp is not None:
+    if options.configure_ddp is not None:
         if strategy.ddp is None:
             raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
-        strategy.configure = configure_ddp
+        strategy.configure = options.configure_ddp
     base_lrs = [group["lr"] for group in optimizer.param_groups]
-    show_progress = _progress_enabled(session.rank, progress)
+    show_progress = _progress_enabled(session.rank, options.progress)
     best_state: dict[str, torch.Tensor] | None = None
 
     def train_epoch(ctx: EpochContext) -> LossSum:
@@ -198,15 +237,7 @@ def train(
     train_loader: LoaderArg,
     valid_loader: LoaderArg | None,
     loss_fn: LossFn,
-    *,
-    progress: bool | None = None,
-    accumulate: int = 1,
-    mode: str = "replicated",
-    mode_options: ModeOptions | Mapping[str, Any] | None = None,
-    initialize: Callable[[torch.nn.Module], None] | None = None,
-    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
-    ddp_options: dict[str, Any] | None = None,
-    **join_options: Any,
+    **options: Any,
 ) -> RunResult:
     """Train ``model`` data-parallel under the coordinator and return how the run went.
 
@@ -226,25 +257,17 @@ def train(
     further keyword arguments of DDP, and ``configure_ddp(ddp)`` may register a communication hook
     or the like on the DDP wrapper (replicated, sharded). ``initialize(model)`` runs on rank 0
     before training (not on a resume) and its parameters and buffers are broadcast to every rank:
-    initial parameters computed from data, e.g. k-means centroids. ``join_options`` go to
-    :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
+    initial parameters computed from data, e.g. k-means centroids.
+
+    ``progress``, ``accumulate``, ``mode``, ``mode_options``, ``initialize``, ``configure_ddp`` and
+    ``ddp_options`` are the fields of :class:`FitOptions`; every other keyword argument is one of
+    :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ..., the fields of
+    :class:`~epochal.worker.options.JoinOptions`), which are checked before joining.
     """
-    session = join(model, **join_options)
+    fitting = FitOptions(**{k: v for k, v in options.items() if k in FIT_OPTIONS})
+    joining = JoinOptions.from_env(**{k: v for k, v in options.items() if k not in FIT_OPTIONS})
+    session = join(model, joining)
     try:
-        return fit(
-            session,
-            model,
-            optimizer,
-            train_loader,
-            valid_loader,
-            loss_fn,
-            progress=progress,
-            accumulate=accumulate,
-            mode=mode,
-            mode_options=mode_options,
-            initialize=initialize,
-            configure_ddp=configure_ddp,
-            **(ddp_options or {}),
-        )
+        return fit(session, model, optimizer, train_loader, valid_loader, loss_fn, fitting)
     finally:
         session.close()
