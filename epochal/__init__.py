@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from epochal.coordinator.background import start_coordinator
     from epochal.worker import (
         EpochContext,
+        FitOptions,
+        JoinOptions,
         LayeredModel,
         LossSum,
         ModeOptions,
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     )
 
 _WORKER_NAMES = {
+    "FitOptions",
+    "JoinOptions",
     "LayeredModel",
     "ModeOptions",
     "initialize_on_rank",
@@ -72,6 +76,8 @@ __all__ = [
     "CoordinatorUnreachable",
     "EpochContext",
     "EpochalError",
+    "FitOptions",
+    "JoinOptions",
     "JoinRefused",
     "LayeredModel",
     "LossSum",

@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import os
 import signal
+import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,14 +23,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from epochal import __version__, addressfile, log
-from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
+from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.attach import attach_hint, local_address
-from epochal.coordinator.config import (
-    BACKEND_CHOICES,
-    BATCH_POLICIES,
-    STALL_ABORT,
-    CoordinatorConfig,
-)
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import Coordinator, new_run_id
 from epochal.environment import (
@@ -49,205 +45,51 @@ from epochal.security.cli import (
     server_security_from_args,
 )
 from epochal.security.curve import ServerSecurity
+from epochal.settings import CHECKPOINTS, FAILURES, Option, add_options, field_options, grouped
 
 EXIT_USAGE = 2
 EXIT_CRASH = 70
 """The coordinator itself failed (EX_SOFTWARE): unlike an abort (1), worth restarting."""
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run policy")
-    g.add_argument(
-        "--epochs",
-        type=positive_int,
-        default=10,
-        metavar="E",
-        help="epochs to train (default: 10)",
-    )
-    g.add_argument(
-        "--batch-policy",
-        choices=BATCH_POLICIES,
-        default="error",
-        help="unequal batch counts across ranks: abort naming each rank's count "
-        "(error, the default) or run the minimum (truncate)",
-    )
-    g.add_argument(
-        "--smoothing",
-        type=float,
-        default=1.0,
-        metavar="A",
-        help="validation-loss smoothing factor in (0, 1]: s = A*loss + (1-A)*s_prev "
-        "(default: 1.0, no smoothing)",
-    )
-    g.add_argument(
-        "--validation-frequency",
-        type=positive_int,
-        default=1,
-        metavar="K",
-        help="validate on epoch 0 and every K-th epoch (default: 1, every epoch)",
-    )
-    g.add_argument(
-        "--lr-schedule",
-        default="constant",
-        metavar="SPEC",
-        help="learning-rate factor schedule: constant, step:every=N,gamma=G, "
-        "exponential:gamma=G, cosine:min=M, linear:end=E, "
-        "plateau:patience=P,factor=F,threshold=T,min=M; a factor <= 0 stops the run "
-        "(default: constant)",
-    )
-    g.add_argument(
-        "--patience",
-        type=nonnegative_int,
-        default=None,
-        metavar="P",
-        help="stop early once more than P validated epochs in a row bring no improvement of "
-        "the smoothed loss (default: never)",
-    )
-    g.add_argument(
-        "--min-delta",
-        type=float,
-        default=0.0,
-        metavar="D",
-        help="an improvement must lower the best smoothed loss by more than D (default: 0)",
-    )
-    g.add_argument(
-        "--best-from",
-        type=nonnegative_int,
-        default=0,
-        metavar="EPOCH",
-        help="epochs before EPOCH cannot become the best epoch (default: 0)",
-    )
-    g.add_argument(
-        "--no-restore-best",
-        dest="restore_best",
-        action="store_false",
-        help="end with the last epoch's weights instead of the best epoch's",
-    )
-    g.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="directory for run.json, epochs.jsonl, result.json and checkpoints; a directory "
-        "that holds an unfinished run resumes it (default: runs/RUN_ID)",
-    )
-    c = p.add_argument_group("checkpoints and resume")
-    c.add_argument(
-        "--checkpoint-every",
-        type=nonnegative_int,
-        default=1,
-        metavar="K",
-        help="checkpoint every K-th epoch, the best and the last (0: never; default: 1)",
-    )
-    c.add_argument(
-        "--keep-checkpoints",
-        type=positive_int,
-        default=2,
-        metavar="N",
-        help="keep the N newest checkpoints plus the best one (default: 2)",
-    )
-    c.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="where workers write checkpoints; every rank must see it "
-        "(default: RUN_DIR/checkpoints)",
-    )
-    c.add_argument(
-        "--fresh",
+RUN_ONLY_OPTIONS = (
+    Option(
+        dest="fresh",
         action="store_true",
-        help="discard what --run-dir holds (journal, result, checkpoints) and start over "
-        "instead of resuming",
-    )
-    g.add_argument(
-        "--job",
-        default="epochal",
-        help="job name; workers naming another job are refused (default: epochal)",
-    )
-    g.add_argument(
-        "--backend",
-        choices=BACKEND_CHOICES,
-        default="auto",
-        help="data-plane backend (default: auto = nccl when every worker has CUDA, else gloo)",
-    )
-    t = p.add_argument_group("timeouts (seconds)")
-    t.add_argument(
-        "--rendezvous-timeout",
-        type=seconds,
-        default=300.0,
-        metavar="S",
-        help="time for every worker to join (default: 300)",
-    )
-    t.add_argument(
-        "--heartbeat-timeout",
-        type=seconds,
-        default=15.0,
-        metavar="S",
-        help="silence after which a worker is declared lost (default: 15)",
-    )
-    t.add_argument(
-        "--heartbeat-interval",
-        type=seconds,
-        default=1.0,
-        metavar="S",
-        help="time between the coordinator's heartbeats to each worker (default: 1)",
-    )
-    t.add_argument(
-        "--stall-timeout",
-        type=seconds,
-        default=300.0,
-        metavar="S",
-        help="when no rank has made progress for S seconds, print which rank is where "
-        "(default: 300)",
-    )
-    t.add_argument(
-        "--stall-abort",
-        type=seconds_or_never,
-        default=STALL_ABORT,
-        metavar="S",
-        help="when no rank has made progress for S seconds, abort the run naming the rank the "
-        f"others wait for; 0: never (default: {STALL_ABORT:g}, twice the workers' collective "
-        "timeout)",
-    )
-    f = p.add_argument_group("failures")
-    f.add_argument(
-        "--max-restarts",
-        type=nonnegative_int,
+        group=CHECKPOINTS,
+        help="discard what --run-dir holds (journal, result, checkpoints) and start over instead "
+        "of resuming",
+    ),
+    Option(
+        dest="max_restarts",
+        group=FAILURES,
         default=0,
         metavar="K",
+        type=nonnegative_int,
         help="after a failure, hold a new rendezvous and resume from the last checkpoint, up to "
-        "K times (default: 0)",
-    )
+        "K times",
+    ),
+)
+"""Options of both commands that are not settings of the run (how it is served)."""
+
+
+def run_options() -> list[Option]:
+    """The options ``epochal run`` and ``epochal coordinator`` share, in their ``--help`` order:
+    the command-line settings of :class:`CoordinatorConfig`, then :data:`RUN_ONLY_OPTIONS`."""
+    return grouped([*field_options(CoordinatorConfig), *RUN_ONLY_OPTIONS])
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    add_options(p, run_options())
 
 
 def _config(
     args: argparse.Namespace, world_size: int, token: str, run_id: str
 ) -> CoordinatorConfig:
-    return CoordinatorConfig(
-        world_size=world_size,
-        epochs=args.epochs,
-        job=args.job,
-        token=token,
-        batch_policy=args.batch_policy,
-        smoothing=args.smoothing,
-        validation_frequency=args.validation_frequency,
-        lr_schedule=args.lr_schedule,
-        patience=args.patience,
-        min_delta=args.min_delta,
-        best_from=args.best_from,
-        restore_best=args.restore_best,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        checkpoint_dir=args.checkpoint_dir,
-        backend=args.backend,
-        run_dir=args.run_dir if args.run_dir is not None else Path("runs") / run_id,
-        rendezvous_timeout=args.rendezvous_timeout,
-        heartbeat_timeout=args.heartbeat_timeout,
-        heartbeat_interval=args.heartbeat_interval,
-        stall_timeout=args.stall_timeout,
-        stall_abort=args.stall_abort,
-    )
+    given = {option.dest: getattr(args, option.dest) for option in field_options(CoordinatorConfig)}
+    if given["run_dir"] is None:
+        given["run_dir"] = Path("runs") / run_id
+    return CoordinatorConfig(world_size=world_size, token=token, **given)
 
 
 def _add_log_options(p: argparse.ArgumentParser, default: str | None) -> None:

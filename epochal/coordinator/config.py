@@ -1,15 +1,19 @@
-"""The coordinator's configuration: one frozen, validated dataclass for the CLI and the API."""
+"""The coordinator's configuration: one frozen, validated dataclass for the CLI and the API.
+
+The command line's run options are generated from its fields (:mod:`epochal.settings`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
 from epochal.protocol.messages import DEFAULT_JOB, check_job_name
+from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, Flag, setting
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
@@ -25,63 +29,216 @@ named. Lower it to a few times the slowest step to have a hung rank named sooner
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CoordinatorConfig:
-    """Everything the coordinator decides a run by."""
+    """Everything the coordinator decides a run by.
 
-    world_size: int
-    # number of workers the rendezvous waits for; exactly this many train
-    epochs: int = 10
-    # epochs to run (the last one is ``epochs - 1``)
-    job: str = DEFAULT_JOB
-    # workers that name another job are refused
-    token: str = ""
-    # shared secret every hello must carry; empty: none required
-    batch_policy: BatchPolicy = "error"
-    # unequal batch counts: "error" aborts naming each rank's count, "truncate" runs the minimum
-    smoothing: float = 1.0
-    # a in s = a*raw + (1-a)*s_prev over the validation loss; 1.0 is no smoothing
-    validation_frequency: int = 1
-    # validate on epoch 0 and every K-th epoch after it
-    lr_schedule: str = "constant"
-    # learning-rate schedule spec (see epochal.coordinator.schedule); a factor <= 0 stops the run
-    patience: int | None = None
-    # stop once more than this many validated epochs in a row fail to improve; None: never
-    min_delta: float = 0.0
-    # an improvement must lower the best smoothed loss by more than this to reset the patience
-    best_from: int = 0
-    # epochs before this one cannot become the best epoch
-    restore_best: bool = True
-    # workers load the best epoch's weights at the end (else they keep the last epoch's)
-    checkpoint_every: int = 1
-    # workers checkpoint every K-th epoch (and the last); 0: never
-    keep_checkpoints: int = 2
-    # how many of the most recent checkpoints to keep (the best one is always kept)
-    checkpoint_dir: Path | None = None
-    # where workers write checkpoints (all ranks must see it); None: RUN_DIR/checkpoints
-    backend: str = "auto"
-    # data-plane backend: "auto" picks nccl when every worker has CUDA, else gloo
-    run_dir: Path | None = None
-    # where run.json and epochs.jsonl go; None: nothing is written
-    rendezvous_timeout: float = 300.0
-    # seconds from start for all ``world_size`` workers to join before the run is aborted
-    store_timeout: float = 60.0
-    # seconds rank 0 has to open the data-plane store and report its port
-    heartbeat_interval: float = 1.0
-    # seconds between heartbeats the coordinator sends each worker
-    heartbeat_timeout: float = 15.0
-    # seconds of silence after which a worker is declared lost and the run aborted
-    stall_timeout: float = 300.0
-    # seconds without progress on any rank after which the coordinator prints where each rank is
-    stall_abort: float | None = STALL_ABORT
-    # seconds without progress on any rank after which the run is aborted, naming the rank the
-    # others wait for (liveness.culprit); None: never. It ends hangs that no timeout ends (a rank
-    # stuck outside any collective, e.g. in its validation loader, while the others wait)
-    finish_timeout: float = 30.0
-    # seconds the coordinator waits for every worker's Done after Finish
-    command: tuple[str, ...] | None = None
-    # the workers' script (absolute) and its arguments, when epochal starts them (epochal run): a
-    # resume with other arguments (--seed, --lr, ...) is refused. None: not known
-    script_digest: str | None = None
-    # SHA-256 of the workers' script file, for the same check; None: not known
+    Each field is documented once, in its :func:`~epochal.settings.setting`: the help the command
+    line shows (and the README's options table repeats, checked by a test), the flag and its value
+    type, and whether a resumed run may change it.
+    """
+
+    world_size: int = field(
+        metadata=setting(
+            help="number of workers the rendezvous waits for; exactly this many train",
+            called="--world-size/--nproc",
+        ),
+    )
+    epochs: int = field(
+        default=10,
+        metadata=setting(
+            help="epochs to train, numbered from 0",
+            flag=Flag(RUN_POLICY, metavar="E", type=positive_int),
+        ),
+    )
+    job: str = field(
+        default=DEFAULT_JOB,
+        metadata=setting(
+            help="job name; workers naming another job are refused",
+            flag=Flag(RUN_POLICY, metavar="NAME"),
+        ),
+    )
+    token: str = field(
+        default="",
+        metadata=setting(
+            help="shared secret every hello must carry (EPOCHAL_TOKEN); empty: none required",
+            on_resume="may_change",
+        ),
+    )
+    batch_policy: BatchPolicy = field(
+        default="error",
+        metadata=setting(
+            help="unequal batch counts across ranks: abort naming each rank's count (error) or run "
+            "the minimum (truncate)",
+            flag=Flag(RUN_POLICY, choices=BATCH_POLICIES),
+        ),
+    )
+    smoothing: float = field(
+        default=1.0,
+        metadata=setting(
+            help="validation-loss smoothing factor A in (0, 1]: s = A*loss + (1-A)*s_prev; 1.0 "
+            "is no smoothing",
+            flag=Flag(RUN_POLICY, metavar="A", type=float, shown="1.0"),
+        ),
+    )
+    validation_frequency: int = field(
+        default=1,
+        metadata=setting(
+            help="validate on epoch 0 and every K-th epoch",
+            flag=Flag(RUN_POLICY, metavar="K", type=positive_int),
+        ),
+    )
+    lr_schedule: str = field(
+        default="constant",
+        metadata=setting(
+            help="learning-rate factor schedule: constant, step:every=N,gamma=G, "
+            "exponential:gamma=G, cosine:min=M, linear:end=E or "
+            "plateau:patience=P,factor=F,threshold=T,min=M; a factor <= 0 stops the run",
+            flag=Flag(RUN_POLICY, metavar="SPEC"),
+        ),
+    )
+    patience: int | None = field(
+        default=None,
+        metadata=setting(
+            help="stop early once more than P validated epochs in a row bring no improvement "
+            "of the smoothed loss",
+            flag=Flag(RUN_POLICY, metavar="P", type=nonnegative_int, shown="never"),
+        ),
+    )
+    min_delta: float = field(
+        default=0.0,
+        metadata=setting(
+            help="an improvement must lower the best smoothed loss by more than D",
+            flag=Flag(RUN_POLICY, metavar="D", type=float),
+        ),
+    )
+    best_from: int = field(
+        default=0,
+        metadata=setting(
+            help="epochs before EPOCH cannot become the best epoch",
+            flag=Flag(RUN_POLICY, metavar="EPOCH", type=nonnegative_int),
+        ),
+    )
+    restore_best: bool = field(
+        default=True,
+        metadata=setting(
+            help="end with the last epoch's weights instead of the best epoch's",
+            flag=Flag(RUN_POLICY, negated=True),
+        ),
+    )
+    checkpoint_every: int = field(
+        default=1,
+        metadata=setting(
+            help="checkpoint every K-th epoch, the best one and the last; 0: never",
+            flag=Flag(CHECKPOINTS, metavar="K", type=nonnegative_int),
+        ),
+    )
+    keep_checkpoints: int = field(
+        default=2,
+        metadata=setting(
+            help="keep the N newest checkpoints plus the best one",
+            on_resume="may_change",
+            flag=Flag(CHECKPOINTS, metavar="N", type=positive_int),
+        ),
+    )
+    checkpoint_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            help="where workers write checkpoints; every rank must see it",
+            flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="RUN_DIR/checkpoints"),
+        ),
+    )
+    backend: str = field(
+        default="auto",
+        metadata=setting(
+            help="data-plane backend: auto picks nccl when every worker has CUDA, else gloo",
+            on_resume="may_change",
+            flag=Flag(RUN_POLICY, choices=BACKEND_CHOICES),
+        ),
+    )
+    run_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            help="directory for run.json, epochs.jsonl, result.json, model.json and checkpoints; a "
+            "directory that holds an unfinished run resumes it",
+            on_resume="may_change",
+            flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="runs/RUN_ID"),
+        ),
+    )
+    # the command line's default is runs/RUN_ID; None (the API's): nothing is written
+    rendezvous_timeout: float = field(
+        default=300.0,
+        metadata=setting(
+            help="time for every worker to join before the run is aborted",
+            on_resume="may_change",
+            flag=Flag(TIMEOUTS, metavar="S", type=seconds),
+        ),
+    )
+    store_timeout: float = field(
+        default=60.0,
+        metadata=setting(
+            help="seconds rank 0 has to open the data-plane store and report its port",
+            on_resume="may_change",
+        ),
+    )
+    heartbeat_interval: float = field(
+        default=1.0,
+        metadata=setting(
+            help="time between the coordinator's heartbeats to each worker",
+            on_resume="may_change",
+            flag=Flag(TIMEOUTS, metavar="S", type=seconds),
+        ),
+    )
+    heartbeat_timeout: float = field(
+        default=15.0,
+        metadata=setting(
+            help="silence after which a worker is declared lost and the run aborted",
+            on_resume="may_change",
+            flag=Flag(TIMEOUTS, metavar="S", type=seconds),
+        ),
+    )
+    stall_timeout: float = field(
+        default=300.0,
+        metadata=setting(
+            help="when no rank has made progress for S seconds, print where each rank is",
+            on_resume="may_change",
+            flag=Flag(TIMEOUTS, metavar="S", type=seconds),
+        ),
+    )
+    stall_abort: float | None = field(
+        default=STALL_ABORT,
+        metadata=setting(
+            help="when no rank has made progress for S seconds, abort the run naming the rank "
+            "the others wait for; 0: never. The default is twice the workers' collective timeout",
+            on_resume="may_change",
+            flag=Flag(TIMEOUTS, metavar="S", type=seconds_or_never),
+        ),
+    )
+    # it ends hangs that no timeout ends (a rank stuck outside any collective, e.g. in its
+    # validation loader, while the others wait); see liveness.culprit and STALL_ABORT
+    finish_timeout: float = field(
+        default=30.0,
+        metadata=setting(
+            help="seconds the coordinator waits for every worker's Done after Finish",
+            on_resume="may_change",
+        ),
+    )
+    command: tuple[str, ...] | None = field(
+        default=None,
+        metadata=setting(
+            help="the workers' script (absolute) and its arguments, when epochal starts them "
+            "(epochal run), so that a resume with other arguments (--seed, --lr, ...) is refused; "
+            "None: not known",
+            on_resume="when_known",
+            called="the workers' command line",
+        ),
+    )
+    script_digest: str | None = field(
+        default=None,
+        metadata=setting(
+            help="SHA-256 of the workers' script file, for the same check; None: not known",
+            on_resume="when_known",
+            called="the script's SHA-256",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in (

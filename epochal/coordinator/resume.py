@@ -25,36 +25,27 @@ from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
+from epochal.settings import flag_name, settings
 
 MODEL_FILE = "model.json"
 
-# settings that may change between a run and its resumption without changing its result
-_MAY_CHANGE = {
-    "run_dir",
-    "token",
-    "rendezvous_timeout",
-    "store_timeout",
-    "heartbeat_interval",
-    "heartbeat_timeout",
-    "finish_timeout",
-    "backend",
-    "keep_checkpoints",
-    "stall_timeout",
-    "stall_abort",
-}
+_SETTINGS = settings(CoordinatorConfig)
+
+_MAY_CHANGE = {name for name, s in _SETTINGS.items() if s.on_resume == "may_change"}
+"""Settings that may change between a run and its resumption without changing its result."""
+
+_WHEN_KNOWN = {name for name, s in _SETTINGS.items() if s.on_resume == "when_known"}
+"""Settings compared only when both the run and the resume know them (a run directory written
+before they were recorded, or workers started by hand, leave them unknown)."""
 
 
-_FLAGS = {
-    "restore_best": "--no-restore-best",
-    "world_size": "--world-size/--nproc",
-    "command": "the workers' command line",
-    "script_digest": "the script's SHA-256",
-}
-"""Config fields whose command-line flag is not simply --field-name."""
-
-# settings compared only when both the run and the resume know them (a run directory written
-# before they were recorded, or workers started by hand, leave them unknown)
-_WHEN_KNOWN = {"command", "script_digest"}
+def _called(key: str) -> str:
+    """How a refused resume names the setting ``key``: its flag, unless it says otherwise."""
+    spec = _SETTINGS.get(key)
+    if spec is not None and spec.called is not None:
+        return spec.called
+    negated = spec is not None and spec.flag is not None and spec.flag.negated
+    return flag_name(key, negated=negated)
 
 
 def script_identity(script: str, args: list[str], *, module: bool) -> dict[str, Any]:
@@ -95,7 +86,7 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if key in _WHEN_KNOWN and (stored.get(key) is None or current.get(key) is None):
             continue
         if stored.get(key) != current.get(key):
-            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            flag = _called(key)
             now, then = _shown(key, current.get(key)), _shown(key, stored.get(key))
             out.append(f"{flag} is {now} now but {then} in the run")
     return out

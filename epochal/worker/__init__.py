@@ -6,24 +6,21 @@ must agree on: it asks the coordinator.
 """
 
 from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.options import JoinOptions
 from epochal.worker.placement import LayeredModel
-from epochal.worker.session import (
-    EpochContext,
-    EpochRecord,
-    LossSum,
-    RunResult,
-    Session,
-    join,
-)
+from epochal.worker.results import EpochContext, EpochRecord, LossSum, RunResult
+from epochal.worker.session import Session, join
 from epochal.worker.sharding import ShardSampler
 from epochal.worker.state import TrainState
 from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
-from epochal.worker.train import fit, train
+from epochal.worker.train import FitOptions, fit, train
 
 __all__ = [
     "MODES",
     "EpochContext",
     "EpochRecord",
+    "FitOptions",
+    "JoinOptions",
     "LayeredModel",
     "LossSum",
     "ModeOptions",

@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from epochal.environment import CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
+from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -55,6 +56,7 @@ from epochal.protocol import (
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
 from epochal.worker import faults
+from epochal.worker.options import JoinOptions
 
 _WATCHED_EVENTS = (
     zmq.EVENT_DISCONNECTED
@@ -66,6 +68,8 @@ _WATCHED_EVENTS = (
 ROUTING_NONCE_BYTES = 8
 """Random bytes appended to the routing identity: another process cannot guess it and take over
 this worker's connection (the coordinator hands an identity over to whoever connects with it)."""
+
+DEFAULTS = JoinOptions()
 
 ABORT_EXIT_CODE = 75
 """Exit status of a worker process ended by an abort it could not leave in time."""
@@ -87,18 +91,16 @@ class ControlClient:
         self,
         endpoint: str,
         identity: bytes,
+        options: JoinOptions = DEFAULTS,
         *,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 15.0,
-        abort_grace: float = 2.0,
-        reattach: bool = True,
         security: ClientSecurity | None = None,
     ) -> None:
+        """``options`` gives the heartbeats, ``abort_grace`` and whether to re-attach."""
         self.endpoint = endpoint
         self.identity = identity
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.abort_grace = abort_grace
+        self.heartbeat_interval = options.heartbeat_interval
+        self.heartbeat_timeout = options.heartbeat_timeout
+        self.abort_grace = options.abort_grace
         self._inbox: queue.Queue[CoordinatorMessage | _Lost] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[WorkerMessage | None] | None = None
@@ -110,7 +112,7 @@ class ControlClient:
         self._abort_reason: str | None = None
         self._abort_taken = threading.Event()
         self._watch_coordinator = False
-        self._reattach = reattach
+        self._reattach = options.reattach
         self._security = security
         self._session = ""
         # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
@@ -131,6 +133,7 @@ class ControlClient:
     # ------------------------------------------------------------------ main-thread API
 
     def start(self) -> None:
+        ensure_configured()  # the lines it writes when it ends the process must not be lost
         self._thread = threading.Thread(target=self._run, name="epochal-control", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -411,12 +414,10 @@ class ControlClient:
     def _exit_unless_taken(self, reason: str) -> None:
         if self._abort_taken.wait(self.abort_grace):
             return
-        print(
+        WORKER.error(
             f"epochal: run aborted: {reason}\n"
             f"epochal: the training code did not return to epochal within {self.abort_grace:g} s "
-            f"(blocked in a collective?); exiting with status {ABORT_EXIT_CODE}",
-            file=sys.stderr,
-            flush=True,
+            f"(blocked in a collective?); exiting with status {ABORT_EXIT_CODE}"
         )
         os._exit(ABORT_EXIT_CODE)
 
@@ -437,11 +438,9 @@ class ControlClient:
             if taken.wait(min(limit - stalled, self.heartbeat_interval)):
                 return
         who = f"rank {self.rank}" if self.rank is not None else "worker"
-        print(
+        WORKER.error(
             f"epochal: {who}: {reason}; the training code made no progress for {stalled:.0f} s "
             f"(blocked in a collective whose peer is gone?) and cannot re-attach from there: "
-            f"exiting with status {ABORT_EXIT_CODE}",
-            file=sys.stderr,
-            flush=True,
+            f"exiting with status {ABORT_EXIT_CODE}"
         )
         os._exit(ABORT_EXIT_CODE)

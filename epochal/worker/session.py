@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 import traceback
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from epochal.addressfile import file_path, wait_for
-from epochal.environment import (
-    CONNECT_TIMEOUT_ENV,
-    COORDINATOR_ENV,
-    JOB_ENV,
-    REATTACH_TIMEOUT_ENV,
-    TOKEN_ENV,
-    WORKER_ID_ENV,
-)
 from epochal.errors import (
     ConfigError,
     CoordinatorLost,
@@ -43,8 +30,8 @@ from epochal.errors import (
     JoinRefused,
     RunAborted,
 )
+from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
-    DEFAULT_JOB,
     Checkpointed,
     Decision,
     Done,
@@ -55,12 +42,8 @@ from epochal.protocol import (
     Go,
     Hello,
     Joined,
-    OpenStore,
     Phase,
-    Reject,
-    StoreReady,
     Welcome,
-    check_job_name,
     clip,
 )
 from epochal.security.curve import ClientSecurity
@@ -69,120 +52,19 @@ from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.exits import install as install_excepthook
 from epochal.worker.fingerprint import fingerprint
+from epochal.worker.options import (
+    JoinOptions,
+    check_endpoint,
+    coordinator_address,
+    default_worker_id,
+    read_address_file,
+)
+from epochal.worker.rendezvous import StillRunning, StoreRef, rendezvous, tell_join_failure
+from epochal.worker.results import EpochContext, EpochRecord, LossSum, RunResult
 from epochal.worker.state import Stateful
-from epochal.worker.store import connect_store, new_key, open_store, scoped
-from epochal.worker.waiting import WaitNotices
+from epochal.worker.store import scoped
 
-
-@dataclass(frozen=True, slots=True)
-class LossSum:
-    """A loss summed over samples (``total``) and how many samples that was (``count``)."""
-
-    total: float
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class EpochContext:
-    """What the coordinator said about the epoch about to run; identical on every rank."""
-
-    epoch: int
-    train_batches: int
-    valid_batches: int
-    # 0: no validation this epoch
-    lr_factor: float
-    rank: int
-    world_size: int
-    session: Session
-
-    def check(self) -> None:
-        """Raise RunAborted if the run was aborted; call it between batches of a custom loop."""
-        self.session.client.check()
-
-
-@dataclass(frozen=True, slots=True)
-class EpochRecord:
-    """One point of the learning curve."""
-
-    epoch: int
-    train_loss: float
-    valid_loss: float | None
-    smoothed_loss: float | None
-    lr_factor: float
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    """How the run went: the best epoch, its figures, and the whole learning curve."""
-
-    best_epoch: int | None
-    best_loss: float | None
-    # smoothed monitored loss of the best epoch
-    epochs_run: int
-    rank: int
-    world_size: int
-    curve: list[EpochRecord] = field(default_factory=list)
-    restore_best: bool = True
-    # whether the coordinator asks for the best epoch's weights at the end
-    weights_note: str | None = None
-    # set when the model does not hold the weights it should (the best epoch's, when
-    # restore_best): which weights it holds instead, and why
-
-    @property
-    def best(self) -> EpochRecord | None:
-        """The learning-curve record of the best epoch."""
-        return next((r for r in self.curve if r.epoch == self.best_epoch), None)
-
-
-def _env_float(name: str, default: float, *, allow_zero: bool = False) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (value >= 0 if allow_zero else value > 0):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value
-
-
-def _check_endpoint(endpoint: str) -> str:
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("tcp", "ipc", "inproc") or not (parts.netloc or parts.path):
-        raise ConfigError(
-            f"coordinator address {endpoint!r} is not a ZeroMQ endpoint: use tcp://HOST:PORT "
-            f"(pass coordinator=... or set {COORDINATOR_ENV})"
-        )
-    if parts.scheme == "tcp" and (parts.port is None or parts.port == 0):
-        raise ConfigError(
-            f"coordinator address {endpoint!r} has no port: use the address the coordinator "
-            "printed when it started, e.g. tcp://127.0.0.1:29400"
-        )
-    return endpoint
-
-
-def _read_address_file(spec: str, deadline_s: float) -> tuple[str, float]:
-    """Resolve ``file:PATH`` to the address in that file; return it and the time left."""
-    path = file_path(spec)
-    if path is None:
-        return spec, deadline_s
-    started = time.monotonic()
-    endpoint = wait_for(
-        path, deadline_s, say=lambda line: print(f"epochal: {line}", file=sys.stderr, flush=True)
-    )
-    return endpoint, max(0.1, deadline_s - (time.monotonic() - started))
-
-
-def advertised_host(endpoint: str) -> str:
-    """The address of this machine that the coordinator's peers can reach.
-
-    ``EPOCHAL_HOST`` wins, then ``EPOCHAL_IFNAME``'s address; a loopback coordinator means a
-    single-machine run (127.0.0.1); otherwise the local address of the route to the coordinator
-    (see :mod:`epochal.worker.network`).
-    """
-    return network.discover(endpoint).address
+__all__ = ["EpochContext", "EpochRecord", "LossSum", "RunResult", "Session", "join"]
 
 
 class Session:
@@ -193,7 +75,7 @@ class Session:
         client: ControlClient,
         welcome: Welcome,
         device: torch.device,
-        store: _StoreRef,
+        store: StoreRef,
         *,
         hello: Hello,
         endpoint: str,
@@ -239,17 +121,15 @@ class Session:
         """
         if self._reattach_timeout <= 0:
             raise lost
-        print(
+        WORKER.info(
             f"epochal: rank {self.rank}: {lost.reason}; waiting up to {self._reattach_timeout:g} s "
-            "for a coordinator to take this worker back",
-            file=sys.stderr,
-            flush=True,
+            "for a coordinator to take this worker back"
         )
         session = self.client.session
         hello = replace(self._hello, rank_hint=self.rank)
         stalled_since = time.monotonic()
         try:
-            welcome, _ = _rendezvous(
+            welcome, _ = rendezvous(
                 self.client,
                 hello,
                 self._endpoint,
@@ -258,7 +138,7 @@ class Session:
                 store=self._store,
                 answers=waiting,
             )
-        except _StillRunning as running:
+        except StillRunning as running:
             return self._carry_on(running.message, stalled_since)
         except (CoordinatorUnreachable, JoinRefused) as exc:
             raise CoordinatorLost(f"{lost.reason}; and then: {exc}") from None
@@ -277,23 +157,19 @@ class Session:
                 "workers cannot carry on: start the run again"
             )
         self._adopt(welcome)
-        print(
+        WORKER.info(
             f"epochal: rank {self.rank}: re-attached to run {self.run_id}; resuming after epoch "
-            f"{welcome.resume_epoch}",
-            file=sys.stderr,
-            flush=True,
+            f"{welcome.resume_epoch}"
         )
         raise _TakenBack
 
     def _carry_on(self, answer: Any, stalled_since: float) -> Any:
         """The coordinator that was lost answered again: it was stalled, not gone; go on."""
         self.client.watch_coordinator()
-        print(
+        WORKER.info(
             f"epochal: rank {self.rank}: the coordinator of run {self.run_id} answered again after "
             f"{time.monotonic() - stalled_since:.1f} s (it was stalled, not restarted); carrying "
-            f"on where this worker was (epoch {self.client.epoch})",
-            file=sys.stderr,
-            flush=True,
+            f"on where this worker was (epoch {self.client.epoch})"
         )
         return answer
 
@@ -473,7 +349,7 @@ class Session:
                 f"{exc}; the model keeps the weights of the last epoch trained ({last}) instead "
                 f"of the best epoch's ({result.best_epoch})"
             )
-            print(f"epochal: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+            WORKER.info(f"epochal: rank {self.rank}: {note}")
             return replace(result, weights_note=note)
         return result
 
@@ -525,31 +401,17 @@ def _device_for(local_rank: int, device: str | torch.device | None) -> torch.dev
     return torch.device("cpu")
 
 
-def join(
-    model: torch.nn.Module,
-    *,
-    coordinator: str | None = None,
-    job: str | None = None,
-    token: str | None = None,
-    worker_id: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    device: str | torch.device | None = None,
-    connect_timeout: float | None = None,
-    collective_timeout: float = 600.0,
-    heartbeat_interval: float = 1.0,
-    heartbeat_timeout: float = 15.0,
-    abort_grace: float = 2.0,
-    reattach_timeout: float | None = None,
-    curve_key: str | os.PathLike[str] | None = None,
-    curve_server_key: str | os.PathLike[str] | None = None,
-) -> Session:
+def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: Any) -> Session:
     """Join the run the coordinator holds and return this worker's Session.
 
-    Every argument left None comes from its environment variable (see
-    :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default 120 s) bounds
-    the time to reach the coordinator and be admitted; after that the coordinator's own
-    rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
+    The keyword arguments are the fields of :class:`~epochal.worker.options.JoinOptions` (or pass
+    ``options``, already built): ``coordinator``, ``job``, ``token``, ``worker_id``, ``rank``,
+    ``world_size``, ``device``, ``connect_timeout``, ``collective_timeout``,
+    ``heartbeat_interval``, ``heartbeat_timeout``, ``abort_grace``, ``reattach_timeout``,
+    ``curve_key``, ``curve_server_key``. Every argument left None comes from its environment
+    variable (see :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default
+    120 s) bounds the time to reach the coordinator and be admitted; after that the coordinator's
+    own rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
     ``reattach_timeout`` (default 60 s, 0: never) is how long a worker whose coordinator vanished
     waits for a restarted one to take it back; the run then resumes from its last checkpoint.
     ``curve_key`` (this worker's ``.key_secret`` file, else ``EPOCHAL_CURVE_KEY``) and
@@ -562,74 +424,41 @@ def join(
     local device default to ``EPOCHAL_RANK``/``EPOCHAL_WORLD_SIZE``/``EPOCHAL_LOCAL_RANK``, then to
     what torchrun, Slurm or a Kubernetes Indexed Job set (:mod:`epochal.worker.launchenv`).
     """
-    endpoint = coordinator or os.environ.get(COORDINATOR_ENV)
-    if not endpoint:
-        raise ConfigError(
-            f"no coordinator address: pass coordinator='tcp://HOST:PORT' or set {COORDINATOR_ENV}, "
-            "or start the script with `epochal run --nproc N SCRIPT`"
-        )
-    deadline_s = (
-        connect_timeout if connect_timeout is not None else _env_float(CONNECT_TIMEOUT_ENV, 120.0)
-    )
-    endpoint, deadline_s = _read_address_file(endpoint, deadline_s)
-    endpoint = _check_endpoint(endpoint)
-    try:
-        job = check_job_name(job or os.environ.get(JOB_ENV) or DEFAULT_JOB)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    token = token if token is not None else os.environ.get(TOKEN_ENV, "")
-    host = socket.gethostname()
-    worker_id = (
-        worker_id or os.environ.get(WORKER_ID_ENV) or f"{host}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
-    )
-    where = launchenv.placement(os.environ, rank=rank, world_size=world_size)
-    rank_hint, local_rank = where.rank, where.local_rank
-    reattach = (
-        reattach_timeout
-        if reattach_timeout is not None
-        else _env_float(REATTACH_TIMEOUT_ENV, 60.0, allow_zero=True)
-    )
-    if not reattach >= 0:
-        raise ConfigError(f"reattach_timeout must be >= 0 seconds (0: never), got {reattach}")
-    for name, value in (
-        ("collective_timeout", collective_timeout),
-        ("connect_timeout", deadline_s),
-        ("heartbeat_interval", heartbeat_interval),
-        ("abort_grace", abort_grace),
-    ):
-        if not value > 0:
-            raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-    if heartbeat_timeout <= heartbeat_interval:
-        raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
-    dev = _device_for(local_rank, device)
+    ensure_configured()  # the worker's lines go to stderr even where nobody set logging up
+    if options is None:
+        options = JoinOptions.from_env(**given)
+    elif given:
+        raise TypeError("join() takes options or keyword arguments, not both")
+    address = coordinator_address(options.coordinator, os.environ)
+    endpoint, deadline_s = read_address_file(address, options.connect_timeout)
+    endpoint = check_endpoint(endpoint)
+    where = options.placement
+    dev = _device_for(where.local_rank, options.device)
     plane = network.discover(endpoint)  # refuses an unusable network before joining
-    security = ClientSecurity.from_env(key_file=curve_key, server_key_file=curve_server_key)
-
+    security = ClientSecurity.from_env(
+        {}, key_file=options.curve_key, server_key_file=options.curve_server_key
+    )
+    worker_id = options.worker_id or default_worker_id()
     client = ControlClient(
-        endpoint,
-        identity=worker_id.encode()[:255],
-        heartbeat_interval=heartbeat_interval,
-        heartbeat_timeout=heartbeat_timeout,
-        abort_grace=abort_grace,
-        reattach=reattach > 0,
-        security=security,
+        endpoint, identity=worker_id.encode()[:255], options=options, security=security
     )
     # from here on, an error that stops the run ends the process with one line, no traceback
     install_excepthook(aborted=lambda: client._abort_reason)
     client.start()
     try:
         hello = Hello(
-            job=job,
-            token=token,
+            job=options.job,
+            token=options.token,
             worker_id=worker_id,
-            host=host,
+            host=socket.gethostname(),
             pid=os.getpid(),
-            rank_hint=rank_hint,
+            rank_hint=where.rank,
             device="cuda" if dev.type == "cuda" else "cpu",
             fingerprint=fingerprint(model),
             data_address=plane.address,
         )
-        welcome, store = _rendezvous(client, hello, endpoint, deadline_s, collective_timeout)
+        timeout = options.collective_timeout
+        welcome, store = rendezvous(client, hello, endpoint, deadline_s, timeout)
         mismatch = launchenv.check_world_size(where, welcome.world_size)
         if mismatch is not None:
             client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
@@ -643,7 +472,7 @@ def join(
             store=scoped(store.store, welcome.run_id, store.key),
             rank=welcome.rank,
             world_size=welcome.world_size,
-            timeout=timedelta(seconds=collective_timeout),
+            timeout=timedelta(seconds=timeout),
             device_id=dev if dev.type == "cuda" else None,
         )
         client.at(Phase.SETUP, welcome.start_epoch)
@@ -651,7 +480,7 @@ def join(
         client.close(flush=0.5)
         raise
     except BaseException as exc:
-        _tell_join_failure(client, exc)
+        tell_join_failure(client, exc)
         client.close(flush=0.5)
         raise
     return Session(
@@ -661,113 +490,10 @@ def join(
         store,
         hello=hello,
         endpoint=endpoint,
-        reattach_timeout=reattach,
-        store_timeout=collective_timeout,
+        reattach_timeout=options.reattach_timeout,
+        store_timeout=timeout,
     )
-
-
-def _tell_join_failure(client: ControlClient, exc: BaseException) -> None:
-    """Send the coordinator the error that ended this worker's join, naming the phase it hit.
-
-    Without it, a worker whose data plane cannot connect (gloo's ``connectFullMesh failed``) is
-    seen by the coordinator only as a silence. A refused or aborted worker is not told again.
-    """
-    if isinstance(exc, JoinRefused | RunAborted) or not isinstance(exc, Exception):
-        return
-    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    client.send(Failed(reason=clip(f"{client.phase.description} failed: {error}")))
 
 
 class _TakenBack(Exception):
     """A restarted coordinator took this worker back: resume from the checkpoint it names."""
-
-
-class _StillRunning(Exception):
-    """During a re-attach, the lost coordinator sent what the worker was waiting for."""
-
-    def __init__(self, message: Any) -> None:
-        super().__init__(type(message).__name__)
-        self.message = message
-
-
-@dataclass(slots=True)
-class _StoreRef:
-    """The data-plane store this worker uses, and the host it was reached at."""
-
-    store: TCPStore
-    host: str
-    port: int
-    key: str
-    # the secret the process group's keys live under (see epochal.worker.store)
-
-
-def _rendezvous(
-    client: ControlClient,
-    hello: Hello,
-    endpoint: str,
-    deadline_s: float,
-    store_timeout: float,
-    store: _StoreRef | None = None,
-    answers: tuple[type[Any], ...] = (),
-) -> tuple[Welcome, _StoreRef]:
-    """Say hello until admitted, open (rank 0) or find the store, and return the Welcome.
-
-    ``store`` is the store of a running process group (a re-attach): it is reused, not reopened.
-    ``answers`` (a re-attach) are the messages the worker waited for when it lost the coordinator:
-    only the coordinator that admitted it sends one, so one arriving raises :class:`_StillRunning`.
-    """
-    started = time.monotonic()
-    deadline = started + deadline_s
-    notices = WaitNotices(endpoint, deadline_s, started, announced=store is not None)
-    backoff = 0.1
-    joined = False
-    client.send(hello)
-    while True:
-        try:
-            wait = min(backoff, max(deadline - time.monotonic(), 0.01))  # never past the deadline
-            message = client.receive(timeout=None if joined else wait)
-        except TimeoutError:
-            now = time.monotonic()
-            if now > deadline:
-                raise CoordinatorUnreachable(
-                    f"no coordinator answered at {endpoint} within {deadline_s:g} s: start it "
-                    f"first (epochal coordinator --bind ...), or check the address "
-                    f"({COORDINATOR_ENV}) and that no firewall blocks the port; "
-                    f"{CONNECT_TIMEOUT_ENV} sets how long a worker waits"
-                ) from None
-            notice = notices.due(now)
-            if notice is not None:
-                print(notice, file=sys.stderr, flush=True)
-            backoff = min(backoff * 2, 2.0, max(0.1, deadline - now))
-            client.send(hello)
-            continue
-        match message:
-            case Joined():
-                if not joined:
-                    joined = True
-                    client.watch_coordinator()
-            case Reject(code="not_member"):
-                pass  # the answer to a message queued before this hello: not about the hello
-            case Reject(reason=reason):
-                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
-            case OpenStore():
-                if store is None:
-                    client.at(Phase.CONNECT, 0)
-                    host = advertised_host(endpoint)
-                    master = open_store(host, store_timeout)
-                    store = _StoreRef(master, host, master.port, new_key())
-                client.send(StoreReady(host=store.host, port=store.port, key=store.key))
-            case Welcome():
-                if store is None:
-                    client.at(Phase.CONNECT, message.start_epoch)
-                    found = connect_store(message.store_host, message.store_port, store_timeout)
-                    store = _StoreRef(
-                        found, message.store_host, message.store_port, message.store_key
-                    )
-                return message, store
-            case _ if isinstance(message, answers):
-                raise _StillRunning(message)
-            case _:
-                raise EpochalError(
-                    f"unexpected {type(message).__name__} from the coordinator during rendezvous"
-                )

@@ -16,10 +16,11 @@ import contextlib
 import errno
 import secrets
 import socket
-import sys
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from epochal.log import WORKER
 
 KEY_BYTES = 16
 """Random bytes in a run's store secret (hex-encoded on the wire)."""
@@ -48,11 +49,9 @@ def open_store(host: str, timeout: float) -> TCPStore:
                 raise
             wildcard, own = ("::", "::1") if family == socket.AF_INET6 else ("0.0.0.0", "127.0.0.1")
             listener.bind((wildcard, 0))
-            print(
+            WORKER.info(
                 f"epochal: {host} is not an address of this machine, so the data-plane store "
-                "listens on every interface (its keys are under the run's secret)",
-                file=sys.stderr,
-                flush=True,
+                "listens on every interface (its keys are under the run's secret)"
             )
         listener.listen(socket.SOMAXCONN)
         store = TCPStore(

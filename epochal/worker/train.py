@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sized
 from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,8 +22,10 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.options import JoinOptions
 from epochal.worker.precision import check_clip_grad_norm, check_precision
-from epochal.worker.session import EpochContext, LossSum, RunResult, Session, join
+from epochal.worker.results import EpochContext, LossSum, RunResult
+from epochal.worker.session import Session, join
 from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
 from epochal.worker.strategies import ModeOptions, to_device, wrap
 
@@ -74,6 +77,39 @@ def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
     return inputs, targets, int(targets.shape[0])
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FitOptions:
+    """How :func:`fit` trains; see :func:`train` for each option's meaning."""
+
+    progress: bool | None = None
+    # the in-epoch progress bar on rank 0; None: when stderr is a terminal (or EPOCHAL_PROGRESS)
+    accumulate: int = 1
+    # batches whose gradients are summed before one optimizer step
+    mode: str = "replicated"
+    # the parallel strategy (epochal.worker.strategies)
+    mode_options: ModeOptions | Mapping[str, Any] | None = None
+    initialize: Callable[[torch.nn.Module], None] | None = None
+    # run on rank 0 before training (not on a resume), its result broadcast to every rank
+    configure_ddp: Callable[[DistributedDataParallel], None] | None = None
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    # further keyword arguments of DistributedDataParallel
+    clip_grad_norm: float | None = None
+    # the gradients' global L2 norm is clipped to this at each optimizer step; None: no clipping
+    precision: str = "32"
+    # "32", "bf16" or "fp16": the dtype of autocast for the forward and the loss
+
+    def __post_init__(self) -> None:
+        if type(self.accumulate) is not int or self.accumulate < 1:
+            raise ConfigError(
+                f"accumulate must be a whole number of batches >= 1, got {self.accumulate!r}"
+            )
+        check_precision(self.precision)
+        check_clip_grad_norm(self.clip_grad_norm)
+
+
+FIT_OPTIONS = frozenset(f.name for f in fields(FitOptions))
+
+
 def fit(
     session: Session,
     model: torch.nn.Module,
@@ -81,26 +117,26 @@ def fit(
     train_loader: LoaderArg,
     valid_loader: LoaderArg | None,
     loss_fn: LossFn,
-    *,
-    progress: bool | None = None,
-    accumulate: int = 1,
-    mode: str = "replicated",
-    mode_options: ModeOptions | Mapping[str, Any] | None = None,
-    initialize: Callable[[torch.nn.Module], None] | None = None,
-    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
-    clip_grad_norm: float | None = None,
-    precision: str = "32",
-    **ddp_options: Any,
+    options: FitOptions | None = None,
+    **given: Any,
 ) -> RunResult:
-    """Train ``model`` in an already joined ``session``; see :func:`train`."""
-    if type(accumulate) is not int or accumulate < 1:
-        raise ConfigError(f"accumulate must be a whole number of batches >= 1, got {accumulate!r}")
-    check_precision(precision)
-    check_clip_grad_norm(clip_grad_norm)
+    """Train ``model`` in an already joined ``session``; see :func:`train`.
+
+    The keyword arguments are the fields of :class:`FitOptions` (or pass ``options``); any other
+    is an option of DistributedDataParallel.
+    """
+    if options is None:
+        ddp = {k: v for k, v in given.items() if k not in FIT_OPTIONS}
+        own = {k: v for k, v in given.items() if k in FIT_OPTIONS and k != "ddp_options"}
+        options = FitOptions(**own, ddp_options={**given.get("ddp_options", {}), **ddp})
+    elif given:
+        raise TypeError("fit() takes options or keyword arguments, not both")
+    accumulate, mode = options.accumulate, options.mode
     train_data = _resolve(train_loader, session, "train")
     assert train_data is not None
     valid_data = _resolve(valid_loader, session, "validation")
     device = session.device
+    initialize = options.initialize
     if initialize is not None and session.resume_epoch is None:  # a resume loads its weights
         to_device(model, device)
         initialize_on_rank(model, initialize)
@@ -109,18 +145,18 @@ def fit(
         optimizer,
         device,
         mode=mode,
-        options=mode_options,
-        ddp_options=ddp_options,
-        precision=precision,
-        clip_grad_norm=clip_grad_norm,
+        options=options.mode_options,
+        ddp_options=dict(options.ddp_options),
+        precision=options.precision,
+        clip_grad_norm=options.clip_grad_norm,
     )
     model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
-    if configure_ddp is not None:
+    if options.configure_ddp is not None:
         if strategy.ddp is None:
             raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
-        strategy.configure = configure_ddp
+        strategy.configure = options.configure_ddp
     base_lrs = [group["lr"] for group in optimizer.param_groups]
-    show_progress = _progress_enabled(session.rank, progress)
+    show_progress = _progress_enabled(session.rank, options.progress)
     best_state: dict[str, torch.Tensor] | None = None
 
     def train_epoch(ctx: EpochContext) -> LossSum:
@@ -213,17 +249,7 @@ def train(
     train_loader: LoaderArg,
     valid_loader: LoaderArg | None,
     loss_fn: LossFn,
-    *,
-    progress: bool | None = None,
-    accumulate: int = 1,
-    mode: str = "replicated",
-    mode_options: ModeOptions | Mapping[str, Any] | None = None,
-    initialize: Callable[[torch.nn.Module], None] | None = None,
-    configure_ddp: Callable[[DistributedDataParallel], None] | None = None,
-    ddp_options: dict[str, Any] | None = None,
-    clip_grad_norm: float | None = None,
-    precision: str = "32",
-    **join_options: Any,
+    **options: Any,
 ) -> RunResult:
     """Train ``model`` data-parallel under the coordinator and return how the run went.
 
@@ -243,8 +269,7 @@ def train(
     further keyword arguments of DDP, and ``configure_ddp(ddp)`` may register a communication hook
     or the like on the DDP wrapper (replicated, sharded). ``initialize(model)`` runs on rank 0
     before training (not on a resume) and its parameters and buffers are broadcast to every rank:
-    initial parameters computed from data, e.g. k-means centroids. ``join_options`` go to
-    :func:`epochal.join` (``coordinator=``, ``job=``, ``connect_timeout=``, ...).
+    initial parameters computed from data, e.g. k-means centroids.
 
     ``precision`` is ``"32"`` (the default: float32 throughout), ``"bf16"`` or ``"fp16"``: the
     forward and the loss (training and validation) run under ``torch.autocast`` with that dtype,
@@ -258,27 +283,17 @@ def train(
     on the gradients averaged across ranks and unscaled, over the whole model in every mode
     (fully_sharded reduces the norm of its shards).
     Other values raise :class:`~epochal.errors.ConfigError` before the run is joined.
+
+    ``progress``, ``accumulate``, ``mode``, ``mode_options``, ``initialize``, ``configure_ddp``,
+    ``ddp_options``, ``clip_grad_norm`` and ``precision`` are the fields of :class:`FitOptions`;
+    every other keyword argument is one of :func:`epochal.join` (``coordinator=``, ``job=``,
+    ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.options.JoinOptions`), which
+    are checked before joining.
     """
-    check_precision(precision)
-    check_clip_grad_norm(clip_grad_norm)
-    session = join(model, **join_options)
+    fitting = FitOptions(**{k: v for k, v in options.items() if k in FIT_OPTIONS})
+    joining = JoinOptions.from_env(**{k: v for k, v in options.items() if k not in FIT_OPTIONS})
+    session = join(model, joining)
     try:
-        return fit(
-            session,
-            model,
-            optimizer,
-            train_loader,
-            valid_loader,
-            loss_fn,
-            progress=progress,
-            accumulate=accumulate,
-            mode=mode,
-            mode_options=mode_options,
-            initialize=initialize,
-            configure_ddp=configure_ddp,
-            clip_grad_norm=clip_grad_norm,
-            precision=precision,
-            **(ddp_options or {}),
-        )
+        return fit(session, model, optimizer, train_loader, valid_loader, loss_fn, fitting)
     finally:
         session.close()

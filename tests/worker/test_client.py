@@ -15,6 +15,7 @@ import zmq
 from epochal.errors import RunAborted
 from epochal.protocol import Failed, Phase, Status, decode
 from epochal.worker.client import ControlClient
+from epochal.worker.options import JoinOptions
 
 HEARTBEAT_INTERVAL = 0.2
 MARGIN = 10.0
@@ -39,8 +40,10 @@ def client(router: tuple[zmq.Socket[bytes], str]) -> Iterator[ControlClient]:
     control = ControlClient(
         endpoint,
         b"worker-under-test",
-        heartbeat_interval=HEARTBEAT_INTERVAL,
-        abort_grace=600.0,  # the test takes the abort itself; never end the test process
+        JoinOptions(
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            abort_grace=600.0,  # the test takes the abort itself; never end the test process
+        ),
     )
     control.start()
     try:

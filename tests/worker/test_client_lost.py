@@ -26,10 +26,11 @@ CHILD = """
 import sys, time
 from epochal.errors import CoordinatorLost
 from epochal.worker.client import ControlClient
+from epochal.worker.options import JoinOptions
 
 client = ControlClient(
-    sys.argv[1], b"w", heartbeat_interval={interval}, heartbeat_timeout={timeout},
-    abort_grace={grace}, reattach=True,
+    sys.argv[1], b"w", JoinOptions(heartbeat_interval={interval}, heartbeat_timeout={timeout},
+    abort_grace={grace}, reattach_timeout=60),
 )
 client.start()
 client.watch_coordinator()
