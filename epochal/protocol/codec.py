@@ -274,6 +274,11 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
             return _whole(data)
         except Exception:  # the reader below says what is wrong, naming its path
             pass
+    return _by_value(data, size)
+
+
+def _by_value(data: bytes | memoryview, size: int) -> tuple[Message, str]:
+    """A frame read value by value against its message's declared fields."""
     reader = _Reader(data)
     try:
         message, session = reader.frame()

@@ -809,6 +809,70 @@ def test_field_mutations_of_valid_frames_decode_or_are_refused(frame: dict[str, 
     decodes_or_refuses(pack(frame))
 
 
+def whole_agrees_with_by_value(data: bytes) -> None:
+    """A frame the fast path (unpacked whole) accepts, the value-by-value reader accepts too, as
+    the same message and session: the fast path never lets through what the reader refuses."""
+    from epochal.protocol import codec
+
+    try:
+        fast = codec._whole(data)
+    except Exception:
+        return  # decode then answers with the reader alone
+    assert codec._by_value(data, len(data)) == fast
+
+
+@FUZZ
+@given(st.one_of(field_mutations(), near_frames()))
+def test_the_whole_frame_path_accepts_only_what_the_reader_accepts(frame: dict[str, Any]):
+    whole_agrees_with_by_value(pack(frame))
+
+
+@FUZZ
+@given(byte_mutations())
+def test_the_whole_frame_path_agrees_on_mutated_bytes(data: bytes):
+    whole_agrees_with_by_value(data)
+
+
+@pytest.mark.parametrize("cls", list(EXAMPLES), ids=lambda cls: TYPE_NAMES[cls])
+def test_every_valid_small_frame_takes_the_whole_frame_path(cls: type):
+    from epochal.protocol import codec
+
+    message = EXAMPLES[cls]
+    assert codec._whole(encode(message, session="abc")) == (message, "abc")
+    whole_agrees_with_by_value(encode(message))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"v": PROTOCOL_VERSION, "t": "failed", "reason": "a", "reason ": "b"},
+        {"t": "done", "v": PROTOCOL_VERSION},
+        {"v": PROTOCOL_VERSION, "t": "done", "s": "x"},
+        {"v": PROTOCOL_VERSION, "t": "done", "s": ""},
+        {"v": PROTOCOL_VERSION, "x": 1, "t": "done"},
+    ],
+)
+def test_the_whole_frame_path_agrees_on_edge_cases(frame: dict[str, Any]):
+    whole_agrees_with_by_value(pack(frame))
+
+
+def test_a_repeated_key_is_refused_on_either_path():
+    # a msgpack map may repeat a key; unpacked whole, the last would silently win
+    data = b"\x84\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed"
+    data += b"\xa6reason\xa1a\xa6reason\xa1b"
+    assert "field 'reason' appears twice" in refusal(data)
+    nested = frame_of(EXAMPLES[Hello])
+    raw = pack(nested)
+    once = msgpack.packb("dtype") + msgpack.packb("torch.float32")
+    twice = raw.replace(
+        b"\x83" + msgpack.packb("name") + msgpack.packb("weight"),
+        b"\x84" + msgpack.packb("name") + msgpack.packb("weight") + once,
+        1,
+    )
+    assert twice != raw
+    assert "field 'dtype' appears twice" in refusal(twice)
+
+
 def test_a_status_phase_is_the_shared_enum_on_both_sides():
     status = decode(encode(Status(phase=Phase.CONNECT, epoch=0, step=0, where="")))
     assert isinstance(status, Status) and status.phase is Phase.CONNECT
@@ -872,6 +936,42 @@ def test_bomb_frames_are_refused_before_they_allocate(name: str):
     # plain msgpack decoding of these builds hundreds of MiB; the reader holds one copy of the
     # frame and stops at the first value that is not where the message declares one
     assert peak < 2 * len(data) + 256 * 1024, f"{name}: decoding allocated {peak} bytes at its peak"
+
+
+def _small_bombs() -> dict[str, bytes]:
+    """Frames at the size up to which the codec unpacks a frame whole, built to allocate most."""
+    from epochal.protocol.limits import WHOLE_FRAME_BYTES
+
+    head = b"\x83\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed\xa6reason"
+    room = WHOLE_FRAME_BYTES - len(head) - 5
+    wide = b"\xdd" + room.to_bytes(4, "big")
+    return {
+        "empty-arrays": head + wide + b"\x90" * room,
+        "empty-maps": head + wide + b"\x80" * room,
+        "wide-ints": head
+        + b"\xdd"
+        + (room // 3).to_bytes(4, "big")
+        + b"\xcd\x01\x01" * (room // 3),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_small_bombs()))
+def test_a_frame_unpacked_whole_allocates_a_bounded_multiple_of_its_size(name: str):
+    import tracemalloc
+
+    from epochal.protocol.limits import WHOLE_FRAME_BYTES
+
+    data = _small_bombs()[name]
+    assert len(data) <= WHOLE_FRAME_BYTES
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMessage, match=r"failed\.reason: expected a plain value"):
+            decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # one empty container per byte is the worst a frame can do: about 72 bytes of objects each
+    assert peak < 128 * WHOLE_FRAME_BYTES, f"{name}: decoding allocated {peak} bytes at its peak"
 
 
 def test_a_bomb_inside_a_declared_list_is_bounded_by_the_value_count():
