@@ -159,6 +159,8 @@ class Decoder:
         self.frame_keys = self.keys | set(_RESERVED)
         self.frame_keys_session = self.frame_keys | {SESSION_KEY}
         self.by_name = {spec.name: spec for spec in self.specs}
+        # whether the record holds maps of its own (a hello's fingerprint and its params)
+        self.nested = any(_holds_record(spec) for spec in self.specs)
 
     def build(self, raw: Any, where: str) -> Any:
         """The record from its raw map, or MalformedMessage naming every missing or extra field
@@ -181,6 +183,12 @@ class Decoder:
             return self.cls(*values)
         except ValueError as exc:
             raise MalformedMessage(f"{where}: {exc}") from None
+
+
+def _holds_record(spec: FieldSpec) -> bool:
+    if spec.item is not None:
+        return _holds_record(spec.item)
+    return issubclass(spec.kind, Record)
 
 
 _DECODERS: dict[type, Decoder] = {}
@@ -270,6 +278,8 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     if size > MAX_FRAME_BYTES:
         raise MalformedMessage(f"frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
     if size <= WHOLE_FRAME_BYTES:
+        if isinstance(data, memoryview) and data.format != "B":
+            data = data.cast("B")  # so that data[0] is the first byte
         try:
             return _whole(data)
         except Exception:  # the reader below says what is wrong, naming its path
@@ -302,20 +312,35 @@ def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+_WHOLE_OPTIONS: dict[str, Any] = {
+    "raw": False,
+    "strict_map_key": True,
+    "max_str_len": MAX_TEXT_CHARS * 4,
+    "max_bin_len": 0,
+    "max_ext_len": 0,
+    "max_array_len": MAX_PARAMS,
+    "max_map_len": MAX_FIELDS + len(_RESERVED) + 1,
+}
+
+
+def _map_size(data: bytes | memoryview) -> int:
+    """Entries of the map a frame starts with, read from its header (-1: not a map)."""
+    first = data[0]
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F
+    if first == 0xDE:
+        return int.from_bytes(data[1:3], "big")
+    if first == 0xDF:
+        return int.from_bytes(data[1:5], "big")
+    return -1
+
+
 def _whole(data: bytes | memoryview) -> tuple[Message, str]:
     """A small frame unpacked whole, accepted only when it is exactly a valid message (anything
     else raises, and the value-by-value reader then names what is wrong)."""
-    frame = msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=True,
-        object_pairs_hook=_unique_map,
-        max_str_len=MAX_TEXT_CHARS * 4,
-        max_bin_len=0,
-        max_ext_len=0,
-        max_array_len=MAX_PARAMS,
-        max_map_len=MAX_FIELDS + len(_RESERVED) + 1,
-    )
+    frame = msgpack.unpackb(data, **_WHOLE_OPTIONS)
+    if len(frame) != _map_size(data):
+        raise _Duplicate  # a key repeated: unpacked, the last one would silently win
     version = frame["v"]
     name = frame["t"]
     keys = iter(frame)
@@ -325,7 +350,10 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
         or {next(keys), next(keys)} != {"v", "t"}
     ):
         raise ValueError("not a frame of this version")
-    dec = _DECODERS.get(MESSAGE_TYPES[name]) or decoder(MESSAGE_TYPES[name])
+    cls = MESSAGE_TYPES[name]
+    dec = _DECODERS.get(cls) or decoder(cls)
+    if dec.nested:  # maps inside: unpack again, refusing a repeated key in any of them
+        frame = msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
     session = frame.get(SESSION_KEY, "")
     if session:
         if type(session) is not str or len(session) > MAX_SESSION_CHARS:

@@ -139,8 +139,10 @@ class Device(_enum.StrEnum):
 def _one_of(choices: type[_enum.StrEnum], name: str, value: object) -> _enum.StrEnum:
     if isinstance(value, choices):
         return value
-    if isinstance(value, str) and value in choices._value2member_map_:
-        return choices(value)
+    if isinstance(value, str):
+        member = choices._value2member_map_.get(value)
+        if member is not None:
+            return _typing.cast(_enum.StrEnum, member)
     allowed = ", ".join(member.value for member in choices)
     raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
