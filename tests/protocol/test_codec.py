@@ -25,18 +25,24 @@ from epochal.protocol.messages import (
     PROTOCOL_VERSION,
     TYPE_NAMES,
     Abort,
+    Chars,
     Checkpointed,
     Decision,
     Done,
     EpochReady,
     EpochReport,
     Failed,
+    FieldSpec,
     Fingerprint,
     Finish,
+    Finite,
+    Ge,
     Go,
     Heartbeat,
     Hello,
     Joined,
+    Length,
+    OneOf,
     OpenStore,
     ParamSpec,
     Phase,
@@ -44,8 +50,10 @@ from epochal.protocol.messages import (
     Status,
     StoreReady,
     Welcome,
+    Within,
     check_job_name,
     clip,
+    fields_of,
 )
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -149,12 +157,6 @@ param_specs = st.builds(
     shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
     dtype=nonempty,
 )
-fingerprints = st.builds(
-    Fingerprint,
-    digest=nonempty,
-    params=st.lists(param_specs, max_size=4).map(tuple),
-    torch_version=nonempty,
-)
 
 
 sessions = st.text(min_size=1, max_size=64)
@@ -188,75 +190,60 @@ def welcomes(draw: st.DrawFn) -> Welcome:
     )
 
 
-STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
-    Hello: st.builds(
-        Hello,
-        job=nonempty,
-        token=text,
-        worker_id=nonempty,
-        host=nonempty,
-        pid=nonneg,
-        rank_hint=st.none() | nonneg,
-        device=st.sampled_from(["cpu", "cuda"]),
-        fingerprint=fingerprints,
-    ),
-    StoreReady: st.builds(StoreReady, host=nonempty, port=st.integers(1, 65535), key=text),
-    EpochReady: st.builds(
-        EpochReady, epoch=nonneg, train_batches=nonneg, valid_batches=st.none() | nonneg
-    ),
-    EpochReport: st.builds(
-        EpochReport,
-        epoch=nonneg,
-        train_loss_sum=no_nan,
-        train_count=nonneg,
-        valid_loss_sum=no_nan,
-        valid_count=nonneg,
-    ),
-    Failed: st.builds(Failed, reason=nonempty),
-    Done: st.just(Done()),
-    Heartbeat: st.just(Heartbeat()),
-    Status: st.builds(
-        Status,
-        phase=st.sampled_from(list(Phase)),
-        epoch=nonneg,
-        step=nonneg,
-        where=text,
-    ),
+# Records whose fields depend on each other (or, for ParamSpec, whose list items are bounded)
+# have their strategy written out; every other message's is derived from its declared fields.
+WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
+    ParamSpec: param_specs,
     Joined: joineds(),
-    OpenStore: st.builds(OpenStore, run_id=nonempty),
     Welcome: welcomes(),
-    Reject: st.builds(
-        Reject,
-        reason=nonempty,
-        code=st.sampled_from(["refused", "not_member", "malformed", "version"]),
-    ),
-    Go: st.builds(
-        Go,
-        epoch=nonneg,
-        train_batches=st.integers(1, INT64),
-        valid_batches=nonneg,
-        lr_factor=finite,
-    ),
-    Decision: st.builds(
-        Decision,
-        epoch=nonneg,
-        train_loss=no_nan,
-        valid_loss=st.none() | no_nan,
-        smoothed_loss=st.none() | no_nan,
-        best_epoch=st.none() | nonneg,
-        is_best=st.booleans(),
-        checkpoint=st.booleans(),
-        stop=st.booleans(),
-    ),
-    Finish: st.builds(
-        Finish,
-        best_epoch=st.none() | nonneg,
-        best_loss=st.none() | no_nan,
-        epochs_run=nonneg,
-        restore_best=st.booleans(),
-    ),
-    Checkpointed: st.builds(Checkpointed, epoch=nonneg),
-    Abort: st.builds(Abort, reason=nonempty),
+}
+
+
+def field_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
+    """Valid values of a field, from what its type declares (as a caller passes them: strings
+    for closed sets)."""
+    values = _plain_values(spec)
+    return st.none() | values if spec.nilable else values
+
+
+def _plain_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
+    choices = [c.choices for c in spec.constraints if isinstance(c, OneOf)]
+    if choices:
+        return st.sampled_from([member.value for member in choices[0]])
+    if spec.kind is int:
+        least, most = -(2**63), INT64
+        for c in spec.constraints:
+            if isinstance(c, Ge):
+                least = c.least
+            elif isinstance(c, Within):
+                least, most = c.lowest, c.highest
+        return st.integers(least, most)
+    if spec.kind is float:
+        return finite if any(isinstance(c, Finite) for c in spec.constraints) else no_nan
+    if spec.kind is bool:
+        return st.booleans()
+    if spec.kind is str:
+        least, most = 0, 24
+        for c in spec.constraints:
+            if isinstance(c, Chars):
+                least = 0 if c.empty else 1
+            elif isinstance(c, Length):
+                least, most = c.least, c.most
+        return st.text(min_size=least, max_size=most)
+    if spec.kind is tuple:
+        assert spec.item is not None
+        return st.lists(field_values(spec.item), max_size=4).map(tuple)
+    return record_values(spec.kind)
+
+
+def record_values(cls: type) -> st.SearchStrategy[Any]:
+    if cls in WRITTEN_OUT:
+        return WRITTEN_OUT[cls]
+    return st.builds(cls, **{spec.name: field_values(spec) for spec in fields_of(cls)})
+
+
+STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
+    cls: record_values(cls) for cls in MESSAGE_TYPES.values()
 }
 messages = st.one_of(*STRATEGIES.values())
 
@@ -329,6 +316,7 @@ def decodes_or_refuses(data: bytes) -> Any:
 def test_every_message_type_has_an_example_and_a_strategy():
     assert set(EXAMPLES) == set(MESSAGE_TYPES.values())
     assert set(STRATEGIES) == set(MESSAGE_TYPES.values())
+    assert set(WRITTEN_OUT) <= {*MESSAGE_TYPES.values(), ParamSpec, Fingerprint}
     assert all(type(m) is cls for cls, m in EXAMPLES.items())
 
 
