@@ -365,6 +365,7 @@ def message(cls: type[_M]) -> type[_M]:
     if not issubclass(cls, WorkerMessage | CoordinatorMessage):
         raise TypeError(f"{cls.__name__} must derive from WorkerMessage or CoordinatorMessage")
     made = _dataclasses.dataclass(frozen=True, slots=True)(cls)
+    fields_of(made)  # a field of a type the codec cannot carry fails here, where it is declared
     name = wire_name(cls.__name__)
     if name in MESSAGE_TYPES:
         raise TypeError(f"two messages are named {name!r}")
