@@ -18,7 +18,6 @@ exports exactly the protocol's names.
 
 import dataclasses as _dataclasses
 import enum as _enum
-import functools as _functools
 import math as _math
 import re as _re
 import types as _types
@@ -284,11 +283,17 @@ def _spec(name: str, tp: _Any) -> FieldSpec:
     raise TypeError(f"{name}: a message field cannot be of type {tp!r}")  # pragma: no cover
 
 
-@_functools.cache
+_FIELDS: dict[type, tuple[FieldSpec, ...]] = {}
+
+
 def fields_of(cls: type) -> tuple[FieldSpec, ...]:
     """The declared fields of a record (message or part), in order."""
-    hints = _typing.get_type_hints(cls, include_extras=True)
-    return tuple(_spec(f.name, hints[f.name]) for f in _dataclasses.fields(cls))
+    found = _FIELDS.get(cls)
+    if found is None:
+        hints = _typing.get_type_hints(cls, include_extras=True)
+        fields = _dataclasses.fields(cls)
+        found = _FIELDS[cls] = tuple(_spec(f.name, hints[f.name]) for f in fields)
+    return found
 
 
 _Checks = tuple[tuple[str, bool, tuple[Constraint, ...]], ...]
