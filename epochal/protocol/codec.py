@@ -274,7 +274,7 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     the bytes, decoding allocates at most about what the largest legitimate message needs (at most
     :data:`MAX_FRAME_OBJECTS` values), never an amplification.
     """
-    size = memoryview(data).nbytes
+    size = len(data) if type(data) is bytes else memoryview(data).nbytes
     if size > MAX_FRAME_BYTES:
         raise MalformedMessage(f"frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
     if size <= WHOLE_FRAME_BYTES:
@@ -339,16 +339,14 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
     """A small frame unpacked whole, accepted only when it is exactly a valid message (anything
     else raises, and the value-by-value reader then names what is wrong)."""
     frame = msgpack.unpackb(data, **_WHOLE_OPTIONS)
-    if len(frame) != _map_size(data):
+    first = data[0]
+    if len(frame) != (first - 0x80 if 0x80 <= first <= 0x8F else _map_size(data)):
         raise _Duplicate  # a key repeated: unpacked, the last one would silently win
     version = frame["v"]
     name = frame["t"]
     keys = iter(frame)
-    if (
-        type(version) is not int
-        or version != PROTOCOL_VERSION
-        or {next(keys), next(keys)} != {"v", "t"}
-    ):
+    lead = next(keys) + next(keys)  # "v" and "t" come first, in either order
+    if type(version) is not int or version != PROTOCOL_VERSION or lead not in ("vt", "tv"):
         raise ValueError("not a frame of this version")
     cls = MESSAGE_TYPES[name]
     dec = _DECODERS.get(cls) or decoder(cls)
