@@ -20,7 +20,9 @@ from epochal.protocol.messages import (
     CoordinatorMessage,
     FieldSpec,
     Fingerprint,
+    Finite,
     Ge,
+    Length,
     OneOf,
     ParamSpec,
     Record,
@@ -103,6 +105,11 @@ def what_it_must_say(spec: FieldSpec) -> list[str]:
         return words if len(words) > spec.nilable else [*words, "int"]
     if issubclass(spec.kind, Record):
         return [*words, "map"]
+    for constraint in spec.constraints:
+        if isinstance(constraint, Finite):
+            words.append("finite")
+        elif isinstance(constraint, Length):
+            words.append(f"{constraint.least}..{constraint.most}")
     return [*words, spec.kind.__name__]
 
 
