@@ -3,15 +3,20 @@
 A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, <field>: <value>, ...}``.
 :func:`decode` returns exactly one message of :mod:`epochal.protocol.messages` or raises
 :class:`~epochal.errors.MalformedMessage`; nothing else escapes it, whatever the bytes.
+
+Each record class gets one decoder, compiled once from its declared fields
+(:func:`~epochal.protocol.messages.fields_of`): a converter per field that checks the raw value's
+type and builds the field's value. A frame of at most
+:data:`~epochal.protocol.limits.WHOLE_FRAME_BYTES` is unpacked whole and run through them; any
+other frame, and any frame that fails there, is read value by value against the same declared
+fields (never decoding a container the message does not have, nor a list longer than its field
+allows) and run through the same converters, which name the path of what is wrong.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -23,35 +28,235 @@ from epochal.protocol.limits import (
     MAX_FRAME_OBJECTS,
     MAX_KEY_CHARS,
     SESSION_KEY,
+    WHOLE_FRAME_BYTES,
 )
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
+    MAX_PARAMS,
     MAX_SESSION_CHARS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     TYPE_NAMES,
+    FieldSpec,
     Message,
+    Record,
+    fields_of,
 )
 
 _RESERVED = ("v", "t")
 
+Converter = Callable[[Any, str, "str | int"], Any]
+"""Checks one raw value (as msgpack gives it) of a declared field and returns the field's value.
+Called with the value, the path of its container and its key there (a field name or list index),
+which name it in the MalformedMessage it raises."""
+
+
+def _path(parent: str, key: str | int) -> str:
+    return f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}"
+
+
+def _wrong(expected: str, value: Any, parent: str, key: str | int) -> MalformedMessage:
+    return MalformedMessage(
+        f"{_path(parent, key)}: expected {expected}, got {type(value).__name__}"
+    )
+
+
+# ------------------------------------------------------------------------ compiled decoders
+
+
+def _converter(spec: FieldSpec) -> Converter:
+    convert = _plain_converter(spec)
+    if not spec.nilable:
+        return convert
+
+    def nilable(value: Any, parent: str, key: str | int) -> Any:
+        return None if value is None else convert(value, parent, key)
+
+    return nilable
+
+
+def _plain_converter(spec: FieldSpec) -> Converter:
+    kind = spec.kind
+    if kind is int:
+
+        def to_int(value: Any, parent: str, key: str | int) -> Any:
+            if type(value) is int:
+                return value
+            raise _wrong("int", value, parent, key)
+
+        return to_int
+    if kind is float:
+
+        def to_float(value: Any, parent: str, key: str | int) -> Any:
+            if type(value) is float:
+                return value
+            if type(value) is int:
+                return float(value)
+            raise _wrong("float", value, parent, key)
+
+        return to_float
+    if kind is bool:
+
+        def to_bool(value: Any, parent: str, key: str | int) -> Any:
+            if type(value) is bool:
+                return value
+            raise _wrong("bool", value, parent, key)
+
+        return to_bool
+    if kind is str:
+
+        def to_str(value: Any, parent: str, key: str | int) -> Any:
+            if type(value) is str:
+                return value
+            raise _wrong("str", value, parent, key)
+
+        return to_str
+    if kind is tuple:
+        assert spec.item is not None
+        item = _converter(spec.item)
+        most = LIST_LIMITS.get(spec.name, 0)
+
+        def to_tuple(value: Any, parent: str, key: str | int) -> Any:
+            if type(value) is not list:
+                raise _wrong("a list", value, parent, key)
+            where = _path(parent, key)
+            if len(value) > most:
+                raise MalformedMessage(
+                    f"{where}: a list of {len(value)} items, at most {most} allowed"
+                )
+            return tuple([item(v, where, i) for i, v in enumerate(value)])
+
+        return to_tuple
+    if issubclass(kind, Record):
+        record = kind
+
+        def to_record(value: Any, parent: str, key: str | int) -> Any:
+            return decoder(record).build(value, _path(parent, key))
+
+        return to_record
+    members: dict[str, Any] = dict(typing.cast(Any, kind)._value2member_map_)  # a StrEnum
+    allowed = ", ".join(members)
+
+    def to_member(value: Any, parent: str, key: str | int) -> Any:
+        if type(value) is str and value in members:
+            return members[value]
+        raise MalformedMessage(f"{_path(parent, key)}: expected one of {allowed}, got {value!r}")
+
+    return to_member
+
+
+class Decoder:
+    """Builds one record class from the raw map msgpack gives for it."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.specs = fields_of(cls)
+        self.names = tuple(spec.name for spec in self.specs)
+        self.converters = tuple((spec.name, _converter(spec)) for spec in self.specs)
+        self.keys = frozenset(self.names)
+        # the keys of a whole frame of this message, without and with a session
+        self.frame_keys = self.keys | set(_RESERVED)
+        self.frame_keys_session = self.frame_keys | {SESSION_KEY}
+        self.by_name = {spec.name: spec for spec in self.specs}
+        # whether the record holds maps of its own (a hello's fingerprint and its params)
+        self.nested = any(_holds_record(spec) for spec in self.specs)
+
+    def build(self, raw: Any, where: str) -> Any:
+        """The record from its raw map, or MalformedMessage naming every missing or extra field
+        at once, else the first wrong value by its path."""
+        if type(raw) is not dict:
+            raise MalformedMessage(f"{where}: expected a map, got {type(raw).__name__}")
+        if raw.keys() != self.keys:
+            parts = []
+            missing = [n for n in self.names if n not in raw]
+            extra = [n for n in raw if n not in self.keys]
+            if missing:
+                parts.append(f"missing {', '.join(missing)}")
+            if extra:
+                parts.append(f"unexpected {', '.join(map(repr, extra))}")
+            raise MalformedMessage(f"{where}: {'; '.join(parts)}")
+        return self.make([convert(raw[n], where, n) for n, convert in self.converters], where)
+
+    def make(self, values: list[Any], where: str) -> Any:
+        try:
+            return self.cls(*values)
+        except ValueError as exc:
+            raise MalformedMessage(f"{where}: {exc}") from None
+
+
+def _holds_record(spec: FieldSpec) -> bool:
+    if spec.item is not None:
+        return _holds_record(spec.item)
+    return issubclass(spec.kind, Record)
+
+
+_DECODERS: dict[type, Decoder] = {}
+
+
+def decoder(cls: type) -> Decoder:
+    """The decoder of a record class, compiled on first use."""
+    found = _DECODERS.get(cls)
+    if found is None:
+        found = _DECODERS[cls] = Decoder(cls)
+    return found
+
+
+# ------------------------------------------------------------------------ encoding
+
+
+def _encoder(spec: FieldSpec) -> Callable[[Any], Any] | None:
+    """How a field's value becomes plain msgpack data; None: as it is (a StrEnum packs as its
+    string, byte for byte)."""
+    if spec.kind is tuple:
+        assert spec.item is not None
+        item = _encoder(spec.item)
+        if item is None:
+            return list
+        return lambda value: None if value is None else [item(v) for v in value]
+    if isinstance(spec.kind, type) and issubclass(spec.kind, Record):
+        plain = _plain_record(spec.kind)
+        return lambda value: None if value is None else plain(value)
+    return None
+
+
+def _plain_record(cls: type) -> Callable[[Any], dict[str, Any]]:
+    parts = tuple((spec.name, _encoder(spec)) for spec in fields_of(cls))
+
+    def plain(value: Any) -> dict[str, Any]:
+        return {
+            name: getattr(value, name) if enc is None else enc(getattr(value, name))
+            for name, enc in parts
+        }
+
+    return plain
+
+
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {}
+
 
 def encode(message: Message, session: str = "") -> bytes:
     """Encode one message as a frame; a worker's frames after its hello carry its ``session``."""
-    name = TYPE_NAMES.get(type(message))
+    cls = type(message)
+    name = TYPE_NAMES.get(cls)
     if name is None:
-        raise TypeError(f"{type(message).__name__} is not a protocol message")
+        raise TypeError(f"{cls.__name__} is not a protocol message")
     if len(session) > MAX_SESSION_CHARS:
         raise ValueError(f"a session is at most {MAX_SESSION_CHARS} characters")
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": name}
     if session:
         frame[SESSION_KEY] = session
-    frame.update(_plain(message))
+    plain = _ENCODERS.get(cls)
+    if plain is None:
+        plain = _ENCODERS[cls] = _plain_record(cls)
+    frame.update(plain(message))
     data: bytes = msgpack.packb(frame, use_bin_type=True)
     if len(data) > MAX_FRAME_BYTES:
         raise ValueError(f"{name} message is {len(data)} bytes, over the {MAX_FRAME_BYTES} limit")
     return data
+
+
+# ------------------------------------------------------------------------ decoding
 
 
 def decode(data: bytes | memoryview) -> Message:
@@ -62,14 +267,28 @@ def decode(data: bytes | memoryview) -> Message:
 def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     """Decode one frame into its message and the session it presents ("" when none).
 
-    The frame is read against the message's declared fields, value by value, and every container
-    is refused before its items are read when it is not where the message has one or is longer than
-    the message allows: whatever the bytes, decoding allocates at most about what the largest
-    legitimate message needs (at most :data:`MAX_FRAME_OBJECTS` values), never an amplification.
+    A frame of at most :data:`WHOLE_FRAME_BYTES` is unpacked whole and checked against its
+    message's decoder. Any other frame, and any such frame that fails, is read against the
+    message's declared fields value by value, and every container is refused before its items are
+    read when it is not where the message has one or is longer than the message allows: whatever
+    the bytes, decoding allocates at most about what the largest legitimate message needs (at most
+    :data:`MAX_FRAME_OBJECTS` values), never an amplification.
     """
-    size = memoryview(data).nbytes
+    size = len(data) if type(data) is bytes else memoryview(data).nbytes
     if size > MAX_FRAME_BYTES:
         raise MalformedMessage(f"frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
+    if size <= WHOLE_FRAME_BYTES:
+        if isinstance(data, memoryview) and data.format != "B":
+            data = data.cast("B")  # so that data[0] is the first byte
+        try:
+            return _whole(data)
+        except Exception:  # the reader below says what is wrong, naming its path
+            pass
+    return _by_value(data, size)
+
+
+def _by_value(data: bytes | memoryview, size: int) -> tuple[Message, str]:
+    """A frame read value by value against its message's declared fields."""
     reader = _Reader(data)
     try:
         message, session = reader.frame()
@@ -80,6 +299,69 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     except Exception as exc:  # msgpack raises a zoo of types on bad input; all mean the same
         raise MalformedMessage(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
     return typing.cast(Message, message), session
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Duplicate
+    return out
+
+
+_WHOLE_OPTIONS: dict[str, Any] = {
+    "raw": False,
+    "strict_map_key": True,
+    "max_str_len": MAX_TEXT_CHARS * 4,
+    "max_bin_len": 0,
+    "max_ext_len": 0,
+    "max_array_len": MAX_PARAMS,
+    "max_map_len": MAX_FIELDS + len(_RESERVED) + 1,
+}
+
+
+def _map_size(data: bytes | memoryview) -> int:
+    """Entries of the map a frame starts with, read from its header (-1: not a map)."""
+    first = data[0]
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F
+    if first == 0xDE:
+        return int.from_bytes(data[1:3], "big")
+    if first == 0xDF:
+        return int.from_bytes(data[1:5], "big")
+    return -1
+
+
+def _whole(data: bytes | memoryview) -> tuple[Message, str]:
+    """A small frame unpacked whole, accepted only when it is exactly a valid message (anything
+    else raises, and the value-by-value reader then names what is wrong)."""
+    frame = msgpack.unpackb(data, **_WHOLE_OPTIONS)
+    first = data[0]
+    if len(frame) != (first - 0x80 if 0x80 <= first <= 0x8F else _map_size(data)):
+        raise _Duplicate  # a key repeated: unpacked, the last one would silently win
+    version = frame["v"]
+    name = frame["t"]
+    keys = iter(frame)
+    lead = next(keys) + next(keys)  # "v" and "t" come first, in either order
+    if type(version) is not int or version != PROTOCOL_VERSION or lead not in ("vt", "tv"):
+        raise ValueError("not a frame of this version")
+    cls = MESSAGE_TYPES[name]
+    dec = _DECODERS.get(cls) or decoder(cls)
+    if dec.nested:  # maps inside: unpack again, refusing a repeated key in any of them
+        frame = msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
+    session = frame.get(SESSION_KEY, "")
+    if session:
+        if type(session) is not str or len(session) > MAX_SESSION_CHARS:
+            raise ValueError("not a session")
+        if frame.keys() != dec.frame_keys_session:
+            raise ValueError("not the message's fields")
+    elif frame.keys() != dec.frame_keys:
+        raise ValueError("not the message's fields")
+    message = dec.cls(*[convert(frame[n], name, n) for n, convert in dec.converters])
+    return message, session
 
 
 def _kind(byte: int) -> str:
@@ -122,7 +404,8 @@ class _Stream:
 
 
 class _Reader:
-    """Reads one frame from the front, one declared value at a time."""
+    """Reads one frame from the front, one declared value at a time, into the raw maps and lists
+    the decoders check."""
 
     def __init__(self, data: bytes | memoryview) -> None:
         self.data = memoryview(data).cast("B")
@@ -210,6 +493,7 @@ class _Reader:
         cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
         if cls is None or not isinstance(type_name, str):
             raise MalformedMessage(f"unknown message type {type_name!r}")
+        dec = decoder(cls)
         session = ""
         fields: dict[str, Any] = {}
         for i in range(n - len(head)):
@@ -224,48 +508,43 @@ class _Reader:
                     )
                 session = value
             else:
-                self.field(cls, fields, name, type_name)
-        return _build(cls, fields, type_name), session
+                self.field(dec, fields, name, type_name)
+        return dec.build(fields, type_name), session
 
-    def field(self, cls: type, fields: dict[str, Any], name: str, where: str) -> None:
-        """Read the value of field ``name`` of ``cls`` into ``fields``."""
-        tp = _hints(cls).get(name)
+    def field(self, dec: Decoder, fields: dict[str, Any], name: str, where: str) -> None:
+        """Read the raw value of field ``name`` of ``dec``'s record into ``fields``."""
+        spec = dec.by_name.get(name)
         if name in fields:
             raise MalformedMessage(f"{where}: field {name!r} appears twice")
-        if tp is None:
-            # an unknown field is named with the others by _build; its value is read only when
-            # it is a plain value, so no unknown field makes the decoder build a structure
+        if spec is None:
+            # an unknown field is named with the others by Decoder.build; its value is read only
+            # when it is a plain value, so no unknown field makes the decoder build a structure
             if self._next_kind() in ("map", "list"):
                 raise MalformedMessage(f"{where}: unexpected {name!r}")
             fields[name] = self.scalar(f"{where}.{name}")
             return
-        fields[name] = self.value(tp, f"{where}.{name}")
+        fields[name] = self.value(spec, f"{where}.{name}")
 
-    def value(self, tp: Any, where: str) -> Any:
-        """One raw value of declared type ``tp``: containers only where ``tp`` has them."""
-        origin = typing.get_origin(tp)
-        if origin is types.UnionType or origin is typing.Union:
-            options = typing.get_args(tp)
-            if type(None) in options and self._next_is_nil():
-                return self.scalar(where)
-            inner = [o for o in options if o is not type(None)]
-            return self.value(inner[0], where)
-        if origin is tuple:
-            item_type = typing.get_args(tp)[0]
+    def value(self, spec: FieldSpec, where: str) -> Any:
+        """One raw value of a declared field: containers only where the field has them."""
+        if spec.nilable and self._next_is_nil():
+            return self.scalar(where)
+        if spec.kind is tuple:
+            assert spec.item is not None
             kind = self.peek()
             if kind != "list":
                 raise MalformedMessage(f"{where}: expected a list, got {_KIND_NAMES[kind]}")
             n = int(self.unpacker.read_array_header())
-            most = _list_limit(where)
+            most = LIST_LIMITS.get(spec.name, 0)
             if n > most:
                 raise MalformedMessage(f"{where}: a list of {n} items, at most {most} allowed")
-            return [self.value(item_type, f"{where}[{i}]") for i in range(n)]
-        if dataclasses.is_dataclass(tp):
-            cls = typing.cast(type, tp)
-            n = self.map_header(where, len(_hints(cls)) + 1)
+            return [self.value(spec.item, f"{where}[{i}]") for i in range(n)]
+        if issubclass(spec.kind, Record):
+            dec = decoder(spec.kind)
+            n = self.map_header(where, len(dec.specs) + 1)
             fields: dict[str, Any] = {}
             for _ in range(n):
-                self.field(cls, fields, self.key(where), where)
+                self.field(dec, fields, self.key(where), where)
             return fields
         return self.scalar(where)
 
@@ -276,12 +555,6 @@ class _Reader:
     def _next_is_nil(self) -> bool:
         at = int(self.unpacker.tell())
         return at < len(self.data) and self.data[at] == 0xC0
-
-
-def _list_limit(where: str) -> int:
-    """Most items the list at ``where`` (``hello.fingerprint.params[3].shape``) may hold."""
-    name = where.rsplit(".", 1)[-1]
-    return LIST_LIMITS.get(name, 0)
 
 
 _KIND_NAMES = {
@@ -295,76 +568,3 @@ _KIND_NAMES = {
     "bytes": "bytes",
     "ext": "an extension type",
 }
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, fields: Any, where: str) -> Any:
-    if not isinstance(fields, dict):
-        raise MalformedMessage(f"{where}: expected a map, got {type(fields).__name__}")
-    hints = _hints(cls)
-    expected = [f.name for f in dataclasses.fields(cls)]
-    missing = [n for n in expected if n not in fields]
-    extra = [n for n in fields if n not in hints]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing)}")
-        if extra:
-            parts.append(f"unexpected {', '.join(map(repr, extra))}")
-        raise MalformedMessage(f"{where}: {'; '.join(parts)}")
-    values = {n: _coerce(fields[n], hints[n], f"{where}.{n}") for n in expected}
-    try:
-        return cls(**values)
-    except ValueError as exc:
-        raise MalformedMessage(f"{where}: {exc}") from None
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is types.UnionType or origin is typing.Union:
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is tuple:
-        item_type = typing.get_args(tp)[0]
-        if not isinstance(value, list):
-            raise MalformedMessage(f"{where}: expected a list, got {type(value).__name__}")
-        return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(typing.cast(type, tp), value, where)
-    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
-        allowed = [member.value for member in tp]
-        if isinstance(value, str) and value in allowed:
-            return tp(value)
-        raise MalformedMessage(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a message declared a type this codec does not know
-        raise TypeError(f"{where}: codec cannot handle {tp!r}")
-    raise MalformedMessage(f"{where}: expected {tp.__name__}, got {type(value).__name__}")

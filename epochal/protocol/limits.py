@@ -28,3 +28,9 @@ MAX_FRAME_OBJECTS = 12 * MAX_PARAMS
 """Most values (maps, lists, strings, numbers) one frame may hold: enough for a fingerprint of
 :data:`MAX_PARAMS` parameters of four dimensions each (about 11 values per parameter), and a bound
 of a few hundred MiB of transient objects whatever the bytes."""
+
+WHOLE_FRAME_BYTES = 64 * 1024
+"""Frames up to this size are unpacked whole, then checked against their message; larger ones are
+read value by value. A whole frame of this size holds at most this many values (the worst, an
+empty map per byte, is about 72 bytes of objects per byte), so unpacking it costs under 5 MiB of
+transient objects whatever the bytes: the bound above still holds."""

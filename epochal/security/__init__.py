@@ -17,8 +17,9 @@ What it does not protect:
   tensors, gradients, checkpoint coordination) is neither encrypted nor authenticated. Run it on
   a trusted network or a VPN; the store address the coordinator hands out is not secret.
 - **Admitted workers from each other.** Any allow-listed key may take any rank and choose any
-  routing identity; keys are not bound to ranks (see :func:`.curve.authenticated_key` to do so).
-  The job token remains a separate check.
+  routing identity; keys are not bound to ranks. Once admitted, a worker's frames must come from
+  the key its hello came with (its session is bound to it). The job token remains a separate
+  check.
 - **Key files at rest.** Secret files are written mode 0600 in a 0700 directory and are not
   encrypted; anyone who can read one is that worker (or that coordinator). There is no
   revocation while a run is live: the allow-list is read at start, so restart the coordinator to
@@ -37,7 +38,6 @@ from epochal.security.curve import (
     DEFAULT_DOMAIN,
     ClientSecurity,
     ServerSecurity,
-    authenticated_key,
     describe_handshake_failure,
     secure_client,
     secure_server,
@@ -59,7 +59,6 @@ __all__ = [
     "ClientSecurity",
     "KeyDirectory",
     "ServerSecurity",
-    "authenticated_key",
     "describe_handshake_failure",
     "generate",
     "load_allowed",

@@ -319,19 +319,6 @@ def secure_server(
     return auth
 
 
-def authenticated_key(frame: zmq.Frame) -> str | None:
-    """The Z85 public key the sender of a received frame authenticated with, or None.
-
-    Receive with ``copy=False`` to get frames. The authenticator sets ZeroMQ's User-Id to the
-    client's key, so a coordinator can tie a worker's routing identity to its key.
-    """
-    try:
-        value = frame.get("User-Id")
-    except zmq.ZMQError:
-        return None
-    return str(value) if value else None
-
-
 # ---------------------------------------------------------------------- worker side
 
 

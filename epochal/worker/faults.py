@@ -8,8 +8,8 @@ training code), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP: the whole process
 heartbeats too), ``hang`` (the training code blocks for an hour while heartbeats go on: a stall),
 ``delay`` (the training code sleeps ``ms`` milliseconds, e.g. ``delay@train-step:rank=1:ms=200``).
 ``drop`` and ``corrupt`` act on the control messages this worker sends at point ``send``: the
-message named by ``type=`` (an index into :data:`MESSAGE_KINDS`) is dropped or replaced by
-garbage, e.g. ``drop@send:rank=1:type=3`` loses rank 1's epoch reports.
+message named by ``type=`` (its wire name, one of :data:`MESSAGE_KINDS`) is dropped or replaced by
+garbage, e.g. ``drop@send:rank=1:type=epoch_report`` loses rank 1's epoch reports.
 Points: ``connect`` (before the data-plane process group is initialised), ``train-step`` (before a
 training step),
 ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed into
@@ -24,11 +24,14 @@ import os
 import signal
 import time
 
+from epochal.protocol.messages import WorkerMessage, names_sent_by
+
 FAULT_ENV = "EPOCHAL_FAULT"
 ACTIONS = ("kill", "raise", "exit", "stop", "hang", "delay", "drop", "corrupt")
 _PARAMETERS = ("ms",)  # settings of the action, not conditions on where it fires
-MESSAGE_KINDS = ("hello", "store_ready", "epoch_ready", "epoch_report", "checkpointed", "status")
-"""Control messages a ``drop``/``corrupt`` fault can name, by index (``type=3``: epoch_report)."""
+MESSAGE_KINDS = names_sent_by(WorkerMessage)
+"""Control messages a ``drop``/``corrupt`` fault can name (``type=epoch_report``): every message
+a worker sends, by its wire name."""
 POINTS = ("connect", "train-step", "checkpoint-commit", "epoch-end", "send")
 
 
@@ -37,7 +40,7 @@ class InjectedFault(RuntimeError):
 
 
 @functools.cache
-def _plan() -> tuple[str, str, dict[str, int], dict[str, int]] | None:
+def _plan() -> tuple[str, str, dict[str, int | str], dict[str, int]] | None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return None
@@ -48,11 +51,21 @@ def _plan() -> tuple[str, str, dict[str, int], dict[str, int]] | None:
             f"{FAULT_ENV}={spec!r}: expected ACTION@POINT with ACTION one of {ACTIONS} and POINT "
             f"one of {POINTS}"
         )
-    where: dict[str, int] = {}
+    where: dict[str, int | str] = {}
     settings: dict[str, int] = {}
     for condition in conditions:
         key, _, value = condition.partition("=")
-        (settings if key in _PARAMETERS else where)[key] = int(value)
+        if key == "type":
+            if value not in MESSAGE_KINDS:
+                raise ValueError(
+                    f"{FAULT_ENV}={spec!r}: type= names the message a worker sends, one of "
+                    f"{', '.join(MESSAGE_KINDS)}; got {value!r}"
+                )
+            where[key] = value
+        elif key in _PARAMETERS:
+            settings[key] = int(value)
+        else:
+            where[key] = int(value)
     return action, point, where, settings
 
 
@@ -62,7 +75,7 @@ def on_send(kind: str, data: bytes, *, rank: int | None) -> bytes | None:
     if plan is None or plan[1] != "send" or plan[0] not in ("drop", "corrupt"):
         return data
     action, _, where, _ = plan
-    at = {"type": MESSAGE_KINDS.index(kind) if kind in MESSAGE_KINDS else -1}
+    at: dict[str, int | str] = {"type": kind}
     if rank is not None:
         at["rank"] = rank
     if any(at.get(k) != v for k, v in where.items()):

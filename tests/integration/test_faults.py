@@ -310,7 +310,10 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
 
 def test_a_lost_control_message_is_named_not_waited_for(spawn, tmp_path):
     proc = run_cmd(
-        spawn, tmp_path / "run", tmp_path / "out", EPOCHAL_FAULT="drop@send:rank=1:type=3"
+        spawn,
+        tmp_path / "run",
+        tmp_path / "out",
+        EPOCHAL_FAULT="drop@send:rank=1:type=epoch_report",
     )  # rank 1's loss reports vanish
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1
@@ -320,7 +323,10 @@ def test_a_lost_control_message_is_named_not_waited_for(spawn, tmp_path):
 
 def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
     proc = run_cmd(
-        spawn, tmp_path / "run", tmp_path / "out", EPOCHAL_FAULT="corrupt@send:rank=2:type=2"
+        spawn,
+        tmp_path / "run",
+        tmp_path / "out",
+        EPOCHAL_FAULT="corrupt@send:rank=2:type=epoch_ready",
     )  # rank 2's batch counts garbled
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1

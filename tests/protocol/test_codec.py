@@ -25,18 +25,24 @@ from epochal.protocol.messages import (
     PROTOCOL_VERSION,
     TYPE_NAMES,
     Abort,
+    Chars,
     Checkpointed,
     Decision,
     Done,
     EpochReady,
     EpochReport,
     Failed,
+    FieldSpec,
     Fingerprint,
     Finish,
+    Finite,
+    Ge,
     Go,
     Heartbeat,
     Hello,
     Joined,
+    Length,
+    OneOf,
     OpenStore,
     ParamSpec,
     Phase,
@@ -44,8 +50,10 @@ from epochal.protocol.messages import (
     Status,
     StoreReady,
     Welcome,
+    Within,
     check_job_name,
     clip,
+    fields_of,
 )
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -149,12 +157,6 @@ param_specs = st.builds(
     shape=st.lists(st.integers(0, 2**40), max_size=6).map(tuple),
     dtype=nonempty,
 )
-fingerprints = st.builds(
-    Fingerprint,
-    digest=nonempty,
-    params=st.lists(param_specs, max_size=4).map(tuple),
-    torch_version=nonempty,
-)
 
 
 sessions = st.text(min_size=1, max_size=64)
@@ -188,75 +190,60 @@ def welcomes(draw: st.DrawFn) -> Welcome:
     )
 
 
-STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
-    Hello: st.builds(
-        Hello,
-        job=nonempty,
-        token=text,
-        worker_id=nonempty,
-        host=nonempty,
-        pid=nonneg,
-        rank_hint=st.none() | nonneg,
-        device=st.sampled_from(["cpu", "cuda"]),
-        fingerprint=fingerprints,
-    ),
-    StoreReady: st.builds(StoreReady, host=nonempty, port=st.integers(1, 65535), key=text),
-    EpochReady: st.builds(
-        EpochReady, epoch=nonneg, train_batches=nonneg, valid_batches=st.none() | nonneg
-    ),
-    EpochReport: st.builds(
-        EpochReport,
-        epoch=nonneg,
-        train_loss_sum=no_nan,
-        train_count=nonneg,
-        valid_loss_sum=no_nan,
-        valid_count=nonneg,
-    ),
-    Failed: st.builds(Failed, reason=nonempty),
-    Done: st.just(Done()),
-    Heartbeat: st.just(Heartbeat()),
-    Status: st.builds(
-        Status,
-        phase=st.sampled_from(list(Phase)),
-        epoch=nonneg,
-        step=nonneg,
-        where=text,
-    ),
+# Records whose fields depend on each other (or, for ParamSpec, whose list items are bounded)
+# have their strategy written out; every other message's is derived from its declared fields.
+WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
+    ParamSpec: param_specs,
     Joined: joineds(),
-    OpenStore: st.builds(OpenStore, run_id=nonempty),
     Welcome: welcomes(),
-    Reject: st.builds(
-        Reject,
-        reason=nonempty,
-        code=st.sampled_from(["refused", "not_member", "malformed", "version"]),
-    ),
-    Go: st.builds(
-        Go,
-        epoch=nonneg,
-        train_batches=st.integers(1, INT64),
-        valid_batches=nonneg,
-        lr_factor=finite,
-    ),
-    Decision: st.builds(
-        Decision,
-        epoch=nonneg,
-        train_loss=no_nan,
-        valid_loss=st.none() | no_nan,
-        smoothed_loss=st.none() | no_nan,
-        best_epoch=st.none() | nonneg,
-        is_best=st.booleans(),
-        checkpoint=st.booleans(),
-        stop=st.booleans(),
-    ),
-    Finish: st.builds(
-        Finish,
-        best_epoch=st.none() | nonneg,
-        best_loss=st.none() | no_nan,
-        epochs_run=nonneg,
-        restore_best=st.booleans(),
-    ),
-    Checkpointed: st.builds(Checkpointed, epoch=nonneg),
-    Abort: st.builds(Abort, reason=nonempty),
+}
+
+
+def field_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
+    """Valid values of a field, from what its type declares (as a caller passes them: strings
+    for closed sets)."""
+    values = _plain_values(spec)
+    return st.none() | values if spec.nilable else values
+
+
+def _plain_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
+    choices = [c.choices for c in spec.constraints if isinstance(c, OneOf)]
+    if choices:
+        return st.sampled_from([member.value for member in choices[0]])
+    if spec.kind is int:
+        least, most = -(2**63), INT64
+        for c in spec.constraints:
+            if isinstance(c, Ge):
+                least = c.least
+            elif isinstance(c, Within):
+                least, most = c.lowest, c.highest
+        return st.integers(least, most)
+    if spec.kind is float:
+        return finite if any(isinstance(c, Finite) for c in spec.constraints) else no_nan
+    if spec.kind is bool:
+        return st.booleans()
+    if spec.kind is str:
+        least, most = 0, 24
+        for c in spec.constraints:
+            if isinstance(c, Chars):
+                least = 0 if c.empty else 1
+            elif isinstance(c, Length):
+                least, most = c.least, c.most
+        return st.text(min_size=least, max_size=most)
+    if spec.kind is tuple:
+        assert spec.item is not None
+        return st.lists(field_values(spec.item), max_size=4).map(tuple)
+    return record_values(spec.kind)
+
+
+def record_values(cls: type) -> st.SearchStrategy[Any]:
+    if cls in WRITTEN_OUT:
+        return WRITTEN_OUT[cls]
+    return st.builds(cls, **{spec.name: field_values(spec) for spec in fields_of(cls)})
+
+
+STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
+    cls: record_values(cls) for cls in MESSAGE_TYPES.values()
 }
 messages = st.one_of(*STRATEGIES.values())
 
@@ -329,6 +316,7 @@ def decodes_or_refuses(data: bytes) -> Any:
 def test_every_message_type_has_an_example_and_a_strategy():
     assert set(EXAMPLES) == set(MESSAGE_TYPES.values())
     assert set(STRATEGIES) == set(MESSAGE_TYPES.values())
+    assert set(WRITTEN_OUT) <= {*MESSAGE_TYPES.values(), ParamSpec, Fingerprint}
     assert all(type(m) is cls for cls, m in EXAMPLES.items())
 
 
@@ -605,7 +593,7 @@ OUT_OF_RANGE = [
     (Welcome, {"store_port": 0}, "welcome: store_port must be in 1..65535, got 0"),
     (Welcome, {"world_size": 0, "rank": 0}, "welcome: world_size must be >= 1, got 0"),
     (Welcome, {"rank": -1}, "welcome: rank -1 outside"),
-    (Welcome, {"backend": "mpi"}, "welcome: backend must be one of ('gloo', 'nccl'), got 'mpi'"),
+    (Welcome, {"backend": "mpi"}, "welcome: backend must be one of gloo, nccl; got 'mpi'"),
     (Welcome, {"epochs": 0}, "welcome: epochs must be >= 1, got 0"),
     (Welcome, {"start_epoch": -1}, "welcome: start_epoch must be >= 0, got -1"),
     (Welcome, {"resume_epoch": -1}, "welcome: resume_epoch must be >= 0, got -1"),
@@ -615,7 +603,7 @@ OUT_OF_RANGE = [
         "welcome: resume_epoch needs a checkpoint_dir",
     ),
     (Checkpointed, {"epoch": -1}, "checkpointed: epoch must be >= 0, got -1"),
-    (Reject, {"code": "nope"}, "reject: code must be one of"),
+    (Reject, {"code": "nope"}, "reject: code must be one of refused, not_member, malformed"),
     (Status, {"phase": "dancing"}, "status.phase: expected one of rendezvous, connect"),
     (Status, {"phase": 3}, "status.phase: expected one of"),
     (Status, {"step": -1}, "status: step must be >= 0, got -1"),
@@ -623,7 +611,7 @@ OUT_OF_RANGE = [
     (Joined, {"joined": 5}, "joined: joined 5 outside 1..4"),
     (Hello, {"rank_hint": -1}, "hello: rank_hint must be >= 0, got -1"),
     (Hello, {"pid": -1}, "hello: pid must be >= 0, got -1"),
-    (Hello, {"device": "tpu"}, "hello: device must be cpu or cuda, got 'tpu'"),
+    (Hello, {"device": "tpu"}, "hello: device must be one of cpu, cuda; got 'tpu'"),
     (Hello, {"worker_id": ""}, "hello: worker_id must not be empty"),
     (Hello, {"job": ""}, "hello: job must not be empty"),
     (Decision, {"best_epoch": -1}, "decision: best_epoch must be >= 0, got -1"),
@@ -809,6 +797,70 @@ def test_field_mutations_of_valid_frames_decode_or_are_refused(frame: dict[str, 
     decodes_or_refuses(pack(frame))
 
 
+def whole_agrees_with_by_value(data: bytes) -> None:
+    """A frame the fast path (unpacked whole) accepts, the value-by-value reader accepts too, as
+    the same message and session: the fast path never lets through what the reader refuses."""
+    from epochal.protocol import codec
+
+    try:
+        fast = codec._whole(data)
+    except Exception:
+        return  # decode then answers with the reader alone
+    assert codec._by_value(data, len(data)) == fast
+
+
+@FUZZ
+@given(st.one_of(field_mutations(), near_frames()))
+def test_the_whole_frame_path_accepts_only_what_the_reader_accepts(frame: dict[str, Any]):
+    whole_agrees_with_by_value(pack(frame))
+
+
+@FUZZ
+@given(byte_mutations())
+def test_the_whole_frame_path_agrees_on_mutated_bytes(data: bytes):
+    whole_agrees_with_by_value(data)
+
+
+@pytest.mark.parametrize("cls", list(EXAMPLES), ids=lambda cls: TYPE_NAMES[cls])
+def test_every_valid_small_frame_takes_the_whole_frame_path(cls: type):
+    from epochal.protocol import codec
+
+    message = EXAMPLES[cls]
+    assert codec._whole(encode(message, session="abc")) == (message, "abc")
+    whole_agrees_with_by_value(encode(message))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"v": PROTOCOL_VERSION, "t": "failed", "reason": "a", "reason ": "b"},
+        {"t": "done", "v": PROTOCOL_VERSION},
+        {"v": PROTOCOL_VERSION, "t": "done", "s": "x"},
+        {"v": PROTOCOL_VERSION, "t": "done", "s": ""},
+        {"v": PROTOCOL_VERSION, "x": 1, "t": "done"},
+    ],
+)
+def test_the_whole_frame_path_agrees_on_edge_cases(frame: dict[str, Any]):
+    whole_agrees_with_by_value(pack(frame))
+
+
+def test_a_repeated_key_is_refused_on_either_path():
+    # a msgpack map may repeat a key; unpacked whole, the last would silently win
+    data = b"\x84\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed"
+    data += b"\xa6reason\xa1a\xa6reason\xa1b"
+    assert "field 'reason' appears twice" in refusal(data)
+    nested = frame_of(EXAMPLES[Hello])
+    raw = pack(nested)
+    once = msgpack.packb("dtype") + msgpack.packb("torch.float32")
+    twice = raw.replace(
+        b"\x83" + msgpack.packb("name") + msgpack.packb("weight"),
+        b"\x84" + msgpack.packb("name") + msgpack.packb("weight") + once,
+        1,
+    )
+    assert twice != raw
+    assert "field 'dtype' appears twice" in refusal(twice)
+
+
 def test_a_status_phase_is_the_shared_enum_on_both_sides():
     status = decode(encode(Status(phase=Phase.CONNECT, epoch=0, step=0, where="")))
     assert isinstance(status, Status) and status.phase is Phase.CONNECT
@@ -872,6 +924,42 @@ def test_bomb_frames_are_refused_before_they_allocate(name: str):
     # plain msgpack decoding of these builds hundreds of MiB; the reader holds one copy of the
     # frame and stops at the first value that is not where the message declares one
     assert peak < 2 * len(data) + 256 * 1024, f"{name}: decoding allocated {peak} bytes at its peak"
+
+
+def _small_bombs() -> dict[str, bytes]:
+    """Frames at the size up to which the codec unpacks a frame whole, built to allocate most."""
+    from epochal.protocol.limits import WHOLE_FRAME_BYTES
+
+    head = b"\x83\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed\xa6reason"
+    room = WHOLE_FRAME_BYTES - len(head) - 5
+    wide = b"\xdd" + room.to_bytes(4, "big")
+    return {
+        "empty-arrays": head + wide + b"\x90" * room,
+        "empty-maps": head + wide + b"\x80" * room,
+        "wide-ints": head
+        + b"\xdd"
+        + (room // 3).to_bytes(4, "big")
+        + b"\xcd\x01\x01" * (room // 3),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_small_bombs()))
+def test_a_frame_unpacked_whole_allocates_a_bounded_multiple_of_its_size(name: str):
+    import tracemalloc
+
+    from epochal.protocol.limits import WHOLE_FRAME_BYTES
+
+    data = _small_bombs()[name]
+    assert len(data) <= WHOLE_FRAME_BYTES
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMessage, match=r"failed\.reason: expected a plain value"):
+            decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # one empty container per byte is the worst a frame can do: about 72 bytes of objects each
+    assert peak < 128 * WHOLE_FRAME_BYTES, f"{name}: decoding allocated {peak} bytes at its peak"
 
 
 def test_a_bomb_inside_a_declared_list_is_bounded_by_the_value_count():
