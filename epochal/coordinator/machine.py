@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epochal.coordinator import liveness, resume
+from epochal.coordinator import resume
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -65,8 +65,6 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
-from epochal.protocol.messages import Phase as WorkerPhase
-from epochal.protocol.messages import check_phase
 
 ModelCheck = Callable[[Fingerprint], "str | None"]
 
@@ -475,14 +473,6 @@ class RunMachine:
 
     # ------------------------------------------------------------------ the clock
 
-    def _doing(self, rank: int) -> str:
-        """What ``rank`` last said it was doing (" while connecting the data plane")."""
-        status = self.watchdog.status.get(rank)
-        phase = WorkerPhase.RENDEZVOUS if status is None else check_phase(status.phase)
-        if phase is WorkerPhase.RENDEZVOUS and self._store is not None:
-            phase = WorkerPhase.CONNECT  # welcomed: a worker connects its data plane next
-        return f" while {phase.description}"
-
     def _check_clock(self, now: float) -> list[Action]:
         dog, cfg = self.watchdog, self.config
         failed = dog.failure_due(now)
@@ -491,45 +481,19 @@ class RunMachine:
         waited = now - dog.phase_started
         if self.phase is RunPhase.RENDEZVOUS:
             return self._check_rendezvous(now, waited)
-        if self.phase is RunPhase.STORE and waited > cfg.store_timeout:
-            return self.abort(
-                f"rank 0 ({self.members[0].describe()}) did not open the data-plane "
-                f"store within {cfg.store_timeout:g} s"
-            )
-        actions: list[Action] = []
-        if self.phase in (RunPhase.READY, RunPhase.RUNNING) and dog.status:
-            idle = dog.stall_due(now)
-            if idle is not None:
-                actions.append(
-                    Log(
-                        f"no rank has made progress for {idle:.0f} s "
-                        f"(--stall-timeout {cfg.stall_timeout:g}); where each rank is:\n"
-                        + liveness.stall_table(dog.rows(now, self.members))
-                    )
-                )
-            if dog.stall_abort_due(now):
-                rows = dog.rows(now, self.members)
-                progress = [liveness.Progress(r, p, e, s, t, w) for r, _, p, e, s, t, w in rows]
-                stuck = liveness.stalled(progress, cfg.stall_abort)
-                if stuck is not None:
-                    member = self.members[stuck.rank]
-                    reason = f"{stuck.reason} [rank {stuck.rank}: {member.describe()}]"
-                    return actions + self.abort(reason)
-            lost = (
-                dog.lost_message(now, self.epoch, self._ready, self.members, "batch counts")
-                if self.phase is RunPhase.READY
-                else dog.lost_message(now, self.epoch, self._reports, self.members, "loss report")
-            )
-            if lost is not None:
-                return actions + self.abort(lost)
-        silent = dog.first_silent(now, self._ranks)
-        if silent is not None:
-            peer, seconds = silent
-            rank = self._ranks[peer]
-            return actions + self.abort(
-                f"rank {rank} ({self.members[rank].describe()}) sent nothing for "
-                f"{seconds:.1f} s{self._doing(rank)}: it died, hung or lost its network"
-            )
+        answered = self._ready if self.phase is RunPhase.READY else self._reports
+        lines, reason = dog.check(
+            now,
+            phase=self.phase,
+            epoch=self.epoch,
+            answered=answered,
+            members=self.members,
+            ranks=self._ranks,
+            welcomed=self._store is not None,
+        )
+        actions: list[Action] = [Log(line) for line in lines]
+        if reason is not None:
+            return actions + self.abort(reason)
         if self.phase is RunPhase.FINISHING and waited > cfg.finish_timeout:
             missing = sorted(set(range(cfg.world_size)) - self._done)
             actions.append(

@@ -11,13 +11,16 @@ a lost message. Only a verdict (a stall table, an abort) walks every rank.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from epochal.coordinator import liveness
+from epochal.coordinator.actions import RunPhase
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.rendezvous import Member
 from epochal.protocol import Status
+from epochal.protocol.messages import Phase as WorkerPhase
+from epochal.protocol.messages import check_phase
 
 FAILURE_SETTLE = 0.25
 """Seconds between the first failure report and the abort, so the cause can arrive too."""
@@ -112,6 +115,67 @@ class Watchdog:
             self._suspects.add(rank)
 
     # ------------------------------------------------------------------ verdicts
+
+    def check(
+        self,
+        now: float,
+        *,
+        phase: RunPhase,
+        epoch: int,
+        answered: Container[int],
+        members: Sequence[Member],
+        ranks: Mapping[bytes, int],
+        welcomed: bool,
+    ) -> tuple[list[str], str | None]:
+        """The clock rules once the ranks are assigned: lines to log, and why to abort (or None).
+
+        In order: rank 0 late with the store, a stall (reported, then ended by
+        ``--stall-abort``), a lost message, a silent rank. ``answered``: the ranks whose batch
+        counts (phase ready) or loss report (running) arrived; ``welcomed``: the store is open.
+        """
+        cfg = self.config
+        if phase is RunPhase.STORE and now - self.phase_started > cfg.store_timeout:
+            return [], (
+                f"rank 0 ({members[0].describe()}) did not open the data-plane "
+                f"store within {cfg.store_timeout:g} s"
+            )
+        lines: list[str] = []
+        if phase in (RunPhase.READY, RunPhase.RUNNING) and self.status:
+            idle = self.stall_due(now)
+            if idle is not None:
+                lines.append(
+                    f"no rank has made progress for {idle:.0f} s "
+                    f"(--stall-timeout {cfg.stall_timeout:g}); where each rank is:\n"
+                    + liveness.stall_table(self.rows(now, members))
+                )
+            if self.stall_abort_due(now):
+                rows = self.rows(now, members)
+                progress = [liveness.Progress(r, p, e, s, t, w) for r, _, p, e, s, t, w in rows]
+                stuck = liveness.stalled(progress, cfg.stall_abort)
+                if stuck is not None:
+                    member = members[stuck.rank]
+                    return lines, f"{stuck.reason} [rank {stuck.rank}: {member.describe()}]"
+            what = "batch counts" if phase is RunPhase.READY else "loss report"
+            lost = self.lost_message(now, epoch, answered, members, what)
+            if lost is not None:
+                return lines, lost
+        silent = self.first_silent(now, ranks)
+        if silent is not None:
+            peer, seconds = silent
+            rank = ranks[peer]
+            return lines, (
+                f"rank {rank} ({members[rank].describe()}) sent nothing for "
+                f"{seconds:.1f} s{self._doing(rank, welcomed)}: it died, hung or lost its network"
+            )
+        return lines, None
+
+    def _doing(self, rank: int, welcomed: bool) -> str:
+        """What ``rank`` last said it was doing (" while connecting the data plane")."""
+        status = self.status.get(rank)
+        phase = WorkerPhase.RENDEZVOUS if status is None else check_phase(status.phase)
+        if phase is WorkerPhase.RENDEZVOUS and welcomed:
+            phase = WorkerPhase.CONNECT  # welcomed: a worker connects its data plane next
+        return f" while {phase.description}"
 
     def lost_message(
         self, now: float, epoch: int, answered: Container[int], members: Sequence[Member], what: str
