@@ -279,6 +279,15 @@ class Coordinator:
                 )
         return self.endpoint
 
+    def _close(self) -> None:
+        """Close the socket (flushing the last Abort or Finish), then the authenticator."""
+        if self._socket is not None:
+            self._socket.close(linger=LINGER_MS)
+            self._socket = None
+        self._stop_auth()
+        if self._own_context:
+            self._context.term()
+
     def _stop_auth(self) -> None:
         """Stop the authenticator (after the socket closed)."""
         if self._auth is not None:
@@ -313,6 +322,7 @@ class Coordinator:
                 f"{done.get('best_epoch')}); nothing to train. Pass --fresh to train it again"
             )
             assert self.config.run_dir is not None
+            self._close()
             return RunSummary(
                 run_id=str(done.get("run_id", self.run_id)),
                 best_epoch=done.get("best_epoch"),
@@ -353,11 +363,7 @@ class Coordinator:
                 self._log(dropped)
             if self._journal is not None:
                 self._journal.close()
-            sock.close(linger=LINGER_MS)
-            self._socket = None
-            self._stop_auth()
-            if self._own_context:
-                self._context.term()
+            self._close()
         if isinstance(self._outcome, RunAborted):
             raise self._outcome
         assert self._outcome is not None

@@ -265,3 +265,50 @@ async def test_a_stranger_sending_junk_gets_a_few_answers_then_silence(ctx):
     coordinator.abort("test over")
     with pytest.raises(RunAborted):
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_finished_runs_summary_carries_the_history_of_its_journal(ctx, tmp_path):
+    config = CoordinatorConfig(world_size=2, epochs=2, run_dir=tmp_path / "run")
+    coordinator = Coordinator(config, context=ctx, log=lambda line: None)
+    await coordinator.start()
+    task = asyncio.create_task(coordinator.run())
+    workers = await join_all(ctx, coordinator, 2)
+    for epoch in range(2):
+        for w in workers:
+            await w.send(EpochReady(epoch=epoch, train_batches=1, valid_batches=None))
+        for w in workers:
+            assert isinstance(await w.recv(), Go)
+        for w in workers:
+            await w.send(EpochReport(epoch, 2.0 - epoch, 1, 0.0, 0))
+        for w in workers:
+            assert isinstance(await w.recv(), Decision)
+    for w in workers:
+        assert isinstance(await w.recv(), Finish)
+        await w.send(Done())
+    summary = await asyncio.wait_for(task, 5)
+    assert [o.epoch for o in summary.history] == [0, 1]
+
+    lines: list[str] = []
+    again = Coordinator(config, context=ctx, log=lines.append)
+    assert again.finished is None  # nothing is read before start()
+    await again.start()
+    assert again.finished is not None
+    done = await asyncio.wait_for(again.run(), 5)
+    assert "already finished" in lines[-1]
+    assert (done.run_id, done.best_epoch, done.epochs_run) == (coordinator.run_id, 1, 2)
+    assert done.history == summary.history
+
+
+async def test_fresh_deletes_the_run_directory_when_started_not_when_made(ctx, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "result.json").write_text('{"status": "finished"}')
+    config = CoordinatorConfig(world_size=2, epochs=2, run_dir=run_dir)
+    coordinator = Coordinator(config, context=ctx, log=lambda line: None, fresh=True)
+    assert (run_dir / "result.json").exists()
+    await coordinator.start()
+    assert not (run_dir / "result.json").exists()
+    assert coordinator.finished is None
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(coordinator.run(), 5)
