@@ -42,8 +42,6 @@ from epochal.coordinator.journal import EPOCHS_FILE, JournalError
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.policy import EpochOutcome
-from epochal.coordinator.strangers import STRANGER_REPLIES
-from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
@@ -51,14 +49,7 @@ from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Fingerprint, e
 from epochal.protocol.codec import decode_frame
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
-__all__ = [
-    "FAILURE_SETTLE",
-    "STRANGER_REPLIES",
-    "Coordinator",
-    "RunPhase",
-    "RunSummary",
-    "new_run_id",
-]
+__all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
 
 BATCH = 256
 """Frames handled before the service looks at its clock again."""
