@@ -336,9 +336,8 @@ class Coordinator:
                         if self._outcome is not None or not _readable(sock):
                             break
                         frames = await sock.recv_multipart(copy=False)
-                        now = time.monotonic()
-                        await self._apply(self._receive(frames, now))
-                        if now > batch_end:
+                        await self._apply(self._receive(frames, time.monotonic()))
+                        if time.monotonic() > batch_end:
                             break
                 now = await self._read_clock(BATCH_SECONDS)
                 if self._outcome is not None:
