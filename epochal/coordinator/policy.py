@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from epochal.coordinator.config import BatchPolicy, CoordinatorConfig
@@ -219,6 +219,12 @@ class EpochOutcome:
             "valid_batches": plan.valid_batches,
             "seconds": round(seconds, 6),
         }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> EpochOutcome:
+        """The outcome an epoch line of epochs.jsonl holds (its other fields are left aside);
+        TypeError or KeyError when the line is not one."""
+        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
 
 
 def checkpoint_after(config: CoordinatorConfig, outcome: EpochOutcome) -> bool:

@@ -17,7 +17,6 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +90,6 @@ def _log_line(line: str) -> None:
 def _history(run_dir: Path) -> list[EpochOutcome]:
     """The decided epochs a finished run's journal holds (lines that do not read are skipped:
     the run is over, and its result.json says how it ended)."""
-    names = {f.name for f in fields(EpochOutcome)}
     try:
         lines = (run_dir / EPOCHS_FILE).read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -101,7 +99,7 @@ def _history(run_dir: Path) -> list[EpochOutcome]:
         try:
             record = json.loads(line)
             if record["kind"] == "epoch":
-                history.append(EpochOutcome(**{k: v for k, v in record.items() if k in names}))
+                history.append(EpochOutcome.from_record(record))
         except (ValueError, TypeError, KeyError):
             continue
     return history
