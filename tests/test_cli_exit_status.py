@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from epochal import cli
-from epochal.coordinator.service import Coordinator
+from epochal.coordinator.machine import RunMachine
 
 
 def coordinator(tmp_path: Path, *extra: str) -> int:
@@ -22,11 +22,11 @@ def test_an_abort_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_a_crash_of_the_coordinator_itself_exits_70_with_its_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async def broken(self: Coordinator, now: float) -> None:
+    def broken(self: RunMachine, now: float) -> None:
         raise RuntimeError("a bug in the service")
 
     # inside the service loop, as a real bug would be: the loop's own cleanup still runs
-    monkeypatch.setattr(Coordinator, "_check_clock", broken)
+    monkeypatch.setattr(RunMachine, "on_tick", broken)
     assert coordinator(tmp_path) == cli.EXIT_CRASH == 70
     err = capsys.readouterr().err
     assert "RuntimeError: a bug in the service" in err and "Traceback" in err

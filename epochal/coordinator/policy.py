@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from epochal.coordinator.config import BatchPolicy
+from epochal.coordinator.config import BatchPolicy, CoordinatorConfig
 from epochal.coordinator.schedule import Schedule
+from epochal.protocol import Decision
 
 
 class PolicyViolation(Exception):
@@ -190,6 +191,69 @@ class EpochOutcome:
     # the factor the next epoch runs at (<= 0 stops the run)
     stop_reason: str | None = None
     # why the run stops after this epoch: "epochs", "lr_factor" or "patience"
+
+    def decision(self, checkpoint: bool) -> Decision:
+        """The message every rank receives about this epoch."""
+        return Decision(
+            epoch=self.epoch,
+            train_loss=self.train_loss,
+            valid_loss=self.valid_loss,
+            smoothed_loss=self.smoothed_loss,
+            best_epoch=self.best_epoch,
+            is_best=self.is_best,
+            checkpoint=checkpoint,
+            stop=self.stop,
+        )
+
+    def record(
+        self, *, validates: bool, checkpoint: bool, plan: EpochPlan, seconds: float
+    ) -> dict[str, Any]:
+        """This epoch's line in epochs.jsonl (the journal stamps its wall-clock ``time``); the
+        fields of the outcome are what :class:`LoopState` replays on resume."""
+        return {
+            "kind": "epoch",
+            **asdict(self),
+            "validates": validates,
+            "checkpoint": checkpoint,
+            "train_batches": plan.train_batches,
+            "valid_batches": plan.valid_batches,
+            "seconds": round(seconds, 6),
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> EpochOutcome:
+        """The outcome an epoch line of epochs.jsonl holds (its other fields are left aside);
+        TypeError or KeyError when the line is not one."""
+        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+
+
+def checkpoint_after(config: CoordinatorConfig, outcome: EpochOutcome) -> bool:
+    """Whether the workers checkpoint after ``outcome``'s epoch: every ``--checkpoint-every``-th
+    and the last, and a new best whenever checkpoints are on (only with somewhere to put them)."""
+    return config.checkpoint_path is not None and (
+        config.checkpoints(outcome.epoch, last=outcome.stop)
+        or (outcome.is_best and config.checkpoint_every > 0)
+    )
+
+
+def format_loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def format_epoch_line(outcome: EpochOutcome, epochs: int, seconds: float) -> str:
+    """The one line per epoch a person follows a run by."""
+    best = (
+        "-"
+        if outcome.best_epoch is None
+        else f"{outcome.best_epoch} ({format_loss(outcome.best_loss)})"
+    )
+    marker = " *" if outcome.is_best else ""
+    return (
+        f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]  "
+        f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}  "
+        f"smoothed {format_loss(outcome.smoothed_loss)}  lr x{outcome.lr_factor:g}  best {best}  "
+        f"{seconds:.2f}s{marker}"
+    )
 
 
 @dataclass(slots=True)

@@ -58,9 +58,6 @@ class Schedule:
             self.name + ":" + ",".join(f"{k}={_number(v)}" for k, v in sorted(self.params.items()))
         )
 
-    def initial_factor(self) -> float:
-        return 1.0
-
     def next_factor(
         self, epoch: int, monitored: float | None, factor: float, state: State
     ) -> float:

@@ -462,3 +462,19 @@ def test_validation_sums_that_overflow_are_a_violation_too():
     }
     with pytest.raises(PolicyViolation, match="validation loss sums of ranks 0-1"):
         aggregate(reports)
+
+
+def test_an_epochs_journal_line_and_its_decision_say_what_its_outcome_says():
+    import json
+
+    from epochal.coordinator.policy import EpochOutcome, EpochPlan, LoopState
+
+    loop = LoopState(epochs=3)
+    loop.update(0, 2.0, 1.5, validates=True)
+    outcome = loop.update(1, 1.0, 1.0, validates=True)
+    record = outcome.record(validates=True, checkpoint=True, plan=EpochPlan(4, 2), seconds=1.25)
+    assert record["kind"] == "epoch" and record["train_batches"] == 4 and record["seconds"] == 1.25
+    assert EpochOutcome.from_record(json.loads(json.dumps(record))) == outcome
+    decision = outcome.decision(checkpoint=True)
+    assert (decision.epoch, decision.valid_loss, decision.best_epoch) == (1, 1.0, 1)
+    assert decision.is_best and decision.checkpoint and not decision.stop

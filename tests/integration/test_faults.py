@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epochal.coordinator.service import FAILURE_SETTLE
+from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
 from tests.integration.conftest import (
     SCRIPTS,

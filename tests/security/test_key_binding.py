@@ -64,7 +64,8 @@ async def test_a_frame_from_another_allowed_key_under_a_members_identity_is_drop
             assert time.monotonic() < deadline, "bob's frame was not dropped"
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        assert "alice" in {m.hello.worker_id for m in coordinator._rendezvous.members.values()}
+        members = coordinator.machine.rendezvous.members.values()
+        assert "alice" in {m.hello.worker_id for m in members}
         # a hello from bob under alice's identity is not admitted as her either
         await bob.send(encode(hello("alice")))
         await asyncio.sleep(0.2)

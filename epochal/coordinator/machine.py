@@ -1,0 +1,522 @@
+"""The run's phase machine: every decision all ranks must share, as a pure function of the clock.
+
+:class:`RunMachine` takes ``now`` and what arrived (:meth:`~RunMachine.on_message`), or just ``now``
+(:meth:`~RunMachine.on_tick`), and returns the :mod:`actions <epochal.coordinator.actions>` that
+follow: messages to send, records to write, lines to log, the end of the run. It opens no socket,
+reads no clock and touches no file (the model check is handed in), so a whole run is driven by a
+test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rules themselves are
+in :mod:`.watchdog`, the budget of peers outside the run in :mod:`.strangers`.
+
+Phases (:class:`~epochal.coordinator.actions.RunPhase`), in order: rendezvous -> store -> ready
+-> running -> back to ready, or finishing -> ended. An abort from any phase sends Abort to every
+worker and ends the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from epochal.coordinator import resume
+from epochal.coordinator.actions import (
+    Aborted,
+    Action,
+    Broadcast,
+    Finished,
+    Journal,
+    Log,
+    Prune,
+    RunPhase,
+    RunSummary,
+    Send,
+)
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.policy import (
+    BatchCounts,
+    EpochPlan,
+    LossSums,
+    PolicyViolation,
+    checkpoint_after,
+    format_epoch_line,
+    format_loss,
+    plan_epoch,
+)
+from epochal.coordinator.policy import aggregate as aggregate_losses
+from epochal.coordinator.rendezvous import Admitted, Fatal, Member, Refused, Rendezvous, printable
+from epochal.coordinator.strangers import Gate
+from epochal.coordinator.watchdog import Watchdog
+from epochal.protocol import (
+    Abort,
+    Checkpointed,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Fingerprint,
+    Finish,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    Message,
+    OpenStore,
+    Reject,
+    Status,
+    StoreReady,
+    Welcome,
+    clip,
+)
+
+ModelCheck = Callable[[Fingerprint], "str | None"]
+
+
+class RunMachine:
+    """One run's control-plane state and rules; see the module docstring."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        state: resume.RunState,
+        *,
+        run_id: str,
+        now: float,
+        check_model: ModelCheck | None = None,
+        rendezvous_note: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.phase = RunPhase.RENDEZVOUS
+        self._state = state
+        self._loop = state.loop
+        self._check_model = check_model
+        self._rendezvous_note = rendezvous_note
+        # why a rendezvous may fall short besides missing workers (refused CURVE handshakes)
+        self.rendezvous = Rendezvous(config)
+        self.gate = Gate()
+        self.watchdog = Watchdog(config, now)
+        self._ranks: dict[bytes, int] = {}
+        self.members: list[Member] = []
+        # by rank, once the ranks are assigned
+        self._backend = "gloo"
+        self._store: StoreReady | None = None
+        self.epoch = state.start_epoch
+        self._ready: dict[int, BatchCounts] = {}
+        self._reports: dict[int, LossSums] = {}
+        self._done: set[int] = set()
+        self._plan: EpochPlan | None = None
+        self._validates = False
+        self._checkpoint_dir = config.checkpoint_path
+        self._committed = [r["epoch"] for r in state.records if r["kind"] == "checkpoint"]
+        self._epoch_started = now
+        self._next_heartbeat = now
+        self.over = False
+        # an outcome (Finished or Aborted) has been returned
+
+    # ------------------------------------------------------------------ entry points
+
+    def reads(self, peer: bytes) -> bool:
+        """Whether a frame from ``peer`` is worth decoding (a stranger past its budget is not)."""
+        return self.gate.reads(peer)
+
+    def on_unreadable(
+        self, now: float, peer: bytes, problem: str, *, version: bool, user_id: str = ""
+    ) -> list[Action]:
+        """A frame from ``peer`` that does not decode: another protocol ``version``, or junk."""
+        self.gate.dropped_frames += 1
+        if version:
+            return self.gate.reject(peer, problem, "version")
+        rank = self._ranks.get(peer)
+        if rank is not None and self.gate.sessions.same_sender(peer, user_id):
+            return self.abort(f"rank {rank} sent a malformed message: {problem}")
+        return self.gate.reject(peer, f"malformed message: {problem}", "malformed")
+
+    def on_message(
+        self, now: float, peer: bytes, message: Message, *, session: str = "", user_id: str = ""
+    ) -> list[Action]:
+        """A decoded ``message`` from ``peer`` with its ``session`` secret and ZAP ``user_id``."""
+        if self.over:
+            return []
+        screened = self.gate.screen(
+            now, peer, message, session, user_id, self.rendezvous.members.get
+        )
+        if screened is not None:
+            return screened
+        rank = self._ranks.get(peer)
+        if rank is not None or self.watchdog.knows(peer):
+            self.watchdog.heard(peer, now)
+        actions = self._handle(now, peer, message, user_id)
+        if rank is not None and self.phase in (RunPhase.READY, RunPhase.RUNNING):
+            answered = self._ready if self.phase is RunPhase.READY else self._reports
+            self.watchdog.after_message(rank, peer, self.epoch, answered)
+        return actions
+
+    def on_tick(self, now: float) -> list[Action]:
+        """The clock moved to ``now``: heartbeats when due, then every timeout."""
+        if self.over:
+            return []
+        actions: list[Action] = []
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval
+            actions.append(Broadcast(self._recipients(), Heartbeat()))
+        return actions + self._check_clock(now)
+
+    def lost_time(self, now: float, lost: float) -> list[Action]:
+        """The service itself was not running for ``lost`` seconds up to ``now``: blame nobody."""
+        line = self.watchdog.forgive(now, lost)
+        return [] if line is None else [Log(line)]
+
+    def report_failure(self, now: float, what: str, *, cause: bool = False) -> None:
+        """A worker failed; abort after a short settle window that lets its cause come in.
+
+        ``cause`` marks a fact such as a worker process exiting, which goes first in the reason:
+        when a rank dies, the others' collectives fail a moment later, and their errors are
+        consequences.
+        """
+        self.watchdog.report_failure(now, what, cause=cause)
+
+    def abort(self, reason: str, *, force: bool = False) -> list[Action]:
+        """End the run: Abort to every worker, the reason recorded. ``force``: also after an
+        outcome, when its record could not be written."""
+        if self.over and not force:
+            return []
+        self.over = True
+        return [
+            Log(f"run aborted: {reason}"),
+            Broadcast(self._recipients(), Abort(reason=clip(reason))),
+            Journal("result", {"status": "aborted", "run_id": self.run_id, "reason": reason}, True),
+            Aborted(reason),
+        ]
+
+    def unrecorded(self, problem: str) -> list[Action]:
+        """The run directory cannot be written: stop, since progress that is not recorded
+        cannot be resumed (and a decision is never sent before its record is durable)."""
+        return self.abort(
+            f"{problem}; the run stops because it cannot record its progress", force=True
+        )
+
+    # ------------------------------------------------------------------ sending
+
+    def _recipients(self) -> tuple[bytes, ...]:
+        if self.members:
+            return tuple(m.peer for m in self.members)
+        return tuple(self.rendezvous.members)
+
+    # ------------------------------------------------------------------ receiving
+
+    def _handle(self, now: float, peer: bytes, message: Message, user_id: str) -> list[Action]:
+        if isinstance(message, Hello):
+            return self._on_hello(now, peer, message, user_id)
+        rank = self._ranks.get(peer)
+        if rank is None:
+            return self._from_outside(peer, message)
+        match message:
+            case Heartbeat():
+                return []
+            case Status():
+                self.watchdog.note_status(rank, message, now)
+                return []
+            case StoreReady() if self.phase is RunPhase.STORE and rank == 0:
+                self._store = message
+                return self._welcome_all(now)
+            case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
+                self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                if len(self._ready) == self.config.world_size:
+                    return self._start_epoch(now)
+                return []
+            case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
+                self._reports[rank] = LossSums(
+                    message.train_loss_sum,
+                    message.train_count,
+                    message.valid_loss_sum,
+                    message.valid_count,
+                )
+                if len(self._reports) == self.config.world_size:
+                    return self._decide(now)
+                return []
+            case Checkpointed() if rank == 0 and message.epoch <= self.epoch:
+                return self._on_checkpointed(message.epoch)
+            case Done() if self.phase is RunPhase.FINISHING:
+                self._done.add(rank)
+                if len(self._done) == self.config.world_size:
+                    return self._end()
+                return []
+            case Failed():
+                line = f"rank {rank} ({self.members[rank].describe()}) failed: {message.reason}"
+                self.report_failure(now, self.watchdog.after_lost_time(now, line))
+                return []
+            case _:
+                return self.abort(
+                    f"rank {rank} sent {type(message).__name__} while the coordinator was in "
+                    f"phase {self.phase} of epoch {self.epoch}: the worker and coordinator "
+                    "are out of step (a bug, or mixed epochal versions)"
+                )
+
+    def _from_outside(self, peer: bytes, message: Message) -> list[Action]:
+        """A message from a peer without a rank: a member still in rendezvous, or a stranger."""
+        if isinstance(message, Heartbeat | Status):
+            return []
+        joined = self.rendezvous.members.get(peer)
+        if joined is not None and isinstance(message, Failed):
+            self.rendezvous.leave(peer)
+            self.gate.sessions.forget(peer)
+            self.watchdog.drop(peer)
+            return [Log(f"{joined.describe()} failed before the run started: {message.reason}")]
+        reason = "not a member of this run: send hello first"
+        return [Send(peer, Reject(reason=reason, code="not_member"))]
+
+    def _on_hello(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
+        refused = self.gate.hello_refused(now, peer, hello, user_id)
+        if refused is not None:
+            return refused
+        verdict = self.rendezvous.offer(peer, hello)
+        match verdict:
+            case Refused(reason=reason):
+                line = (
+                    f"refused worker {printable(hello.worker_id)} from {printable(hello.host)}: "
+                    f"{reason}"
+                )
+                return self.gate.refusal(now, line) + self.gate.reject(peer, reason, "refused")
+            case Fatal(reason=reason):
+                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
+            case Admitted(again=again):
+                self.watchdog.heard(peer, now)
+                session = self.gate.sessions.issue(peer, user_id)
+                joined = len(self.rendezvous.members)
+                if again and peer in self._ranks:
+                    if self._store is None:
+                        return []
+                    return [Send(peer, self._welcome_for(peer)), *self._rehello(now, peer)]
+                world = self.config.world_size
+                actions: list[Action] = [
+                    Send(peer, Joined(joined=joined, world_size=world, session=session))
+                ]
+                if again:
+                    return actions
+                actions.append(
+                    Log(
+                        f"worker {printable(hello.worker_id)} joined from "
+                        f"{printable(hello.host)} ({joined}/{world})"
+                    )
+                )
+                if self.rendezvous.complete:
+                    actions += self._open_store(now)
+                return actions
+        raise AssertionError(f"unknown verdict {verdict!r}")
+
+    def _rehello(self, now: float, peer: bytes) -> list[Action]:
+        """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
+        rank = self._ranks[peer]
+        if not self.watchdog.rehello_due(rank, now):
+            return []
+        return [
+            Log(
+                f"rank {rank} ({self.members[rank].describe()}) said hello again: it heard "
+                "nothing from this coordinator for its own heartbeat timeout (was the "
+                "coordinator not running?) and re-attached; it carries on where it was"
+            )
+        ]
+
+    # ------------------------------------------------------------------ phases
+
+    def _set_phase(self, phase: RunPhase, now: float) -> None:
+        self.phase = phase
+        self.watchdog.phase_began(now)
+
+    def _open_store(self, now: float) -> list[Action]:
+        self._ranks, self._backend = self.rendezvous.assign()
+        by_rank: list[Member | None] = [None] * self.config.world_size
+        for peer, rank in self._ranks.items():
+            by_rank[rank] = self.rendezvous.members[peer]
+        self.members = [m for m in by_rank if m is not None]
+        if self._check_model is not None:
+            problem = self._check_model(self.members[0].hello.fingerprint)
+            if problem is not None:
+                return self.abort(problem)
+        self._set_phase(RunPhase.STORE, now)
+        return [Send(self.members[0].peer, OpenStore(run_id=self.run_id))]
+
+    def _welcome_for(self, peer: bytes) -> Welcome:
+        assert self._store is not None
+        return Welcome(
+            rank=self._ranks[peer],
+            world_size=self.config.world_size,
+            run_id=self.run_id,
+            backend=self._backend,
+            store_host=self._store.host,
+            store_port=self._store.port,
+            start_epoch=self._state.start_epoch,
+            epochs=self.config.epochs,
+            resume_epoch=self._state.resume_epoch,
+            checkpoint_dir=str(self._checkpoint_dir or ""),
+            session=self.gate.sessions.issue(peer, ""),
+            store_key=self._store.key,
+        )
+
+    def _welcome_all(self, now: float) -> list[Action]:
+        assert self._store is not None
+        actions: list[Action] = [Send(m.peer, self._welcome_for(m.peer)) for m in self.members]
+        actions.append(
+            Log(
+                f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
+                f"data-plane store at {self._store.host}:{self._store.port}"
+            )
+        )
+        for rank, member in enumerate(self.members):
+            hello = member.hello
+            where = hello.data_address or "?"
+            actions.append(Log(f"rank {rank}: {hello.host}, data plane at {where}"))
+        self._set_phase(RunPhase.READY, now)
+        return actions
+
+    def _start_epoch(self, now: float) -> list[Action]:
+        if self._loop.history and self._loop.history[-1].stop:
+            self._ready.clear()  # resumed after the last decision: only the finish is left
+            return self._finish(now)
+        try:
+            plan = plan_epoch(self._ready, self.config.batch_policy)
+        except PolicyViolation as exc:
+            return self.abort(f"epoch {self.epoch}: {exc}")
+        self._validates = plan.valid_batches > 0  # every rank has validation data
+        validate_now = self._validates and self.config.validates(self.epoch)
+        self._plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
+        self._ready.clear()
+        self._set_phase(RunPhase.RUNNING, now)
+        self._epoch_started = now
+        go = Go(
+            epoch=self.epoch,
+            train_batches=self._plan.train_batches,
+            valid_batches=self._plan.valid_batches,
+            lr_factor=self._loop.lr_factor,
+        )
+        return [Broadcast(self._recipients(), go)]
+
+    def _decide(self, now: float) -> list[Action]:
+        try:
+            train_loss, valid_loss = aggregate_losses(self._reports)
+        except PolicyViolation as exc:
+            return self.abort(f"epoch {self.epoch}: {exc}")
+        self._reports.clear()
+        outcome = self._loop.update(self.epoch, train_loss, valid_loss, validates=self._validates)
+        checkpoint = checkpoint_after(self.config, outcome)
+        seconds = now - self._epoch_started
+        plan = self._plan
+        assert plan is not None
+        record = outcome.record(
+            validates=self._validates, checkpoint=checkpoint, plan=plan, seconds=seconds
+        )
+        actions: list[Action] = [Journal("epoch", record)]
+        actions.append(Broadcast(self._recipients(), outcome.decision(checkpoint)))
+        actions.append(Log(format_epoch_line(outcome, self.config.epochs, seconds)))
+        if not outcome.stop:
+            self.epoch += 1
+            self._set_phase(RunPhase.READY, now)
+            return actions
+        if outcome.stop_reason == "lr_factor":
+            actions.append(
+                Log(f"the learning-rate factor reached {outcome.next_lr_factor:g}: stopping")
+            )
+        elif outcome.stop_reason == "patience":
+            actions.append(
+                Log(
+                    f"no improvement for {self._loop.stale} validated epochs "
+                    f"(patience {self.config.patience}): stopping early"
+                )
+            )
+        return actions + self._finish(now)
+
+    def _on_checkpointed(self, epoch: int) -> list[Action]:
+        actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
+        self._committed.append(epoch)
+        if self._checkpoint_dir is not None:
+            pruned = resume.prunable(
+                self._committed, self.config.keep_checkpoints, self._loop.best_epoch
+            )
+            if pruned:
+                actions.append(Prune(tuple(pruned)))
+            self._committed = [e for e in self._committed if e not in pruned]
+        return actions
+
+    def _finish(self, now: float) -> list[Action]:
+        loop = self._loop
+        finish = Finish(
+            best_epoch=loop.best_epoch,
+            best_loss=loop.best_loss,
+            epochs_run=len(loop.history),
+            restore_best=self.config.restore_best,
+        )
+        self._set_phase(RunPhase.FINISHING, now)
+        return [
+            Broadcast(self._recipients(), finish),
+            Log(
+                f"run {self.run_id} finished after {len(loop.history)} epochs: best epoch "
+                f"{loop.best_epoch} (smoothed loss {format_loss(loop.best_loss)})"
+            ),
+        ]
+
+    def _end(self) -> list[Action]:
+        loop = self._loop
+        summary = RunSummary(
+            run_id=self.run_id,
+            best_epoch=loop.best_epoch,
+            best_loss=loop.best_loss,
+            epochs_run=len(loop.history),
+            history=list(loop.history),
+        )
+        self.over = True
+        result = {
+            "status": "finished",
+            "run_id": self.run_id,
+            "best_epoch": loop.best_epoch,
+            "best_loss": loop.best_loss,
+            "epochs_run": len(loop.history),
+        }
+        return [Journal("result", result), Finished(summary)]
+
+    # ------------------------------------------------------------------ the clock
+
+    def _check_clock(self, now: float) -> list[Action]:
+        dog, cfg = self.watchdog, self.config
+        failed = dog.failure_due(now)
+        if failed is not None:
+            return self.abort(failed)
+        waited = now - dog.phase_started
+        if self.phase is RunPhase.RENDEZVOUS:
+            return self._check_rendezvous(now, waited)
+        answered = self._ready if self.phase is RunPhase.READY else self._reports
+        lines, reason = dog.check(
+            now,
+            phase=self.phase,
+            epoch=self.epoch,
+            answered=answered,
+            members=self.members,
+            ranks=self._ranks,
+            welcomed=self._store is not None,
+        )
+        actions: list[Action] = [Log(line) for line in lines]
+        if reason is not None:
+            return actions + self.abort(reason)
+        if self.phase is RunPhase.FINISHING and waited > cfg.finish_timeout:
+            missing = sorted(set(range(cfg.world_size)) - self._done)
+            actions.append(
+                Log(f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s")
+            )
+            return actions + self._end()
+        return actions
+
+    def _check_rendezvous(self, now: float, waited: float) -> list[Action]:
+        actions: list[Action] = []
+        for peer in self.watchdog.silent(now):
+            member = self.rendezvous.members.get(peer)
+            if member is not None:
+                actions.append(Log(f"{member.describe()} went silent during rendezvous; dropped"))
+                self.rendezvous.leave(peer)
+                self.gate.sessions.forget(peer)
+            self.watchdog.drop(peer)
+        if waited > self.config.rendezvous_timeout:
+            cfg = self.config
+            joined = len(self.rendezvous.members)
+            return actions + self.abort(
+                f"only {joined} of {cfg.world_size} workers joined within "
+                f"{cfg.rendezvous_timeout:g} s: start the missing workers, or lower "
+                f"--world-size{self._rendezvous_note()}"
+            )
+        return actions

@@ -1,0 +1,169 @@
+"""Who may speak to the run: sessions, peers outside it, and how many refusals reach the log.
+
+The rules bound what a stranger can make the coordinator do. :class:`Strangers` answers a
+misconfigured worker a few times and then drops its frames unread, holding a bounded count;
+:class:`RefusalLog` logs at most :data:`REFUSALS_LOGGED` refusals a minute and counts the rest;
+:class:`Gate` puts them together with the members' sessions, in front of the run's
+:class:`~epochal.coordinator.machine.RunMachine`. The clock is an argument, so the rules are tested
+without sockets or sleeps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from epochal.coordinator.actions import Action, Log, Send
+from epochal.coordinator.rendezvous import Member, printable
+from epochal.coordinator.sessions import Sessions
+from epochal.protocol import Heartbeat, Hello, Message, Reject, Status, clip
+
+REFUSALS_LOGGED = 20
+"""Refused hellos logged per minute; the rest are counted."""
+
+STRANGER_REPLIES = 8
+"""Rejections a peer outside the run gets before its frames are dropped unanswered."""
+
+MAX_STRANGERS = 4096
+"""Peers outside the run whose rejections are counted; the least recent are forgotten."""
+
+
+class Strangers:
+    """Rejections sent to each peer outside the run, the least recent forgotten first."""
+
+    def __init__(self, replies: int = STRANGER_REPLIES, remembered: int = MAX_STRANGERS) -> None:
+        self.replies = replies
+        self.remembered = remembered
+        self._sent: OrderedDict[bytes, int] = OrderedDict()
+
+    def spent(self, peer: bytes) -> bool:
+        """Whether ``peer`` has had all its answers: its frames are dropped unread."""
+        return self._sent.get(peer, 0) >= self.replies
+
+    def answer(self, peer: bytes) -> bool:
+        """Count one rejection for ``peer``; whether it is still to be sent."""
+        sent = self._sent.pop(peer, 0)
+        self._sent[peer] = sent + 1  # most recent last
+        if len(self._sent) > self.remembered:
+            self._sent.popitem(last=False)
+        return sent < self.replies
+
+
+class RefusalLog:
+    """At most ``per_minute`` refusal lines a minute; the lines past that are counted."""
+
+    def __init__(self, per_minute: int = REFUSALS_LOGGED) -> None:
+        self.per_minute = per_minute
+        self._window = 0.0
+        self._shown = 0
+        self._hidden = 0
+
+    def lines(self, now: float, line: str) -> list[str]:
+        """What to log for one refusal at ``now``: the line, a count of the last minute's hidden
+        ones before it, or nothing."""
+        out: list[str] = []
+        if now - self._window > 60:
+            if self._hidden:
+                out.append(f"... and {self._hidden} more refusals in that minute")
+            self._window, self._shown, self._hidden = now, 0, 0
+        if self._shown < self.per_minute:
+            self._shown += 1
+            out.append(line)
+        else:
+            self._hidden += 1
+        return out
+
+
+class Gate:
+    """What a frame must pass before the run acts on it, and the count of those that did not."""
+
+    def __init__(self) -> None:
+        self.sessions = Sessions()
+        self.strangers = Strangers()
+        self._refusals = RefusalLog()
+        self.dropped_frames = 0
+        # frames that could not be read (malformed, oversized, another protocol version)
+        self.ignored_frames = 0
+        # frames from strangers past their reply budget, dropped without an answer
+        self.forged_frames = 0
+        # frames under a member's routing identity without its session (or key): never acted on
+
+    def summary(self) -> str | None:
+        """The line that counts the frames not acted on, said as the run ends; None if none."""
+        if not (self.dropped_frames or self.ignored_frames or self.forged_frames):
+            return None
+        forged = (
+            f" and {self.forged_frames} sent under a worker's identity without its session"
+            if self.forged_frames
+            else ""
+        )
+        return (
+            f"dropped {self.dropped_frames} unreadable frames and ignored "
+            f"{self.ignored_frames} more from peers outside the run{forged}"
+        )
+
+    def reads(self, peer: bytes) -> bool:
+        """Whether a frame from ``peer`` is worth decoding (a stranger past its budget is not)."""
+        if peer not in self.sessions and self.strangers.spent(peer):
+            self.ignored_frames += 1
+            return False
+        return True
+
+    def reject(self, peer: bytes, reason: str, code: str) -> list[Action]:
+        """Answer a peer that is not in the run, a few times; after that, drop it silently.
+
+        A misconfigured worker gets its explanation; a peer that keeps sending junk cannot make
+        the coordinator do unbounded work or hold unbounded state (at most MAX_STRANGERS counted).
+        """
+        if not self.strangers.answer(peer):
+            self.ignored_frames += 1
+            return []
+        return [Send(peer, Reject(reason=clip(reason), code=code))]
+
+    def refusal(self, now: float, line: str) -> list[Action]:
+        """Log a refusal, unless this minute's share is spent."""
+        return [Log(text) for text in self._refusals.lines(now, line)]
+
+    def screen(
+        self,
+        now: float,
+        peer: bytes,
+        message: Message,
+        session: str,
+        user_id: str,
+        who: Callable[[bytes], Member | None],
+    ) -> list[Action] | None:
+        """None when the run may act on ``message`` (a hello: see :meth:`hello_refused`); else
+        what to do instead, maybe nothing. A frame under a member's routing identity must carry
+        its session and come from its key."""
+        if isinstance(message, Hello):
+            return None
+        if peer not in self.sessions or self.sessions.check(peer, session, user_id):
+            return None
+        if not session and isinstance(message, Heartbeat | Status):
+            # a heartbeat without a session may cross the Joined that carries it: dropped quietly
+            return []
+        self.forged_frames += 1
+        if isinstance(message, Heartbeat | Status):
+            return []  # harmless to the run: counted, not logged
+        member = who(peer)
+        return self.refusal(
+            now,
+            f"dropped a {type(message).__name__} sent as "
+            f"{member.describe() if member is not None else 'a worker'} without its session: "
+            "another process is using that worker's identity (its frames are ignored)",
+        )
+
+    def hello_refused(
+        self, now: float, peer: bytes, hello: Hello, user_id: str
+    ) -> list[Action] | None:
+        """None when ``hello`` may speak for ``peer``; else what to do: its connection is bound
+        to another worker's key."""
+        if self.sessions.same_sender(peer, user_id):
+            return None
+        self.forged_frames += 1
+        return self.refusal(
+            now,
+            f"refused a hello as {printable(hello.worker_id)}: its connection is bound to "
+            "another worker's key",
+        )

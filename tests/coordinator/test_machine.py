@@ -1,0 +1,383 @@
+"""The run's phase machine driven by a clock the test sets: no sockets, no sleeps.
+
+Each test plays workers by calling :meth:`RunMachine.on_message` and moves the clock with
+:meth:`RunMachine.on_tick`; every bound comes from the configured timeouts, checked just before
+and just after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epochal.coordinator import CoordinatorConfig, resume
+from epochal.coordinator.actions import (
+    Aborted,
+    Action,
+    Broadcast,
+    Finished,
+    Journal,
+    Log,
+    Prune,
+    RunPhase,
+    Send,
+)
+from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.watchdog import FAILURE_SETTLE
+from epochal.protocol import (
+    Abort,
+    Checkpointed,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Fingerprint,
+    Finish,
+    Go,
+    Heartbeat,
+    Hello,
+    Joined,
+    Message,
+    OpenStore,
+    ParamSpec,
+    Status,
+    StoreReady,
+    Welcome,
+)
+
+FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
+
+
+def hello(worker_id: str) -> Hello:
+    return Hello(
+        job="epochal",
+        token="",
+        worker_id=worker_id,
+        host="testhost",
+        pid=1,
+        rank_hint=None,
+        device="cpu",
+        fingerprint=FP,
+    )
+
+
+def aborted(actions: list[Action]) -> str | None:
+    reasons = [a.reason for a in actions if isinstance(a, Aborted)]
+    return reasons[0] if reasons else None
+
+
+def logged(actions: list[Action]) -> list[str]:
+    return [a.line for a in actions if isinstance(a, Log)]
+
+
+def broadcast(actions: list[Action], kind: type) -> list[Any]:
+    return [a.message for a in actions if isinstance(a, Broadcast) and isinstance(a.message, kind)]
+
+
+@dataclass
+class Run:
+    """A machine and the workers playing against it; ``peers[rank]`` once ranks are assigned."""
+
+    machine: RunMachine
+    sessions: dict[bytes, str] = field(default_factory=dict)
+    peers: list[bytes] = field(default_factory=list)
+
+    def send(self, now: float, peer: bytes, message: Message) -> list[Action]:
+        actions = self.machine.on_message(now, peer, message, session=self.sessions.get(peer, ""))
+        for action in actions:
+            if isinstance(action, Send) and isinstance(action.message, Joined | Welcome):
+                self.sessions[action.peer] = action.message.session
+        return actions
+
+    def all(self, now: float, make: Any) -> list[Action]:
+        """Every rank sends ``make(rank)``; the actions of all of them."""
+        out: list[Action] = []
+        for rank, peer in enumerate(self.peers):
+            out += self.send(now, peer, make(rank))
+        return out
+
+
+def start(now: float = 0.0, **settings: Any) -> Run:
+    """A run with every worker joined and welcomed at ``now`` (phase ready)."""
+    config = CoordinatorConfig(**{"world_size": 2, "epochs": 2, **settings})
+    run = Run(RunMachine(config, resume.inspect(config, None), run_id="r1", now=now))
+    actions: list[Action] = []
+    for i in range(config.world_size):
+        actions += run.send(now, f"w{i}".encode(), hello(f"w{i}"))
+    opener = [a.peer for a in actions if isinstance(a, Send) and isinstance(a.message, OpenStore)]
+    assert len(opener) == 1 and run.machine.phase is RunPhase.STORE
+    welcome = run.send(now, opener[0], StoreReady(host="127.0.0.1", port=4242, key="k"))
+    ranks = {
+        a.peer: a.message.rank
+        for a in welcome
+        if isinstance(a, Send) and isinstance(a.message, Welcome)
+    }
+    run.peers = sorted(ranks, key=ranks.__getitem__)
+    assert run.machine.phase is RunPhase.READY
+    return run
+
+
+def ready(rank: int, epoch: int = 0) -> EpochReady:
+    return EpochReady(epoch=epoch, train_batches=5, valid_batches=2)
+
+
+def report(valid_sum: float, epoch: int) -> EpochReport:
+    return EpochReport(
+        epoch=epoch, train_loss_sum=1.0, train_count=1, valid_loss_sum=valid_sum, valid_count=2
+    )
+
+
+# ----------------------------------------------------------------------------- a whole run
+
+
+def test_a_whole_run_records_each_epoch_before_deciding_it_and_ends_with_its_history():
+    run = start(epochs=3)
+    sums = [(8.0, 2.0), (3.0, 3.0), (5.0, 5.0)]  # global: 10/4, 6/4, 10/4
+    finish: list[Action] = []
+    for epoch, pair in enumerate(sums):
+        now = 10.0 * (epoch + 1)
+        go = broadcast(run.all(now, lambda r, e=epoch: ready(r, e)), Go)
+        assert go == [Go(epoch=epoch, train_batches=5, valid_batches=2, lr_factor=1.0)]
+        actions = run.all(now + 1.5, lambda r, e=epoch, p=pair: report(p[r], e))
+        kinds = [type(a).__name__ for a in actions if isinstance(a, Journal | Broadcast)]
+        assert kinds[:2] == ["Journal", "Broadcast"]  # durable before the ranks hear of it
+        record = next(a.record for a in actions if isinstance(a, Journal))
+        assert record["kind"] == "epoch" and record["seconds"] == 1.5 and "time" not in record
+        (decision,) = broadcast(actions, Decision)
+        assert decision.valid_loss == pytest.approx(sum(pair) / 4)
+        assert decision.is_best == (epoch in (0, 1)) and decision.stop == (epoch == 2)
+        assert any(line.startswith(f"epoch {epoch} [{epoch + 1}/3]") for line in logged(actions))
+        finish = actions
+    assert broadcast(finish, Finish) == [
+        Finish(best_epoch=1, best_loss=1.5, epochs_run=3, restore_best=True)
+    ]
+    assert run.machine.phase is RunPhase.FINISHING
+    assert run.send(40.0, run.peers[0], Done()) == []
+    end = run.send(40.0, run.peers[1], Done())
+    assert [type(a) for a in end] == [Journal, Finished]
+    summary = end[-1].summary  # type: ignore[union-attr]
+    assert (summary.best_epoch, summary.epochs_run) == (1, 3)
+    assert [o.epoch for o in summary.history] == [0, 1, 2]
+    assert run.machine.on_tick(1000.0) == []  # over: nothing more happens
+
+
+def test_uneven_batches_abort_every_worker():
+    run = start()
+    run.send(1.0, run.peers[0], EpochReady(epoch=0, train_batches=48, valid_batches=None))
+    actions = run.send(1.0, run.peers[1], EpochReady(epoch=0, train_batches=47, valid_batches=None))
+    reason = aborted(actions)
+    assert reason is not None and "rank 0 has 48, rank 1 has 47 train batches" in reason
+    (abort,) = broadcast(actions, Abort)
+    assert "rank 1 has 47" in abort.reason
+    assert {a.record["status"] for a in actions if isinstance(a, Journal)} == {"aborted"}
+
+
+def test_checkpoints_beyond_those_kept_are_pruned():
+    run = start(epochs=5, checkpoint_dir=Path("/nowhere"), keep_checkpoints=1)
+    for epoch in range(3):
+        run.all(1.0, lambda r, e=epoch: ready(r, e))
+        run.all(2.0, lambda r, e=epoch: report(10.0 - e, e))  # every epoch a new best
+    first = run.send(3.0, run.peers[0], Checkpointed(epoch=0))
+    assert [type(a) for a in first] == [Journal]
+    second = run.send(3.0, run.peers[0], Checkpointed(epoch=1))
+    assert [a for a in second if isinstance(a, Prune)] == [Prune((0,))]
+
+
+# ----------------------------------------------------------------------------- the clock
+
+
+def test_heartbeats_go_out_once_per_interval():
+    run = start(heartbeat_interval=1.0)
+    assert broadcast(run.machine.on_tick(0.0), Heartbeat)
+    assert not broadcast(run.machine.on_tick(0.9), Heartbeat)
+    assert broadcast(run.machine.on_tick(1.0), Heartbeat)
+
+
+def test_a_silent_worker_is_declared_lost_after_the_heartbeat_timeout():
+    run = start(heartbeat_interval=0.05, heartbeat_timeout=0.3)
+    t = 0.0
+    while t < 0.3:
+        t = round(t + 0.05, 2)
+        run.send(t, run.peers[0], Heartbeat())
+        assert aborted(run.machine.on_tick(t)) is None  # rank 1 silent, but not for long enough
+    reason = aborted(run.machine.on_tick(0.31))
+    assert reason is not None
+    assert reason.startswith("rank 1 (worker w1 (host testhost, pid 1)) sent nothing for 0.3 s")
+    assert "while connecting the data plane: it died, hung or lost its network" in reason
+
+
+def test_rendezvous_timeout_names_how_many_joined():
+    config = CoordinatorConfig(world_size=3, epochs=1, rendezvous_timeout=0.3)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r", now=0.0)
+    joined = machine.on_message(0.1, b"w", hello("w"))
+    assert any(isinstance(a, Send) and isinstance(a.message, Joined) for a in joined)
+    machine.on_message(0.2, b"w", Heartbeat())
+    assert aborted(machine.on_tick(0.3)) is None
+    reason = aborted(machine.on_tick(0.31))
+    assert reason is not None and "only 1 of 3 workers joined within 0.3 s" in reason
+
+
+def test_a_worker_silent_during_rendezvous_is_dropped():
+    config = CoordinatorConfig(world_size=3, epochs=1, heartbeat_timeout=2.0)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r", now=0.0)
+    machine.on_message(0.0, b"a", hello("a"))
+    machine.on_message(1.0, b"b", hello("b"))
+    assert logged(machine.on_tick(2.0)) == []
+    lines = logged(machine.on_tick(2.5))
+    assert lines == ["worker a (host testhost, pid 1) went silent during rendezvous; dropped"]
+    assert list(machine.rendezvous.members) == [b"b"]
+
+
+def test_store_timeout_names_rank_0():
+    run_config = {"store_timeout": 5.0}
+    config = CoordinatorConfig(world_size=1, epochs=1, **run_config)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r", now=0.0)
+    machine.on_message(1.0, b"w", hello("w"))
+    machine.on_message(5.5, b"w", Heartbeat(), session=machine.gate.sessions.issue(b"w", ""))
+    assert aborted(machine.on_tick(6.0)) is None
+    reason = aborted(machine.on_tick(6.01))
+    assert reason == (
+        "rank 0 (worker w (host testhost, pid 1)) did not open the data-plane store within 5 s"
+    )
+
+
+def test_a_failure_waits_the_settle_window_for_its_cause():
+    run = start()
+    run.send(10.0, run.peers[1], Failed(reason="NCCL error"))
+    run.machine.report_failure(10.1, "worker 0 (pid 7) exited with status 1", cause=True)
+    assert aborted(run.machine.on_tick(10.0 + FAILURE_SETTLE - 0.01)) is None
+    reason = aborted(run.machine.on_tick(10.0 + FAILURE_SETTLE))
+    assert reason == (
+        "worker 0 (pid 7) exited with status 1; then rank 1 (worker w1 (host testhost, pid 1)) "
+        "failed: NCCL error"
+    )
+
+
+def test_a_lost_batch_count_is_named_once_its_rank_waited_a_margin_while_heard():
+    run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)  # margin: 2 s
+    run.send(1.0, run.peers[0], ready(0))
+    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where=""))
+    run.send(3.0, run.peers[1], Heartbeat())
+    assert aborted(run.machine.on_tick(3.0)) is None  # heard for exactly the margin
+    run.send(3.01, run.peers[1], Heartbeat())
+    reason = aborted(run.machine.on_tick(3.01))
+    assert reason is not None and reason.startswith(
+        "rank 1 (worker w1 (host testhost, pid 1)) has waited 2.0 s for epoch 0's Go, but its "
+        "batch counts never arrived"
+    )
+
+
+def test_a_wait_that_ends_with_its_message_is_no_loss():
+    run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)
+    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where=""))
+    run.send(4.0, run.peers[1], Heartbeat())  # suspected ...
+    run.send(4.0, run.peers[1], ready(1))  # ... but its counts were only late
+    assert aborted(run.machine.on_tick(4.0)) is None
+
+
+def test_a_stall_is_reported_once_per_stall_timeout_and_aborted_after_stall_abort():
+    run = start(stall_timeout=10.0, stall_abort=25.0, heartbeat_timeout=100.0)
+    for rank, peer in enumerate(run.peers):
+        run.send(1.0, peer, Status(phase="train", epoch=0, step=3, where=f"x.py:{rank} in f"))
+    assert logged(run.machine.on_tick(11.0)) == []
+    report = logged(run.machine.on_tick(11.5))
+    assert len(report) == 1 and report[0].startswith("no rank has made progress for 10 s")
+    assert logged(run.machine.on_tick(21.0)) == []  # said once per stall timeout
+    assert len(logged(run.machine.on_tick(21.6))) == 1
+    assert aborted(run.machine.on_tick(26.0)) is None
+    reason = aborted(run.machine.on_tick(26.1))
+    assert reason is not None and "made no progress for 25 s" in reason
+    assert "--stall-abort 25" in reason
+
+
+def test_time_the_coordinator_itself_lost_is_forgiven():
+    run = start(heartbeat_interval=1.0, heartbeat_timeout=3.0)
+    run.all(1.0, lambda r: Heartbeat())
+    lines = logged(run.machine.lost_time(60.0, 58.0))
+    assert lines and lines[0].startswith("the coordinator itself was not running for 58.0 s")
+    assert aborted(run.machine.on_tick(60.0)) is None  # nobody is blamed for the lost time
+    actions = run.send(60.5, run.peers[1], Failed(reason="no coordinator for 3 s"))
+    assert actions == []
+    reason = aborted(run.machine.on_tick(60.5 + FAILURE_SETTLE))
+    assert reason is not None and reason.startswith("this coordinator was not running for 58.0 s")
+
+
+def test_a_finish_unconfirmed_within_the_finish_timeout_ends_the_run():
+    run = start(epochs=1, finish_timeout=5.0, heartbeat_timeout=100.0)
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: report(1.0, 0))
+    run.send(3.0, run.peers[0], Done())
+    assert not any(isinstance(a, Finished) for a in run.machine.on_tick(7.0))
+    actions = run.machine.on_tick(7.01)
+    assert "ranks [1] did not confirm the finish within 5 s" in logged(actions)
+    assert isinstance(actions[-1], Finished)
+
+
+def test_a_record_that_cannot_be_written_aborts_even_after_the_end():
+    run = start(epochs=1)
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: report(1.0, 0))
+    run.send(3.0, run.peers[0], Done())
+    assert isinstance(run.send(3.0, run.peers[1], Done())[-1], Finished)
+    actions = run.machine.unrecorded("cannot write result.json: disk full")
+    assert aborted(actions) == (
+        "cannot write result.json: disk full; the run stops because it cannot record its progress"
+    )
+
+
+# ----------------------------------------------------------------------------- who may speak
+
+
+def test_a_frame_without_its_session_is_counted_and_never_acted_on():
+    run = start()
+    peer = run.peers[0]
+    forged = run.machine.on_message(1.0, peer, ready(0), session="not-it")
+    assert logged(forged)[0].startswith("dropped a EpochReady")
+    assert run.machine.gate.forged_frames == 1
+    # a heartbeat without any session may cross the Joined that carries it: not counted
+    assert run.machine.on_message(1.0, peer, Heartbeat()) == []
+    assert run.machine.gate.forged_frames == 1
+
+
+def test_a_stranger_gets_a_few_answers_then_silence():
+    run = start()
+    budget = run.machine.gate.strangers.replies
+    answers = 0
+    for _ in range(budget + 5):
+        if not run.machine.reads(b"noisy"):
+            continue
+        actions = run.machine.on_unreadable(1.0, b"noisy", "junk", version=False)
+        answers += len([a for a in actions if isinstance(a, Send)])
+    assert answers == budget
+    assert run.machine.gate.ignored_frames == 5 and run.machine.gate.dropped_frames == budget
+
+
+def test_a_message_out_of_step_aborts_naming_the_phase():
+    run = start()
+    reason = aborted(run.send(1.0, run.peers[0], Done()))
+    assert reason is not None and "sent Done while the coordinator was in phase ready" in reason
+
+
+@pytest.mark.parametrize("module", ["actions", "machine", "strangers", "watchdog"])
+def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: str):
+    import ast
+
+    import epochal.coordinator
+
+    source = Path(epochal.coordinator.__file__).parent / f"{module}.py"
+    tree = ast.parse(source.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert not imported & {"asyncio", "zmq", "time", "socket", "os", "shutil", "pathlib"}
