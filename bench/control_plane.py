@@ -253,6 +253,7 @@ class Driver:
         self.errors: dict[int, str] = {}
         self.by_socket: dict[zmq.Socket[bytes], int] = {}
         self.poller = zmq.Poller()
+        self.decoded: dict[bytes, Any] = {}
 
     def _timer(self, due: float, k: int, kind: str, token: int = 0) -> None:
         heapq.heappush(self.timers, (due, next(self.seq), k, kind, token))
@@ -309,8 +310,20 @@ class Driver:
                     self._timer(time.monotonic() + action.timeout, k, "timeout", token)
                 return
 
+    def _decode(self, data: bytes) -> Any:
+        """``decode``, once per distinct frame: a broadcast (go, decision, heartbeat) is the same
+        bytes for every worker, and decoding it once per process keeps the helpers' CPU for
+        sending and receiving. The messages are frozen dataclasses, safe to share."""
+        message = self.decoded.get(data)
+        if message is None:
+            message = decode(data)
+            if len(self.decoded) >= 64:
+                self.decoded.clear()
+            self.decoded[data] = message
+        return message
+
     def _deliver(self, k: int, data: bytes) -> None:
-        message = decode(data)
+        message = self._decode(data)
         if isinstance(message, Heartbeat):
             return
         if isinstance(message, Joined | Welcome):
