@@ -292,7 +292,7 @@ class Driver:
                 self.scripts[k] = None
                 return
             except Exception as exc:  # an abort or a protocol surprise: recorded, others go on
-                self.errors[k] = f"{type(exc).__name__}: {exc}"
+                self.errors[self.workers[k].index] = f"{type(exc).__name__}: {exc}"
                 self.scripts[k] = None
                 return
             value = None
@@ -362,7 +362,9 @@ class Driver:
             live = sum(s is not None for s in self.scripts)
         for k, script in enumerate(self.scripts):
             if script is not None:
-                self.errors.setdefault(k, "still running when the bench gave up on the run")
+                self.errors.setdefault(
+                    self.workers[k].index, "still running when the bench gave up on the run"
+                )
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -395,7 +397,7 @@ def helper_main(
 # ---------------------------------------------------------------------- the floor
 
 
-def serve_floor(world_size: int, epochs: int, heartbeat_interval: float) -> None:
+def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog: int) -> None:
     """A bare asyncio ROUTER answering the worker sequence with pre-encoded frames."""
     import zmq.asyncio
 
@@ -437,7 +439,7 @@ def serve_floor(world_size: int, epochs: int, heartbeat_interval: float) -> None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.BACKLOG, max(100, world_size))
+        sock.setsockopt(zmq.BACKLOG, backlog or max(100, world_size))
         sock.bind("tcp://127.0.0.1:0")
         print(f"listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
         peers: dict[bytes, int] = {}
@@ -543,6 +545,7 @@ class Result:
     cpu_per_epoch: float | None = None
     rss_listening: int = 0
     rss_peak: int = 0
+    cpu_total: float = 0.0
     note: str = ""
 
     @property
@@ -559,6 +562,7 @@ def server_command(mode: str, n: int, args: argparse.Namespace, run_dir: Path) -
             str(n),
             str(args.epochs),
             str(args.heartbeat_interval),
+            str(args.floor_backlog),
         ]
     return [
         sys.executable,
@@ -672,6 +676,8 @@ def run_once(mode: str, n: int, args: argparse.Namespace, scratch: Path, tag: st
     sampler.stopped.set()
     sampler.join()
     result.rss_peak = sampler.peak_rss
+    if sampler.samples:
+        result.cpu_total = sampler.samples[-1][1]
     tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
     if errors or rc != 0:
         first_error = next(iter(errors.values()), "")
@@ -720,7 +726,7 @@ def describe(r: Result) -> str:
         f"{r.mode:<8}{r.n:>6}  rendezvous {_fmt(r.rendezvous, 1, 3):>7} s  "
         f"control {_fmt(control, 1000, 1):>7} ms  cpu/epoch {_fmt(r.cpu_per_epoch, 1000, 0):>5} ms"
         f"  rss {r.rss_peak / 1024:6.1f} MiB ({r.rss_per_worker:6.1f} KiB/worker)"
-        + ("" if r.ok else f"  FAILED: {r.note}")
+        f"  cpu {r.cpu_total:.1f} s in all" + ("" if r.ok else f"  FAILED: {r.note}")
     )
 
 
@@ -791,12 +797,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs and logs here")
     parser.add_argument(
-        "--serve-floor", nargs=3, metavar=("N", "EPOCHS", "HB"), help=argparse.SUPPRESS
+        "--floor-backlog",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the floor's listen backlog (default: N; libzmq's own default is 100)",
     )
+    parser.add_argument("--serve-floor", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor:
-        n, epochs, hb = args.serve_floor
-        serve_floor(int(n), int(epochs), float(hb))
+        n, epochs, hb, backlog = args.serve_floor
+        serve_floor(int(n), int(epochs), float(hb), int(backlog))
         return 0
     soft, hard = raise_nofile()
     print(
