@@ -1,0 +1,204 @@
+"""The operating-system limits a coordinator of thousands of workers runs into, raised or named.
+
+Every worker holds one TCP connection to the coordinator's ROUTER socket, so the coordinator needs
+one file descriptor per worker besides its own few. Two limits of the operating system stand in
+the way long before ZeroMQ does:
+
+- the soft ``RLIMIT_NOFILE`` (``ulimit -n``), often 1,024: the coordinator raises it to the hard
+  limit at startup (:func:`raise_nofile_limit`), which any process may do. When a connection still
+  cannot be accepted, libzmq reports ``EMFILE`` only as a socket-monitor event and leaves the
+  connection waiting in the listen queue; the worker then looks merely missing.
+  :class:`AcceptFailures` turns those events into one line that names the limit, and a note for
+  the rendezvous timeout;
+- the listen backlog: libzmq listens with a backlog of 100 unless ``ZMQ_BACKLOG`` says otherwise,
+  so when thousands of workers connect at once the kernel drops the surplus SYNs and those workers
+  connect again only after TCP's retransmission timeout (1 s, then 3 s, 7 s, ...).
+  :func:`configure_router` sizes the backlog to the run before the socket binds; the kernel caps
+  it at ``net.core.somaxconn`` (:func:`backlog_note` says when that cap is lower than the run).
+
+Nothing here logs: the functions return the lines, and the service says them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from pathlib import Path
+
+import zmq
+
+FILES_RESERVED = 64
+"""Descriptors the coordinator holds besides one per worker: ZeroMQ's own (its I/O thread's
+poller and mailboxes), the journal, the standard streams, the CURVE authenticator's sockets."""
+
+MIN_BACKLOG = 128
+"""Listen backlog never set lower than this (libzmq's default is 100)."""
+
+NOFILE_FALLBACK = 10240
+"""The soft limit tried where the hard limit is unlimited and the system names no maximum (macOS
+refuses an unlimited soft limit but takes OPEN_MAX, 10,240)."""
+
+SOMAXCONN_PATH = Path("/proc/sys/net/core/somaxconn")
+NR_OPEN_PATH = Path("/proc/sys/fs/nr_open")
+
+TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def files_needed(workers: int) -> int:
+    """File descriptors a coordinator of ``workers`` workers needs, with room for its own."""
+    return workers + FILES_RESERVED
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return (old, new) soft.
+
+    A hard limit of "unlimited" is not a value the soft limit may take: the system's maximum
+    (Linux: ``fs.nr_open``) is used instead, or :data:`NOFILE_FALLBACK`. Where the system refuses
+    the new value, the limit stays as it was and (old, old) is returned. Never lowers the limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        target = _read_int(NR_OPEN_PATH) or NOFILE_FALLBACK
+    if soft != resource.RLIM_INFINITY and soft >= target:
+        return soft, soft
+    if soft == resource.RLIM_INFINITY:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def nofile_note(workers: int) -> str | None:
+    """A warning when the soft limit (after raising it) is below what ``workers`` need, or None."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = files_needed(workers)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return (
+        f"warning: this coordinator may open at most {soft} files (the hard limit of "
+        f"RLIMIT_NOFILE is {_limit(hard)}), but {workers} workers need about {needed}: only "
+        f"about {max(soft - FILES_RESERVED, 0)} can connect. {_how_to_raise(needed)}"
+    )
+
+
+def backlog_for(workers: int) -> int:
+    """The listen backlog for a run of ``workers``: every worker may connect in the same instant."""
+    return max(MIN_BACKLOG, workers)
+
+
+def configure_router(sock: zmq.Socket[bytes], expected_workers: int) -> int:
+    """Set the ROUTER's listen backlog for ``expected_workers``; return it. Call before bind."""
+    backlog = backlog_for(expected_workers)
+    sock.setsockopt(zmq.BACKLOG, backlog)
+    return backlog
+
+
+def backlog_note(expected_workers: int, somaxconn: int | None = None) -> str | None:
+    """A note when the kernel caps the listen backlog below ``expected_workers``, or None.
+
+    ``somaxconn`` defaults to ``/proc/sys/net/core/somaxconn`` (None where it cannot be read:
+    then nothing is said).
+    """
+    cap = somaxconn if somaxconn is not None else _read_int(SOMAXCONN_PATH)
+    if cap is None or cap >= backlog_for(expected_workers):
+        return None
+    return (
+        f"note: the kernel caps the listen backlog at {cap} (net.core.somaxconn), below the "
+        f"{expected_workers} workers of this run: when they connect at once, those beyond it "
+        "connect again only after TCP's retransmission timeout (1 s, 3 s, ...), which slows "
+        f"the rendezvous; raise it with `sysctl -w net.core.somaxconn={expected_workers}`"
+    )
+
+
+def too_many_files_message(workers: int | None = None) -> str:
+    """The line for a connection refused (or a file not opened) for want of file descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = "" if workers is None else f" and {workers} workers need about {files_needed(workers)}"
+    return (
+        f"too many open files: the soft limit is {_limit(soft)} (RLIMIT_NOFILE; the hard limit "
+        f"is {_limit(hard)}){need}. "
+        + _how_to_raise(files_needed(workers) if workers is not None else None)
+    )
+
+
+def _how_to_raise(needed: int | None) -> str:
+    value = str(needed) if needed is not None else "N"
+    return (
+        f"Raise it with `ulimit -n {value}` in the shell that starts the coordinator (above the "
+        f"hard limit: `ulimit -Hn {value}` as root, LimitNOFILE={value} in a systemd unit, or "
+        "`nofile` in /etc/security/limits.conf)"
+    )
+
+
+def _limit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def is_too_many_files(exc: BaseException) -> bool:
+    """Whether ``exc`` is the process (EMFILE) or the system (ENFILE) out of file descriptors."""
+    return isinstance(exc, OSError) and exc.errno in TOO_MANY_FILES
+
+
+class AcceptFailures:
+    """The ROUTER's failed accepts (socket-monitor events), said once and counted.
+
+    libzmq retries a connection it could not accept at every turn of its I/O thread, so one worker
+    beyond the limit makes a flood of ``EVENT_ACCEPT_FAILED``: :meth:`note` returns the line for
+    the first failure of each cause (too many files, or another errno) and counts the rest;
+    :meth:`rendezvous_note` is what a rendezvous timeout adds, so that it names the limit instead
+    of "missing workers". Monitor the socket with :data:`EVENTS`.
+    """
+
+    EVENTS = zmq.EVENT_ACCEPT_FAILED
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.total = 0
+        self.too_many_files = 0
+        self._said: set[int] = set()
+
+    def note(self, event: int, value: int) -> str | None:
+        """Record one monitor event (``event``, its errno ``value``); the line to log, or None."""
+        if not event & zmq.EVENT_ACCEPT_FAILED:
+            return None
+        self.total += 1
+        if value in TOO_MANY_FILES:
+            self.too_many_files += 1
+        cause = errno.EMFILE if value in TOO_MANY_FILES else value
+        if cause in self._said:
+            return None
+        self._said.add(cause)
+        if cause == errno.EMFILE:
+            return (
+                "cannot accept a worker's connection: "
+                + too_many_files_message(self.workers)
+                + "; the worker waits in the listen queue until a descriptor is free"
+            )
+        name = errno.errorcode.get(value, str(value))
+        return f"cannot accept a worker's connection: {name} ({os.strerror(value)})"
+
+    def rendezvous_note(self) -> str:
+        """What a rendezvous timeout adds when connections could not be accepted: the cause."""
+        if self.too_many_files:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            return (
+                f"; the coordinator could not accept connections {self.too_many_files} times for "
+                f"want of file descriptors (soft limit {_limit(soft)}): the missing workers are "
+                "probably waiting to connect, not missing. "
+                + _how_to_raise(files_needed(self.workers))
+            )
+        if self.total:
+            return f"; {self.total} connections could not be accepted (see the log above)"
+        return ""

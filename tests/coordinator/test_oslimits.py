@@ -1,0 +1,214 @@
+"""The coordinator's operating-system limits: the open-files limit, the listen backlog, EMFILE."""
+
+from __future__ import annotations
+
+import errno
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from epochal.coordinator import oslimits
+from epochal.coordinator.oslimits import (
+    FILES_RESERVED,
+    MIN_BACKLOG,
+    AcceptFailures,
+    backlog_for,
+    backlog_note,
+    configure_router,
+    files_needed,
+    is_too_many_files,
+    nofile_note,
+    raise_nofile_limit,
+    too_many_files_message,
+)
+
+
+@pytest.fixture
+def nofile() -> Iterator[tuple[int, int]]:
+    """The limit as it is; put back after the test (raising the soft limit needs no privilege)."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    yield before
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_the_soft_limit_is_raised_to_the_hard_limit(nofile):
+    _soft, hard = nofile
+    if hard == resource.RLIM_INFINITY or hard < 300:
+        pytest.skip(f"needs a finite hard limit above 300, this process has {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    assert raise_nofile_limit() == (256, hard)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+
+
+def test_a_limit_already_at_the_hard_limit_is_left_alone(nofile):
+    _soft, hard = nofile
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("the hard limit is unlimited here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    assert raise_nofile_limit() == (hard, hard)
+
+
+class _FakeLimits:
+    """resource's getrlimit/setrlimit for RLIMIT_NOFILE, on values a test chooses."""
+
+    def __init__(self, soft: int, hard: int, *, refuse: bool = False) -> None:
+        self.limits = (soft, hard)
+        self.refuse = refuse
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == resource.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == resource.RLIMIT_NOFILE
+        if self.refuse:
+            raise ValueError("not allowed to raise maximum limit")
+        self.limits = limits
+
+
+def test_an_unlimited_hard_limit_raises_the_soft_limit_to_the_system_maximum(monkeypatch, tmp_path):
+    fake = _FakeLimits(1024, resource.RLIM_INFINITY)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(oslimits.resource, "setrlimit", fake.setrlimit)
+    nr_open = tmp_path / "nr_open"
+    nr_open.write_text("1048576\n")
+    monkeypatch.setattr(oslimits, "NR_OPEN_PATH", nr_open)
+    assert raise_nofile_limit() == (1024, 1048576)
+    monkeypatch.setattr(oslimits, "NR_OPEN_PATH", tmp_path / "absent")
+    fake.limits = (256, resource.RLIM_INFINITY)
+    assert raise_nofile_limit() == (256, oslimits.NOFILE_FALLBACK)
+
+
+def test_a_refused_raise_keeps_the_limit(monkeypatch):
+    fake = _FakeLimits(1024, 4096, refuse=True)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(oslimits.resource, "setrlimit", fake.setrlimit)
+    assert raise_nofile_limit() == (1024, 1024)
+    assert fake.limits == (1024, 4096)
+
+
+def test_a_limit_too_low_for_the_run_is_named_with_the_fix(monkeypatch):
+    fake = _FakeLimits(1024, 1024)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    note = nofile_note(4096)
+    assert note is not None
+    assert "at most 1024 files" in note
+    assert f"about {4096 + FILES_RESERVED}" in note
+    assert f"ulimit -n {files_needed(4096)}" in note
+    assert nofile_note(1024 - FILES_RESERVED) is None
+
+
+def test_the_backlog_covers_every_worker_connecting_at_once():
+    assert backlog_for(8) == MIN_BACKLOG
+    assert backlog_for(4096) == 4096
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        assert sock.getsockopt(zmq.BACKLOG) == 100  # libzmq's default: what this fixes
+        assert configure_router(sock, 4096) == 4096
+        assert sock.getsockopt(zmq.BACKLOG) == 4096
+        sock.bind("tcp://127.0.0.1:0")  # set before bind: the listen() call takes it
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_a_kernel_cap_below_the_run_is_noted():
+    note = backlog_note(4096, somaxconn=128)
+    assert note is not None
+    assert "net.core.somaxconn" in note
+    assert "sysctl -w net.core.somaxconn=4096" in note
+    assert backlog_note(4096, somaxconn=4096) is None
+    assert backlog_note(64, somaxconn=128) is None
+
+
+def test_the_emfile_message_names_the_limit_and_how_to_raise_it(monkeypatch):
+    fake = _FakeLimits(1024, 524288)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    line = too_many_files_message(4096)
+    assert line.startswith("too many open files: the soft limit is 1024")
+    assert "the hard limit is 524288" in line
+    assert f"ulimit -n {files_needed(4096)}" in line
+    assert "ulimit -n N" in too_many_files_message()
+
+
+def test_emfile_and_enfile_are_too_many_files():
+    assert is_too_many_files(OSError(errno.EMFILE, "Too many open files"))
+    assert is_too_many_files(OSError(errno.ENFILE, "Too many open files in system"))
+    assert not is_too_many_files(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_too_many_files(ValueError("EMFILE"))
+
+
+def test_accept_failures_are_said_once_per_cause_and_counted(monkeypatch):
+    fake = _FakeLimits(1024, 1024)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    failures = AcceptFailures(workers=1024)
+    assert failures.rendezvous_note() == ""
+    assert failures.note(zmq.EVENT_ACCEPTED, 0) is None
+    first = failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
+    assert first is not None
+    assert "too many open files: the soft limit is 1024" in first
+    assert all(failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE) is None for _ in range(500))
+    assert failures.note(zmq.EVENT_ACCEPT_FAILED, errno.ENFILE) is None  # the same cause
+    other = failures.note(zmq.EVENT_ACCEPT_FAILED, errno.ENOBUFS)
+    assert other is not None and "ENOBUFS" in other
+    assert failures.total == 503 and failures.too_many_files == 502
+    note = failures.rendezvous_note()
+    assert "502 times for want of file descriptors (soft limit 1024)" in note
+    assert "not missing" in note
+
+
+_EMFILE_SERVER = textwrap.dedent(
+    """
+    import os, resource, zmq
+    from zmq.utils.monitor import parse_monitor_message
+    from epochal.coordinator.oslimits import AcceptFailures, configure_router
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    configure_router(sock, 200)
+    monitor = sock.get_monitor_socket(AcceptFailures.EVENTS)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    failures = AcceptFailures(workers=200)
+    while True:
+        event = parse_monitor_message(monitor.recv_multipart())
+        line = failures.note(event["event"], event["value"])
+        if line is not None:
+            print(line, flush=True)
+            break
+    # libzmq queued far more failures than the monitor holds; closing would wait on that queue
+    os._exit(0)
+    """
+)
+
+
+def test_libzmq_reports_an_accept_that_ran_out_of_files_and_the_line_names_the_limit():
+    """Connections beyond the open-files limit: libzmq says EMFILE only to a socket monitor."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _EMFILE_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    clients: list[socket.socket] = []
+    assert server.stdout is not None
+    try:
+        endpoint = server.stdout.readline().strip()
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        for _ in range(80):  # more than 48 descriptors' worth
+            clients.append(socket.create_connection((host, int(port)), timeout=10))
+        line = server.stdout.readline()
+    finally:
+        # while they wait in the listen queue, libzmq retries them at every turn of its I/O thread
+        for client in clients:
+            client.close()
+        assert server.wait(timeout=30) == 0
+        server.stdout.close()
+    assert "cannot accept a worker's connection: too many open files" in line
+    assert "the soft limit is 48" in line
+    assert f"ulimit -n {files_needed(200)}" in line
