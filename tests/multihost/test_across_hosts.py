@@ -7,7 +7,6 @@ coordinator's address and the CURVE key files. Bounds derive from the configured
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -31,10 +30,10 @@ PORT = 29400  # each test network is private, so a fixed port is free and a rest
 HEARTBEAT_TIMEOUT = 5.0
 """The coordinator's --heartbeat-timeout in these tests."""
 
-_JOIN = inspect.signature(epochal.join).parameters
-WORKER_HEARTBEAT_TIMEOUT = float(_JOIN["heartbeat_timeout"].default)
-ABORT_GRACE = float(_JOIN["abort_grace"].default)
-HEARTBEAT_INTERVAL = float(_JOIN["heartbeat_interval"].default)
+_JOIN = epochal.JoinOptions()  # the worker's defaults
+WORKER_HEARTBEAT_TIMEOUT = _JOIN.heartbeat_timeout
+ABORT_GRACE = _JOIN.abort_grace
+HEARTBEAT_INTERVAL = _JOIN.heartbeat_interval
 MARGIN = 3.0
 DELAY_MS, LOSS_PERCENT = 50.0, 1.0  # on every link in test_delay_and_loss_on_every_link
 RUN_DEADLINE = 300.0  # a whole short training run on a loaded machine: a hang, not a bound
