@@ -5,7 +5,7 @@ A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, <field>: 
 :class:`~epochal.errors.MalformedMessage`; nothing else escapes it, whatever the bytes.
 
 Each record class gets one decoder, compiled once from its declared fields
-(:func:`~epochal.protocol.messages.fields_of`): a converter per field that checks the raw value's
+(:func:`~epochal.protocol.records.fields_of`): a converter per field that checks the raw value's
 type and builds the field's value. A frame of at most
 :data:`~epochal.protocol.limits.WHOLE_FRAME_BYTES` is unpacked whole and run through them; any
 other frame, and any frame that fails there, is read value by value against the same declared
@@ -22,11 +22,9 @@ from typing import Any
 import msgpack
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
+from epochal.protocol.decoders import DECODERS, RESERVED, decoder
 from epochal.protocol.limits import (
-    LIST_LIMITS,
     MAX_FIELDS,
-    MAX_FRAME_OBJECTS,
-    MAX_KEY_CHARS,
     SESSION_KEY,
     WHOLE_FRAME_BYTES,
 )
@@ -43,164 +41,7 @@ from epochal.protocol.messages import (
     Record,
     fields_of,
 )
-
-_RESERVED = ("v", "t")
-
-Converter = Callable[[Any, str, "str | int"], Any]
-"""Checks one raw value (as msgpack gives it) of a declared field and returns the field's value.
-Called with the value, the path of its container and its key there (a field name or list index),
-which name it in the MalformedMessage it raises."""
-
-
-def _path(parent: str, key: str | int) -> str:
-    return f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}"
-
-
-def _wrong(expected: str, value: Any, parent: str, key: str | int) -> MalformedMessage:
-    return MalformedMessage(
-        f"{_path(parent, key)}: expected {expected}, got {type(value).__name__}"
-    )
-
-
-# ------------------------------------------------------------------------ compiled decoders
-
-
-def _converter(spec: FieldSpec) -> Converter:
-    convert = _plain_converter(spec)
-    if not spec.nilable:
-        return convert
-
-    def nilable(value: Any, parent: str, key: str | int) -> Any:
-        return None if value is None else convert(value, parent, key)
-
-    return nilable
-
-
-def _plain_converter(spec: FieldSpec) -> Converter:
-    kind = spec.kind
-    if kind is int:
-
-        def to_int(value: Any, parent: str, key: str | int) -> Any:
-            if type(value) is int:
-                return value
-            raise _wrong("int", value, parent, key)
-
-        return to_int
-    if kind is float:
-
-        def to_float(value: Any, parent: str, key: str | int) -> Any:
-            if type(value) is float:
-                return value
-            if type(value) is int:
-                return float(value)
-            raise _wrong("float", value, parent, key)
-
-        return to_float
-    if kind is bool:
-
-        def to_bool(value: Any, parent: str, key: str | int) -> Any:
-            if type(value) is bool:
-                return value
-            raise _wrong("bool", value, parent, key)
-
-        return to_bool
-    if kind is str:
-
-        def to_str(value: Any, parent: str, key: str | int) -> Any:
-            if type(value) is str:
-                return value
-            raise _wrong("str", value, parent, key)
-
-        return to_str
-    if kind is tuple:
-        assert spec.item is not None
-        item = _converter(spec.item)
-        most = LIST_LIMITS.get(spec.name, 0)
-
-        def to_tuple(value: Any, parent: str, key: str | int) -> Any:
-            if type(value) is not list:
-                raise _wrong("a list", value, parent, key)
-            where = _path(parent, key)
-            if len(value) > most:
-                raise MalformedMessage(
-                    f"{where}: a list of {len(value)} items, at most {most} allowed"
-                )
-            return tuple([item(v, where, i) for i, v in enumerate(value)])
-
-        return to_tuple
-    if issubclass(kind, Record):
-        record = kind
-
-        def to_record(value: Any, parent: str, key: str | int) -> Any:
-            return decoder(record).build(value, _path(parent, key))
-
-        return to_record
-    members: dict[str, Any] = dict(typing.cast(Any, kind)._value2member_map_)  # a StrEnum
-    allowed = ", ".join(members)
-
-    def to_member(value: Any, parent: str, key: str | int) -> Any:
-        if type(value) is str and value in members:
-            return members[value]
-        raise MalformedMessage(f"{_path(parent, key)}: expected one of {allowed}, got {value!r}")
-
-    return to_member
-
-
-class Decoder:
-    """Builds one record class from the raw map msgpack gives for it."""
-
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-        self.specs = fields_of(cls)
-        self.names = tuple(spec.name for spec in self.specs)
-        self.converters = tuple((spec.name, _converter(spec)) for spec in self.specs)
-        self.keys = frozenset(self.names)
-        # the keys of a whole frame of this message, without and with a session
-        self.frame_keys = self.keys | set(_RESERVED)
-        self.frame_keys_session = self.frame_keys | {SESSION_KEY}
-        self.by_name = {spec.name: spec for spec in self.specs}
-        # whether the record holds maps of its own (a hello's fingerprint and its params)
-        self.nested = any(_holds_record(spec) for spec in self.specs)
-
-    def build(self, raw: Any, where: str) -> Any:
-        """The record from its raw map, or MalformedMessage naming every missing or extra field
-        at once, else the first wrong value by its path."""
-        if type(raw) is not dict:
-            raise MalformedMessage(f"{where}: expected a map, got {type(raw).__name__}")
-        if raw.keys() != self.keys:
-            parts = []
-            missing = [n for n in self.names if n not in raw]
-            extra = [n for n in raw if n not in self.keys]
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if extra:
-                parts.append(f"unexpected {', '.join(map(repr, extra))}")
-            raise MalformedMessage(f"{where}: {'; '.join(parts)}")
-        return self.make([convert(raw[n], where, n) for n, convert in self.converters], where)
-
-    def make(self, values: list[Any], where: str) -> Any:
-        try:
-            return self.cls(*values)
-        except ValueError as exc:
-            raise MalformedMessage(f"{where}: {exc}") from None
-
-
-def _holds_record(spec: FieldSpec) -> bool:
-    if spec.item is not None:
-        return _holds_record(spec.item)
-    return issubclass(spec.kind, Record)
-
-
-_DECODERS: dict[type, Decoder] = {}
-
-
-def decoder(cls: type) -> Decoder:
-    """The decoder of a record class, compiled on first use."""
-    found = _DECODERS.get(cls)
-    if found is None:
-        found = _DECODERS[cls] = Decoder(cls)
-    return found
-
+from epochal.protocol.reader import Reader
 
 # ------------------------------------------------------------------------ encoding
 
@@ -289,7 +130,7 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
 
 def _by_value(data: bytes | memoryview, size: int) -> tuple[Message, str]:
     """A frame read value by value against its message's declared fields."""
-    reader = _Reader(data)
+    reader = Reader(data)
     try:
         message, session = reader.frame()
         if reader.unpacker.tell() != size:
@@ -319,7 +160,7 @@ _WHOLE_OPTIONS: dict[str, Any] = {
     "max_bin_len": 0,
     "max_ext_len": 0,
     "max_array_len": MAX_PARAMS,
-    "max_map_len": MAX_FIELDS + len(_RESERVED) + 1,
+    "max_map_len": MAX_FIELDS + len(RESERVED) + 1,
 }
 
 
@@ -349,7 +190,7 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
     if type(version) is not int or version != PROTOCOL_VERSION or lead not in ("vt", "tv"):
         raise ValueError("not a frame of this version")
     cls = MESSAGE_TYPES[name]
-    dec = _DECODERS.get(cls) or decoder(cls)
+    dec = DECODERS.get(cls) or decoder(cls)
     if dec.nested:  # maps inside: unpack again, refusing a repeated key in any of them
         frame = msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
     session = frame.get(SESSION_KEY, "")
@@ -362,209 +203,3 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
         raise ValueError("not the message's fields")
     message = dec.cls(*[convert(frame[n], name, n) for n, convert in dec.converters])
     return message, session
-
-
-def _kind(byte: int) -> str:
-    """What a msgpack value starting with ``byte`` is, by its first byte alone."""
-    if byte <= 0x7F or byte >= 0xE0 or 0xCC <= byte <= 0xD3:
-        return "int"
-    if 0x80 <= byte <= 0x8F or byte in (0xDE, 0xDF):
-        return "map"
-    if 0x90 <= byte <= 0x9F or byte in (0xDC, 0xDD):
-        return "list"
-    if 0xA0 <= byte <= 0xBF or byte in (0xD9, 0xDA, 0xDB):
-        return "str"
-    if byte == 0xC0:
-        return "NoneType"
-    if byte in (0xC2, 0xC3):
-        return "bool"
-    if byte in (0xCA, 0xCB):
-        return "float"
-    if byte in (0xC4, 0xC5, 0xC6):
-        return "bytes"
-    return "ext"  # 0xc1 (never used) and the ext types
-
-
-READ_CHUNK = 64 * 1024
-"""Bytes the reader copies out of a frame at a time: it never copies a whole 16 MiB frame."""
-
-
-class _Stream:
-    """A frame's buffer as the file the unpacker reads from, a chunk at a time, without copying
-    the whole frame (the caller may pass a view of the received message itself)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.pos = 0
-
-    def read(self, n: int) -> bytes:
-        chunk = self.view[self.pos : self.pos + n]
-        self.pos += len(chunk)
-        return bytes(chunk)
-
-
-class _Reader:
-    """Reads one frame from the front, one declared value at a time, into the raw maps and lists
-    the decoders check."""
-
-    def __init__(self, data: bytes | memoryview) -> None:
-        self.data = memoryview(data).cast("B")
-        self.unpacker = msgpack.Unpacker(
-            _Stream(self.data),
-            raw=False,
-            strict_map_key=True,
-            read_size=READ_CHUNK,
-            max_buffer_size=MAX_TEXT_CHARS * 4 + 2 * READ_CHUNK,
-            max_str_len=MAX_TEXT_CHARS * 4,
-            max_bin_len=0,
-            max_array_len=0,
-            max_map_len=0,
-            max_ext_len=0,
-        )
-        self.objects = 0
-
-    def peek(self) -> str:
-        at = self.unpacker.tell()
-        if at >= len(self.data):
-            raise MalformedMessage("not a msgpack frame: it ends in the middle of a value")
-        self.objects += 1
-        if self.objects > MAX_FRAME_OBJECTS:
-            raise MalformedMessage(f"frame holds more than {MAX_FRAME_OBJECTS} values")
-        byte = self.data[at]
-        if byte == 0xC1:
-            raise MalformedMessage("not a msgpack frame: byte 0xc1 is never used by msgpack")
-        return _kind(byte)
-
-    def scalar(self, where: str) -> Any:
-        kind = self.peek()
-        if kind in ("map", "list", "bytes", "ext"):
-            raise MalformedMessage(f"{where}: expected a plain value, got {_KIND_NAMES[kind]}")
-        return self.unpacker.unpack()
-
-    def key(self, where: str) -> str:
-        kind = self.peek()
-        if kind != "str":
-            raise MalformedMessage(
-                f"{where}: a field name must be a string, got {_KIND_NAMES[kind]}"
-            )
-        name = self.unpacker.unpack()
-        if len(name) > MAX_KEY_CHARS:
-            raise MalformedMessage(
-                f"{where}: a field name is longer than {MAX_KEY_CHARS} characters"
-            )
-        return typing.cast(str, name)
-
-    def map_header(self, where: str, most: int) -> int:
-        kind = self.peek()
-        if kind != "map":
-            raise MalformedMessage(f"{where}: expected a map, got {_KIND_NAMES[kind]}")
-        n = int(self.unpacker.read_map_header())
-        if n > most:
-            raise MalformedMessage(f"{where}: a map of {n} entries, at most {most} allowed")
-        return n
-
-    def frame(self) -> tuple[Any, str]:
-        kind = self.peek()
-        if kind != "map":
-            raise MalformedMessage(f"frame is a {_KIND_NAMES[kind]}, expected a map")
-        n = int(self.unpacker.read_map_header())
-        if n > MAX_FIELDS + len(_RESERVED) + 1:
-            raise MalformedMessage(f"frame is a map of {n} entries, more than any message has")
-        head: dict[str, Any] = {}
-        for _ in range(min(n, 2)):  # "v" and "t" come first, so the rest is read by its schema
-            name = self.key("frame")
-            if name not in _RESERVED or name in head:
-                break
-            if name == "t" and self.peek() in ("map", "list"):
-                raise MalformedMessage("unknown message type: a container, not a name")
-            head[name] = self.scalar(f"frame.{name}")
-        else:
-            name = None
-        version = head.get("v")
-        if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ProtocolVersionMismatch(
-                f"peer speaks protocol version {version!r}, this process speaks "
-                f"{PROTOCOL_VERSION}: install the same epochal version on the coordinator and "
-                "every worker",
-                theirs=version,
-                ours=PROTOCOL_VERSION,
-            )
-        type_name = head.get("t")
-        cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
-        if cls is None or not isinstance(type_name, str):
-            raise MalformedMessage(f"unknown message type {type_name!r}")
-        dec = decoder(cls)
-        session = ""
-        fields: dict[str, Any] = {}
-        for i in range(n - len(head)):
-            if i > 0 or name is None:
-                name = self.key(type_name)
-            if name == SESSION_KEY and not session:
-                value = self.scalar(f"{type_name}.{name}")
-                if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
-                    raise MalformedMessage(
-                        f"{type_name}: the session must be a string of 1-{MAX_SESSION_CHARS} "
-                        "characters"
-                    )
-                session = value
-            else:
-                self.field(dec, fields, name, type_name)
-        return dec.build(fields, type_name), session
-
-    def field(self, dec: Decoder, fields: dict[str, Any], name: str, where: str) -> None:
-        """Read the raw value of field ``name`` of ``dec``'s record into ``fields``."""
-        spec = dec.by_name.get(name)
-        if name in fields:
-            raise MalformedMessage(f"{where}: field {name!r} appears twice")
-        if spec is None:
-            # an unknown field is named with the others by Decoder.build; its value is read only
-            # when it is a plain value, so no unknown field makes the decoder build a structure
-            if self._next_kind() in ("map", "list"):
-                raise MalformedMessage(f"{where}: unexpected {name!r}")
-            fields[name] = self.scalar(f"{where}.{name}")
-            return
-        fields[name] = self.value(spec, f"{where}.{name}")
-
-    def value(self, spec: FieldSpec, where: str) -> Any:
-        """One raw value of a declared field: containers only where the field has them."""
-        if spec.nilable and self._next_is_nil():
-            return self.scalar(where)
-        if spec.kind is tuple:
-            assert spec.item is not None
-            kind = self.peek()
-            if kind != "list":
-                raise MalformedMessage(f"{where}: expected a list, got {_KIND_NAMES[kind]}")
-            n = int(self.unpacker.read_array_header())
-            most = LIST_LIMITS.get(spec.name, 0)
-            if n > most:
-                raise MalformedMessage(f"{where}: a list of {n} items, at most {most} allowed")
-            return [self.value(spec.item, f"{where}[{i}]") for i in range(n)]
-        if issubclass(spec.kind, Record):
-            dec = decoder(spec.kind)
-            n = self.map_header(where, len(dec.specs) + 1)
-            fields: dict[str, Any] = {}
-            for _ in range(n):
-                self.field(dec, fields, self.key(where), where)
-            return fields
-        return self.scalar(where)
-
-    def _next_kind(self) -> str:
-        at = int(self.unpacker.tell())
-        return _kind(self.data[at]) if at < len(self.data) else "end"
-
-    def _next_is_nil(self) -> bool:
-        at = int(self.unpacker.tell())
-        return at < len(self.data) and self.data[at] == 0xC0
-
-
-_KIND_NAMES = {
-    "int": "int",
-    "map": "dict",
-    "list": "list",
-    "str": "str",
-    "NoneType": "NoneType",
-    "bool": "bool",
-    "float": "float",
-    "bytes": "bytes",
-    "ext": "an extension type",
-}

@@ -1,0 +1,237 @@
+"""The value-by-value frame reader: reads one frame from the front, one declared value at a time.
+
+Used for any frame too large to unpack whole, or one that failed the whole-frame path. It never
+decodes a container the message does not have, nor a list longer than its field allows, so an
+adversarial frame costs no more memory than a valid one of its message.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import msgpack
+
+from epochal.errors import MalformedMessage, ProtocolVersionMismatch
+from epochal.protocol.decoders import RESERVED, Decoder, decoder
+from epochal.protocol.limits import (
+    LIST_LIMITS,
+    MAX_FIELDS,
+    MAX_FRAME_OBJECTS,
+    MAX_KEY_CHARS,
+    SESSION_KEY,
+)
+from epochal.protocol.messages import (
+    MAX_SESSION_CHARS,
+    MAX_TEXT_CHARS,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    FieldSpec,
+    Record,
+)
+
+
+def _kind(byte: int) -> str:
+    """What a msgpack value starting with ``byte`` is, by its first byte alone."""
+    if byte <= 0x7F or byte >= 0xE0 or 0xCC <= byte <= 0xD3:
+        return "int"
+    if 0x80 <= byte <= 0x8F or byte in (0xDE, 0xDF):
+        return "map"
+    if 0x90 <= byte <= 0x9F or byte in (0xDC, 0xDD):
+        return "list"
+    if 0xA0 <= byte <= 0xBF or byte in (0xD9, 0xDA, 0xDB):
+        return "str"
+    if byte == 0xC0:
+        return "NoneType"
+    if byte in (0xC2, 0xC3):
+        return "bool"
+    if byte in (0xCA, 0xCB):
+        return "float"
+    if byte in (0xC4, 0xC5, 0xC6):
+        return "bytes"
+    return "ext"  # 0xc1 (never used) and the ext types
+
+
+READ_CHUNK = 64 * 1024
+"""Bytes the reader copies out of a frame at a time: it never copies a whole 16 MiB frame."""
+
+
+class _Stream:
+    """A frame's buffer as the file the unpacker reads from, a chunk at a time, without copying
+    the whole frame (the caller may pass a view of the received message itself)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self.view[self.pos : self.pos + n]
+        self.pos += len(chunk)
+        return bytes(chunk)
+
+
+class Reader:
+    """Reads one frame from the front, one declared value at a time, into the raw maps and lists
+    the decoders check."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = memoryview(data).cast("B")
+        self.unpacker = msgpack.Unpacker(
+            _Stream(self.data),
+            raw=False,
+            strict_map_key=True,
+            read_size=READ_CHUNK,
+            max_buffer_size=MAX_TEXT_CHARS * 4 + 2 * READ_CHUNK,
+            max_str_len=MAX_TEXT_CHARS * 4,
+            max_bin_len=0,
+            max_array_len=0,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+        self.objects = 0
+
+    def peek(self) -> str:
+        at = self.unpacker.tell()
+        if at >= len(self.data):
+            raise MalformedMessage("not a msgpack frame: it ends in the middle of a value")
+        self.objects += 1
+        if self.objects > MAX_FRAME_OBJECTS:
+            raise MalformedMessage(f"frame holds more than {MAX_FRAME_OBJECTS} values")
+        byte = self.data[at]
+        if byte == 0xC1:
+            raise MalformedMessage("not a msgpack frame: byte 0xc1 is never used by msgpack")
+        return _kind(byte)
+
+    def scalar(self, where: str) -> Any:
+        kind = self.peek()
+        if kind in ("map", "list", "bytes", "ext"):
+            raise MalformedMessage(f"{where}: expected a plain value, got {_KIND_NAMES[kind]}")
+        return self.unpacker.unpack()
+
+    def key(self, where: str) -> str:
+        kind = self.peek()
+        if kind != "str":
+            raise MalformedMessage(
+                f"{where}: a field name must be a string, got {_KIND_NAMES[kind]}"
+            )
+        name = self.unpacker.unpack()
+        if len(name) > MAX_KEY_CHARS:
+            raise MalformedMessage(
+                f"{where}: a field name is longer than {MAX_KEY_CHARS} characters"
+            )
+        return typing.cast(str, name)
+
+    def map_header(self, where: str, most: int) -> int:
+        kind = self.peek()
+        if kind != "map":
+            raise MalformedMessage(f"{where}: expected a map, got {_KIND_NAMES[kind]}")
+        n = int(self.unpacker.read_map_header())
+        if n > most:
+            raise MalformedMessage(f"{where}: a map of {n} entries, at most {most} allowed")
+        return n
+
+    def frame(self) -> tuple[Any, str]:
+        kind = self.peek()
+        if kind != "map":
+            raise MalformedMessage(f"frame is a {_KIND_NAMES[kind]}, expected a map")
+        n = int(self.unpacker.read_map_header())
+        if n > MAX_FIELDS + len(RESERVED) + 1:
+            raise MalformedMessage(f"frame is a map of {n} entries, more than any message has")
+        head: dict[str, Any] = {}
+        for _ in range(min(n, 2)):  # "v" and "t" come first, so the rest is read by its schema
+            name = self.key("frame")
+            if name not in RESERVED or name in head:
+                break
+            if name == "t" and self.peek() in ("map", "list"):
+                raise MalformedMessage("unknown message type: a container, not a name")
+            head[name] = self.scalar(f"frame.{name}")
+        else:
+            name = None
+        version = head.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise ProtocolVersionMismatch(
+                f"peer speaks protocol version {version!r}, this process speaks "
+                f"{PROTOCOL_VERSION}: install the same epochal version on the coordinator and "
+                "every worker",
+                theirs=version,
+                ours=PROTOCOL_VERSION,
+            )
+        type_name = head.get("t")
+        cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
+        if cls is None or not isinstance(type_name, str):
+            raise MalformedMessage(f"unknown message type {type_name!r}")
+        dec = decoder(cls)
+        session = ""
+        fields: dict[str, Any] = {}
+        for i in range(n - len(head)):
+            if i > 0 or name is None:
+                name = self.key(type_name)
+            if name == SESSION_KEY and not session:
+                value = self.scalar(f"{type_name}.{name}")
+                if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
+                    raise MalformedMessage(
+                        f"{type_name}: the session must be a string of 1-{MAX_SESSION_CHARS} "
+                        "characters"
+                    )
+                session = value
+            else:
+                self.field(dec, fields, name, type_name)
+        return dec.build(fields, type_name), session
+
+    def field(self, dec: Decoder, fields: dict[str, Any], name: str, where: str) -> None:
+        """Read the raw value of field ``name`` of ``dec``'s record into ``fields``."""
+        spec = dec.by_name.get(name)
+        if name in fields:
+            raise MalformedMessage(f"{where}: field {name!r} appears twice")
+        if spec is None:
+            # an unknown field is named with the others by Decoder.build; its value is read only
+            # when it is a plain value, so no unknown field makes the decoder build a structure
+            if self._next_kind() in ("map", "list"):
+                raise MalformedMessage(f"{where}: unexpected {name!r}")
+            fields[name] = self.scalar(f"{where}.{name}")
+            return
+        fields[name] = self.value(spec, f"{where}.{name}")
+
+    def value(self, spec: FieldSpec, where: str) -> Any:
+        """One raw value of a declared field: containers only where the field has them."""
+        if spec.nilable and self._next_is_nil():
+            return self.scalar(where)
+        if spec.kind is tuple:
+            assert spec.item is not None
+            kind = self.peek()
+            if kind != "list":
+                raise MalformedMessage(f"{where}: expected a list, got {_KIND_NAMES[kind]}")
+            n = int(self.unpacker.read_array_header())
+            most = LIST_LIMITS.get(spec.name, 0)
+            if n > most:
+                raise MalformedMessage(f"{where}: a list of {n} items, at most {most} allowed")
+            return [self.value(spec.item, f"{where}[{i}]") for i in range(n)]
+        if issubclass(spec.kind, Record):
+            dec = decoder(spec.kind)
+            n = self.map_header(where, len(dec.specs) + 1)
+            fields: dict[str, Any] = {}
+            for _ in range(n):
+                self.field(dec, fields, self.key(where), where)
+            return fields
+        return self.scalar(where)
+
+    def _next_kind(self) -> str:
+        at = int(self.unpacker.tell())
+        return _kind(self.data[at]) if at < len(self.data) else "end"
+
+    def _next_is_nil(self) -> bool:
+        at = int(self.unpacker.tell())
+        return at < len(self.data) and self.data[at] == 0xC0
+
+
+_KIND_NAMES = {
+    "int": "int",
+    "map": "dict",
+    "list": "list",
+    "str": "str",
+    "NoneType": "NoneType",
+    "bool": "bool",
+    "float": "float",
+    "bytes": "bytes",
+    "ext": "an extension type",
+}
