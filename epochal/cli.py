@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from epochal import __version__, addressfile, log
+from epochal import __version__, addressfile, configfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import CoordinatorConfig
@@ -36,7 +36,7 @@ from epochal.environment import (
 )
 from epochal.errors import ConfigError, RunAborted
 from epochal.launch.restarts import Outcome, restarting
-from epochal.log import COORDINATOR
+from epochal.log import COORDINATOR, LAUNCHER
 from epochal.observe import commands as observe_commands
 from epochal.security.cli import (
     add_coordinator_arguments,
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_coordinator_arguments(c)
     _add_run_options(c)
+    configfile.add_config_options(c, beside_script=False)
     _add_log_options(c, argparse.SUPPRESS)
 
     r = sub.add_parser(
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none, the scripts end in their own time)",
     )
     _add_run_options(r)
+    configfile.add_config_options(r, beside_script=True)
     _add_log_options(r, argparse.SUPPRESS)
     r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     r.add_argument(
@@ -230,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the worker prints the full traceback of an error that stops the run (sets "
         f"{VERBOSE_ENV}=1; by default it prints the cause on one line)",
     )
+    configfile.add_config_options(w, beside_script=False)
     _add_log_options(w, argparse.SUPPRESS)
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     add_keys_command(sub)
@@ -413,11 +416,17 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, settings_from = configfile.parse_args(parser, argv)
+    except ConfigError as exc:
+        parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
     token = os.environ.get(TOKEN_ENV, "")
     run_id = new_run_id()
     try:
         _configure_logging(args)
+        if settings_from is not None:
+            logger = COORDINATOR if args.command == "coordinator" else LAUNCHER
+            logger.info(f"epochal: settings from {settings_from}")
         if args.command == "keys":
             return run_keys_command(args)
         handler = getattr(args, "handler", None)
