@@ -51,8 +51,9 @@ def add_config_options(parser: argparse.ArgumentParser, *, beside_script: bool) 
         type=Path,
         default=None,
         metavar="FILE",
-        help="read settings from the TOML file FILE, one key per option (epochs = 20, "
-        f"lr_schedule = 'cosine'); options given on the command line win{default}",
+        help="read settings from the TOML file FILE: a key per option, its name with "
+        "underscores (max_restarts = 3 for --max-restarts 3); options given on the command "
+        f"line win{default}",
     )
     if beside_script:
         g.add_argument(
@@ -221,8 +222,9 @@ def _restore(parsers: list[argparse.ArgumentParser], required: list[argparse.Act
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and its subcommands' parsers, theirs in turn included."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return [parser, *(p for s in subs for p in s.choices.values())]
+    return [parser, *(q for s in subs for p in s.choices.values() for q in _parsers(p))]
 
 
 def _subparser(
