@@ -15,14 +15,13 @@ import asyncio
 import ipaddress
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from epochal import __version__, addressfile, log
+from epochal import __version__, addressfile, configfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import CoordinatorConfig
@@ -37,7 +36,8 @@ from epochal.environment import (
 )
 from epochal.errors import ConfigError, RunAborted
 from epochal.launch.restarts import Outcome, restarting
-from epochal.log import COORDINATOR
+from epochal.log import COORDINATOR, LAUNCHER
+from epochal.observe import commands as observe_commands
 from epochal.security.cli import (
     add_coordinator_arguments,
     add_keys_command,
@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_coordinator_arguments(c)
     _add_run_options(c)
+    configfile.add_config_options(c, beside_script=False)
     _add_log_options(c, argparse.SUPPRESS)
 
     r = sub.add_parser(
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none, the scripts end in their own time)",
     )
     _add_run_options(r)
+    configfile.add_config_options(r, beside_script=True)
     _add_log_options(r, argparse.SUPPRESS)
     r.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     r.add_argument(
@@ -230,11 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the worker prints the full traceback of an error that stops the run (sets "
         f"{VERBOSE_ENV}=1; by default it prints the cause on one line)",
     )
+    configfile.add_config_options(w, beside_script=False)
     _add_log_options(w, argparse.SUPPRESS)
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     add_keys_command(sub)
-    _add_plot_command(sub)
-    _add_status_command(sub)
+    observe_commands.add_commands(sub)
     return parser
 
 
@@ -401,87 +403,6 @@ def _serve_or_crash(
         return EXIT_CRASH
 
 
-def _add_plot_command(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "plot",
-        help="draw a run's learning curve as a PNG",
-        description="Draw the learning curve of the run in RUN_DIR from its journal: train, "
-        "validation and smoothed loss, further metrics, the learning-rate factor, the best "
-        "epoch and restarts. Works on a finished run and on one still going. Needs matplotlib "
-        "(pip install 'epochal[plot]').",
-    )
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
-    p.add_argument(
-        "-o",
-        "--output",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the PNG to write (default: RUN_DIR/curve.png)",
-    )
-    p.set_defaults(handler=_run_plot)
-
-
-def _run_plot(args: argparse.Namespace) -> int:
-    from epochal.observe.runfiles import is_run_dir
-    from epochal.plot import plot_run
-
-    if not is_run_dir(args.run_dir):
-        raise ConfigError(
-            f"{args.run_dir} is not a run directory (no run.json, epochs.jsonl or status.json)"
-        )
-    print(f"wrote {plot_run(args.run_dir, args.output)}", flush=True)
-    return 0
-
-
-def _add_status_command(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "status",
-        help="show where a run is (live or finished)",
-        description="Print the state of the run in RUN_DIR at a glance: epoch, best epoch, "
-        "losses, restarts and where each rank is, from RUN_DIR/status.json while the run goes "
-        "on, from result.json and the journal once it ended.",
-    )
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
-    p.add_argument(
-        "--watch",
-        type=seconds,
-        nargs="?",
-        const=2.0,
-        default=None,
-        metavar="S",
-        help="print it again every S seconds (default: 2) until the run ends",
-    )
-    p.set_defaults(handler=_run_status)
-
-
-def _run_status(args: argparse.Namespace) -> int:
-    import time
-
-    from epochal.observe.runfiles import is_run_dir
-    from epochal.observe.statusfile import describe, ended
-
-    if not is_run_dir(args.run_dir):
-        raise ConfigError(
-            f"{args.run_dir} is not a run directory (no run.json, epochs.jsonl or status.json)"
-        )
-    if args.watch is None:
-        print(describe(args.run_dir), flush=True)
-        return 0
-    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-    try:
-        while True:
-            done = ended(args.run_dir)
-            print(f"{clear}{describe(args.run_dir)}", flush=True)
-            if done:
-                return 0
-            if not clear:
-                print(flush=True)  # a blank line between two views in a log
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
-
-
 def _configure_logging(args: argparse.Namespace) -> None:
     """``--log-level`` / ``--log-format``, else the environment's, else info and text; this
     process's setting is what the workers it starts get (see :func:`log.child_environment`)."""
@@ -495,11 +416,17 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, settings_from = configfile.parse_args(parser, argv)
+    except ConfigError as exc:
+        parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
     token = os.environ.get(TOKEN_ENV, "")
     run_id = new_run_id()
     try:
         _configure_logging(args)
+        if settings_from is not None:
+            logger = COORDINATOR if args.command == "coordinator" else LAUNCHER
+            logger.info(f"epochal: settings from {settings_from}")
         if args.command == "keys":
             return run_keys_command(args)
         handler = getattr(args, "handler", None)
