@@ -1,4 +1,4 @@
-"""What the service tells a run's observers, over real sockets with scripted workers.
+"""What the service tells a run's observers, and how it sets up its ROUTER, over real sockets.
 
 A recording observer sees the calls in order: the start, the joins, every journal record with a
 snapshot, the end, and nothing after the end (a late snapshot would turn status.json's "finished"
@@ -8,13 +8,17 @@ back into a running state).
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
+import zmq
 import zmq.asyncio
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
+from epochal.coordinator.journal import JournalError
+from epochal.coordinator.oslimits import backlog_for
 from epochal.errors import RunAborted
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot, World
 from epochal.protocol import (
@@ -219,3 +223,45 @@ async def test_one_set_of_observers_spans_a_restart(ctx, tmp_path):
     assert recorder.names().count("on_end") == 2
     observers.close()
     assert recorder.names()[-1] == "close"
+
+
+async def test_the_router_is_sized_and_monitored_for_the_run(ctx):
+    """The listen backlog fits every worker connecting at once, and connections the ROUTER could
+    not accept (out of file descriptors) are named by the rendezvous timeout, not blamed on
+    missing workers."""
+    lines: list[str] = []
+    cfg = CoordinatorConfig(world_size=300, rendezvous_timeout=0.3)
+    coordinator = Coordinator(cfg, context=ctx, log=lines.append)
+    await coordinator.start()
+    assert coordinator._socket is not None
+    assert coordinator._socket.getsockopt(zmq.BACKLOG) == backlog_for(300)
+    line = coordinator._accept_failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
+    assert line is not None and "too many open files" in line
+    with pytest.raises(RunAborted) as aborted:
+        await asyncio.wait_for(coordinator.run(), 5 + cfg.rendezvous_timeout)
+    assert "only 0 of 300 workers joined" in aborted.value.reason
+    assert "could not accept connections 1 times for want of file descriptors" in (
+        aborted.value.reason
+    )
+    assert coordinator._monitor is None  # disabled and closed with the socket
+
+
+async def test_an_abort_that_cannot_be_recorded_for_want_of_files_says_how_to_raise_the_limit(
+    ctx, tmp_path
+):
+    lines: list[str] = []
+    cfg = CoordinatorConfig(world_size=2, run_dir=tmp_path / "run")
+    coordinator = Coordinator(cfg, context=ctx, log=lines.append)
+    await coordinator.start()
+    assert coordinator._journal is not None
+
+    def out_of_files(record: object) -> None:
+        raise JournalError(errno.EMFILE, "cannot write result.json: Too many open files")
+
+    coordinator._journal.result = out_of_files  # type: ignore[method-assign]
+    coordinator.abort("stop")
+    with pytest.raises(RunAborted, match="stop"):
+        await asyncio.wait_for(coordinator.run(), 5)
+    (line,) = [line for line in lines if "not recorded" in line]
+    assert "cannot write result.json: Too many open files: too many open files" in line
+    assert "ulimit -n 66" in line
