@@ -37,7 +37,9 @@ from epochal.environment import (
 from epochal.errors import ConfigError, RunAborted
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER
+from epochal.observe import RunObserver
 from epochal.observe import commands as observe_commands
+from epochal.observe import options as observe_options
 from epochal.security.cli import (
     add_coordinator_arguments,
     add_keys_command,
@@ -294,9 +296,12 @@ def check_exposure(bind: str, secured: bool, insecure: bool) -> str | None:
 
 
 async def _serve(
-    args: argparse.Namespace, token: str, run_id: str, security: ServerSecurity | None
+    args: argparse.Namespace,
+    config: CoordinatorConfig,
+    run_id: str,
+    security: ServerSecurity | None,
+    observers: RunObserver,
 ) -> int:
-    config = _config(args, args.world_size, token, run_id)
     coordinator = Coordinator(
         config,
         bind=args.bind,
@@ -304,6 +309,7 @@ async def _serve(
         fresh=args.fresh,
         security=security,
         log=COORDINATOR.info,
+        observers=observers,
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
@@ -324,7 +330,7 @@ async def _serve(
         )
     )
     try:
-        return await _serve_runs(args, config, coordinator, endpoint, security)
+        return await _serve_runs(args, config, coordinator, endpoint, security, observers)
     finally:
         if written is not None:
             addressfile.remove_if_ours(args.address_file, written)
@@ -336,6 +342,7 @@ async def _serve_runs(
     coordinator: Coordinator,
     endpoint: str,
     security: ServerSecurity | None,
+    observers: RunObserver,
 ) -> int:
     """Serve runs at ``endpoint``: after an aborted one, up to ``--max-restarts`` times, a new
     coordinator on the same address and run directory waits for the workers to come back."""
@@ -366,7 +373,14 @@ async def _serve_runs(
             f"restart {n} of {args.max_restarts}: waiting at {endpoint} for the "
             "workers to come back; the run resumes from its last committed checkpoint"
         )
-        coordinator = Coordinator(config, bind=endpoint, security=security, log=COORDINATOR.info)
+        coordinator = Coordinator(
+            config,
+            bind=endpoint,
+            security=security,
+            log=COORDINATOR.info,
+            observers=observers,
+            attempt=n,
+        )
         await _start_again(coordinator)
 
     def give_up(failed: Outcome) -> None:
@@ -389,9 +403,14 @@ async def _start_again(coordinator: Coordinator) -> None:
 def _serve_or_crash(
     args: argparse.Namespace, token: str, run_id: str, security: ServerSecurity | None
 ) -> int:
-    """Serve; a bug in the coordinator itself exits EXIT_CRASH, which a supervisor restarts."""
+    """Serve; a bug in the coordinator itself exits EXIT_CRASH, which a supervisor restarts.
+
+    The observers the options ask for (status.json, curve.png, TensorBoard, metrics) watch every
+    attempt; they are closed once the event loop is gone (the curve is drawn then)."""
+    config = _config(args, args.world_size, token, run_id)
+    observers = observe_options.from_config(config)
     try:
-        return asyncio.run(_serve(args, token, run_id, security))
+        return asyncio.run(_serve(args, config, run_id, security, observers))
     except (ConfigError, OSError, KeyboardInterrupt):
         raise
     except Exception:
@@ -401,6 +420,8 @@ def _serve_or_crash(
             "a bug to report. Started again with the same --run-dir, it resumes the run"
         )
         return EXIT_CRASH
+    finally:
+        observers.close()
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
@@ -453,22 +474,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 restart_delay=args.restart_delay,
                 verbose=args.verbose,
             )
-        from epochal.launch.launcher import launch, script_command
+        from epochal.launch.launcher import run_observed, script_command
 
         command = script_command(args.script, args.script_args, module=args.module)
         identity = script_identity(args.script, args.script_args, module=args.module)
         config = replace(_config(args, args.nproc, token, run_id), **identity)
-        return asyncio.run(
-            launch(
-                config,
-                args.nproc,
-                command,
-                run_id=run_id,
-                fresh=args.fresh,
-                max_restarts=args.max_restarts,
-                verbose=args.verbose,
-                exit_timeout=args.exit_timeout,
-            )
+        return run_observed(
+            config,
+            args.nproc,
+            command,
+            run_id=run_id,
+            fresh=args.fresh,
+            max_restarts=args.max_restarts,
+            verbose=args.verbose,
+            exit_timeout=args.exit_timeout,
         )
     except (ConfigError, FileNotFoundError) as exc:
         parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")

@@ -27,7 +27,8 @@ RUN_POLICY = "run policy"
 CHECKPOINTS = "checkpoints and resume"
 TIMEOUTS = "timeouts (seconds)"
 FAILURES = "failures"
-GROUPS = (RUN_POLICY, CHECKPOINTS, TIMEOUTS, FAILURES)
+WATCHING = "watching the run"
+GROUPS = (RUN_POLICY, CHECKPOINTS, TIMEOUTS, FAILURES, WATCHING)
 """The command line's option groups, in the order ``--help`` shows them."""
 
 

@@ -90,14 +90,16 @@ def test_every_flag_reaches_its_field():
         "heartbeat_timeout": ("3", 3.0),
         "stall_timeout": ("9", 9.0),
         "stall_abort": ("0", None),
+        "tensorboard": ("tb", Path("tb")),
+        "metrics_address": ("127.0.0.1:9400", "127.0.0.1:9400"),
     }
     options = {o.dest: o for o in field_options(CoordinatorConfig)}
-    assert set(options) == {*values, "restore_best"}
-    argv = ["run", "--nproc", "2", "--no-restore-best"]
+    assert set(options) == {*values, "restore_best", "status"}
+    argv = ["run", "--nproc", "2", "--no-restore-best", "--no-status"]
     for name, (text, _) in values.items():
         argv += [options[name].flag, text]
     config = _config(build_parser().parse_args([*argv, "s.py"]), 2, "", "RUN")
-    assert config.restore_best is False
+    assert config.restore_best is False and config.status is False
     for name, (_, value) in values.items():
         assert getattr(config, name) == value, name
 

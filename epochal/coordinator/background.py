@@ -29,6 +29,8 @@ import zmq.asyncio
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.service import Coordinator, RunSummary
 from epochal.errors import ConfigError, RunAborted
+from epochal.observe import RunObserver
+from epochal.observe import options as observe_options
 from epochal.security.curve import ServerSecurity
 
 _PATH_OPTIONS = ("run_dir", "checkpoint_dir")
@@ -46,8 +48,12 @@ class BackgroundCoordinator:
         fresh: bool,
         run_id: str | None,
         log: Callable[[str], None] | None,
+        observers: RunObserver | None = None,
     ) -> None:
         self.config = config
+        self._own_observers = observers is None
+        # built here from the config (and closed when the run is over), or the caller's
+        self._observers = observe_options.from_config(config) if observers is None else observers
         self._bind = bind
         self._security = security
         self._fresh = fresh
@@ -67,6 +73,8 @@ class BackgroundCoordinator:
         except BaseException as exc:  # recorded here, raised by wait() in the caller's thread
             self._outcome = exc
         finally:
+            if self._own_observers:
+                self._observers.close()  # outside the event loop: the curve is drawn here
             self._bound.set()
 
     async def _main(self) -> None:
@@ -80,7 +88,8 @@ class BackgroundCoordinator:
                 run_id=self._run_id,
                 fresh=self._fresh,
                 security=self._security,
-                **({} if self._log is None else {"log": self._log}),
+                observers=self._observers,
+                **({} if self._log is None else {"log": self._log}),  # type: ignore[arg-type]
             )
             await coordinator.start()
             self._coordinator = coordinator
@@ -174,6 +183,7 @@ def start_coordinator(
     fresh: bool = False,
     run_id: str | None = None,
     log: Callable[[str], None] | None = None,
+    observers: RunObserver | None = None,
     **options: Any,
 ) -> BackgroundCoordinator:
     """Start a coordinator for ``world_size`` workers on a thread of this process.
@@ -184,7 +194,9 @@ def start_coordinator(
     context manager: leaving the block aborts a run still going and stops the thread. Without
     ``run_id`` a fresh one is made; without ``run_dir`` nothing is written and nothing can resume.
     ``security`` turns CURVE on: ``ServerSecurity.from_paths("keys/coordinator.key_secret",
-    "keys/allowed")``.
+    "keys/allowed")``. ``observers`` watch the run (:mod:`epochal.observe`; the caller closes
+    them); without, those the options ask for (``tensorboard``, ``metrics_address``, and by
+    default RUN_DIR/status.json and curve.png) are made and closed when the run is over.
     """
     known = {f.name for f in fields(CoordinatorConfig)} - {"world_size"}
     unknown = sorted(set(options) - known)
@@ -198,5 +210,11 @@ def start_coordinator(
             options[name] = Path(options[name])
     config = CoordinatorConfig(world_size=world_size, **options)
     return BackgroundCoordinator(
-        config, bind=bind, security=security, fresh=fresh, run_id=run_id, log=log
+        config,
+        bind=bind,
+        security=security,
+        fresh=fresh,
+        run_id=run_id,
+        log=log,
+        observers=observers,
     ).start()

@@ -4,6 +4,7 @@ The command line's run options are generated from its fields (:mod:`epochal.sett
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,12 +13,23 @@ from typing import Literal
 from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
+from epochal.observe.prometheus import parse_address
 from epochal.protocol.messages import DEFAULT_JOB, check_job_name
-from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, Flag, setting
+from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
+
+
+def metrics_address(text: str) -> str:
+    """``--metrics-address``'s value, checked: HOST:PORT or PORT."""
+    try:
+        parse_address(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
 
 STALL_ABORT = 1200.0
 """The default ``stall_abort``, 20 minutes. Twice the workers' default collective timeout (600 s),
@@ -240,6 +252,33 @@ class CoordinatorConfig:
         ),
     )
 
+    tensorboard: Path | None = field(
+        default=None,
+        metadata=setting(
+            help="write every journaled scalar per epoch as TensorBoard events to DIR/RUN_NAME "
+            "(needs the tensorboard extra: pip install 'epochal[tensorboard]')",
+            on_resume="may_change",
+            flag=Flag(WATCHING, metavar="DIR", type=Path, shown="none"),
+        ),
+    )
+    metrics_address: str | None = field(
+        default=None,
+        metadata=setting(
+            help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on loopback)",
+            on_resume="may_change",
+            flag=Flag(WATCHING, metavar="HOST:PORT", type=metrics_address, shown="none"),
+        ),
+    )
+    status: bool = field(
+        default=True,
+        metadata=setting(
+            help="do not keep RUN_DIR/status.json (read by `epochal status`) or draw "
+            "RUN_DIR/curve.png at the end",
+            on_resume="may_change",
+            flag=Flag(WATCHING, negated=True),
+        ),
+    )
+
     def __post_init__(self) -> None:
         for name in (
             "world_size",
@@ -311,6 +350,8 @@ class CoordinatorConfig:
                 f"stall_abort must be a positive number of seconds (None: never), "
                 f"got {self.stall_abort}"
             )
+        if self.metrics_address is not None:
+            parse_address(self.metrics_address)  # raises ConfigError naming the form it needs
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "

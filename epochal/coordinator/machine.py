@@ -110,6 +110,11 @@ class RunMachine:
         self._next_heartbeat = now
         self.over = False
         # an outcome (Finished or Aborted) has been returned
+        self.refused = 0
+        # hellos refused by the rendezvous (wrong job or token, surplus, duplicate), for observers
+        self._round_started = now
+        self.round_seconds: float | None = None
+        # the last epoch's control round: from its first loss report to its decision
 
     # ------------------------------------------------------------------ entry points
 
@@ -223,6 +228,8 @@ class RunMachine:
                     return self._start_epoch(now)
                 return []
             case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
+                if not self._reports:
+                    self._round_started = now
                 self._reports[rank] = LossSums(
                     message.train_loss_sum,
                     message.train_count,
@@ -270,6 +277,7 @@ class RunMachine:
         verdict = self.rendezvous.offer(peer, hello)
         match verdict:
             case Refused(reason=reason):
+                self.refused += 1
                 line = (
                     f"refused worker {printable(hello.worker_id)} from {printable(hello.host)}: "
                     f"{reason}"
@@ -395,6 +403,7 @@ class RunMachine:
         except PolicyViolation as exc:
             return self.abort(f"epoch {self.epoch}: {exc}")
         self._reports.clear()
+        self.round_seconds = now - self._round_started
         outcome = self._loop.update(self.epoch, train_loss, valid_loss, validates=self._validates)
         checkpoint = checkpoint_after(self.config, outcome)
         seconds = now - self._epoch_started

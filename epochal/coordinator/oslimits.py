@@ -25,6 +25,7 @@ import errno
 import os
 import resource
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -98,7 +99,7 @@ def backlog_for(workers: int) -> int:
     return max(MIN_BACKLOG, workers)
 
 
-def configure_router(sock: zmq.Socket[bytes], expected_workers: int) -> int:
+def configure_router(sock: zmq.Socket[Any], expected_workers: int) -> int:
     """Set the ROUTER's listen backlog for ``expected_workers``; return it. Call before bind."""
     backlog = backlog_for(expected_workers)
     sock.setsockopt(zmq.BACKLOG, backlog)

@@ -10,6 +10,7 @@ torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -22,8 +23,9 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from epochal.coordinator import clock, resume
+from epochal.coordinator import clock, oslimits, resume
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -44,7 +46,8 @@ from epochal.coordinator.policy import EpochOutcome
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
-from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Fingerprint, encode
+from epochal.observe import Observers, RankStatus, RunObserver, RunStart, StatusSnapshot, World
+from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Fingerprint, Heartbeat, encode
 from epochal.protocol.codec import decode_frame
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
@@ -111,6 +114,11 @@ class Coordinator:
     ``await start()`` reads the run directory (deleting it first when ``fresh``), binds and returns
     the endpoint (port 0 is resolved); ``await run()`` serves until the run finishes (returns a
     RunSummary) or is aborted (raises RunAborted).
+
+    ``observers`` (status.json, TensorBoard, metrics: :mod:`epochal.observe`) are told of the start,
+    the joins, every journal record with a snapshot, a snapshot every heartbeat interval, and the
+    end, and of nothing after it. Their owner builds one set for every attempt of a run (``attempt``
+    counts the coordinators started again after a failure) and closes it outside the event loop.
     """
 
     def __init__(
@@ -123,8 +131,23 @@ class Coordinator:
         run_id: str | None = None,
         fresh: bool = False,
         security: ServerSecurity | None = None,
+        observers: RunObserver | None = None,
+        attempt: int = 0,
     ) -> None:
         self.config = config
+        self._observers: RunObserver = observers if observers is not None else Observers()
+        self._attempt = attempt
+        self._told_end = False
+        # the observers heard on_end: they hear nothing more from this coordinator
+        self._told_epochs: list[dict[str, Any]] = []
+        # journal records written by the actions being applied, told once they all are
+        self._told_joined = (0, 0)
+        # (workers joined, ranks assigned) as last told to the observers
+        self._beat = False
+        # a heartbeat went out: the observers get a snapshot
+        self._accept_failures = oslimits.AcceptFailures(config.world_size)
+        self._monitor: zmq.asyncio.Socket | None = None
+        # the ROUTER's monitor (connections it could not accept, e.g. out of file descriptors)
         self.bind_address = bind
         self.endpoint: str | None = None
         self.run_id = run_id or new_run_id()
@@ -202,8 +225,12 @@ class Coordinator:
             run_id=self.run_id,
             now=time.monotonic(),
             check_model=None if run_dir is None else self._model_check(run_dir),
-            rendezvous_note=self.refused_handshakes.rendezvous_note,
+            rendezvous_note=self._rendezvous_note,
         )
+
+    def _rendezvous_note(self) -> str:
+        """Why a rendezvous may fall short besides missing workers."""
+        return self.refused_handshakes.rendezvous_note() + self._accept_failures.rendezvous_note()
 
     @staticmethod
     def _model_check(run_dir: Path) -> Callable[[Fingerprint], str | None]:
@@ -217,11 +244,18 @@ class Coordinator:
         self._load()
         state, machine = self._state, self._machine
         assert state is not None and machine is not None
+        workers = self.config.world_size
+        oslimits.raise_nofile_limit()  # before the socket: each worker's connection is a file
+        for note in (oslimits.nofile_note(workers), oslimits.backlog_note(workers)):
+            if note is not None:
+                self._log(note)
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        oslimits.configure_router(sock, workers)  # before bind: libzmq applies it at listen()
+        self._monitor = sock.get_monitor_socket(oslimits.AcceptFailures.EVENTS)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
                 self._auth = secure_server(
@@ -233,11 +267,13 @@ class Coordinator:
                     ),
                 )
             except BaseException:
+                self._close_monitor(sock)
                 sock.close(linger=0)
                 raise
         try:
             sock.bind(self.bind_address)
         except zmq.ZMQError as exc:
+            self._close_monitor(sock)
             sock.close(linger=0)
             self._stop_auth()
             raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
@@ -266,16 +302,49 @@ class Coordinator:
                     f"checkpoint of epoch {state.resume_epoch} (best so far: epoch "
                     f"{state.loop.best_epoch})"
                 )
+        if state.finished is None:
+            self._observers.on_start(
+                RunStart(
+                    run_id=self.run_id,
+                    run_dir=self.config.run_dir,
+                    endpoint=self.endpoint,
+                    world_size=workers,
+                    epochs=self.config.epochs,
+                    attempt=self._attempt,
+                    resumed_from=state.resume_epoch,
+                    config=resume.config_record(self.config),
+                )
+            )
         return self.endpoint
 
     def _close(self) -> None:
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
         if self._socket is not None:
+            self._close_monitor(self._socket)
             self._socket.close(linger=LINGER_MS)
             self._socket = None
         self._stop_auth()
         if self._own_context:
             self._context.term()
+
+    def _close_monitor(self, sock: zmq.asyncio.Socket) -> None:
+        """Stop monitoring ``sock`` (before it closes)."""
+        if self._monitor is not None:
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    async def _read_monitor(self) -> None:
+        """Log the first connection the ROUTER could not accept for each cause (and count the
+        rest: libzmq retries at every turn, so the events come in floods). It drains the monitor
+        until the socket closes: a full monitor pipe would block closing it."""
+        monitor = self._monitor
+        assert monitor is not None
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            line = self._accept_failures.note(int(event["event"]), int(event["value"]))
+            if line is not None:
+                self._log(line)
 
     def _stop_auth(self) -> None:
         """Stop the authenticator (after the socket closed)."""
@@ -323,6 +392,7 @@ class Coordinator:
         assert sock is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         self._clock_read = time.monotonic()
+        monitor = None if self._monitor is None else asyncio.create_task(self._read_monitor())
         try:
             while self._outcome is None:
                 polled = await sock.poll(timeout=int(tick * 1000))
@@ -345,6 +415,8 @@ class Coordinator:
                     break
                 await self._apply(machine.on_tick(now))
         finally:
+            if monitor is not None:
+                monitor.cancel()  # no await before the monitor is disabled: it drains till then
             self._ended = True
             dropped = machine.gate.summary()
             if dropped is not None:
@@ -352,6 +424,9 @@ class Coordinator:
             if self._journal is not None:
                 self._journal.close()
             self._close()
+            if monitor is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await monitor
         if isinstance(self._outcome, RunAborted):
             raise self._outcome
         assert self._outcome is not None
@@ -380,14 +455,80 @@ class Coordinator:
     # ------------------------------------------------------------------ applying
 
     async def _apply(self, actions: list[Action]) -> None:
+        """Carry out ``actions``, then tell the observers what they changed."""
+        await self._carry_out(actions)
+        self._tell_observers()
+
+    async def _carry_out(self, actions: list[Action]) -> None:
         """Carry out ``actions`` in order; a record that cannot be written stops the rest and the
         run (progress that is not recorded cannot be resumed)."""
         for action in actions:
             try:
                 await self._do(action)
             except JournalError as exc:
-                await self._apply(self.machine.unrecorded(str(exc)))
+                await self._carry_out(self.machine.unrecorded(self._unwritten(exc)))
                 return
+
+    def _unwritten(self, exc: JournalError) -> str:
+        """What a failed write says; out of file descriptors, also how to raise the limit."""
+        if oslimits.is_too_many_files(exc):
+            return f"{exc}: {oslimits.too_many_files_message(self.config.world_size)}"
+        return str(exc)
+
+    # ------------------------------------------------------------------ observers
+
+    def _tell_observers(self) -> None:
+        """The journal records just written, a change in who has joined, and (after a heartbeat)
+        a snapshot; after the end, nothing (its on_end was the last word)."""
+        records, self._told_epochs = self._told_epochs, []
+        beat, self._beat = self._beat, False
+        if self._told_end or self._machine is None:
+            return
+        machine = self._machine
+        joined = (len(machine.rendezvous.members), len(machine.members))
+        if joined != self._told_joined:
+            self._told_joined = joined
+            hosts = tuple(m.hello.host for m in machine.members)
+            self._observers.on_join(World(joined[0], self.config.world_size, hosts))
+        if not (records or beat) or not self._observers:
+            return
+        snapshot = self._snapshot(time.monotonic())
+        for record in records:
+            self._observers.on_epoch(record, snapshot)
+        if beat and self._outcome is None:
+            self._observers.on_status(snapshot)
+
+    def _tell_end(self, result: dict[str, Any]) -> None:
+        if self._told_end:
+            return
+        self._tell_observers()  # what came before the end, first
+        self._told_end = True
+        self._observers.on_end(result)
+
+    def _snapshot(self, now: float) -> StatusSnapshot:
+        """The run as the observers see it (status.json, metrics)."""
+        machine = self.machine
+        assert self._state is not None
+        loop = self._state.loop
+        heard = machine.watchdog.last_seen
+        members = machine.members
+        ranks = [
+            RankStatus.from_row(row, now - heard.get(members[row[0]].peer, now))
+            for row in machine.watchdog.rows(now, members)
+        ]
+        return StatusSnapshot(
+            run_id=self.run_id,
+            state=self.phase.value,
+            epoch=machine.epoch,
+            epochs=self.config.epochs,
+            world_size=self.config.world_size,
+            joined=len(machine.rendezvous.members),
+            best_epoch=loop.best_epoch,
+            best_loss=loop.best_loss,
+            ranks=ranks,
+            refused=machine.refused,
+            round_seconds=machine.round_seconds,
+        )
 
     async def _do(self, action: Action) -> None:
         match action:
@@ -398,6 +539,7 @@ class Coordinator:
                 assert self._socket is not None
                 for peer in peers:
                     await self._socket.send_multipart([peer, data])
+                self._beat = self._beat or isinstance(message, Heartbeat)
             case Log(line=line):
                 self._log(line)
             case Journal():
@@ -413,17 +555,23 @@ class Coordinator:
                 self._outcome = RunAborted(reason)
 
     def _write(self, action: Journal) -> None:
-        if self._journal is None:
-            return
+        """Write the record, then tell the observers: an epoch's once every action of this turn
+        is carried out (the decision is not held up for them), the result at once."""
+        record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
         try:
-            if action.kind == "epoch":
-                self._journal.epoch({**action.record, "time": time.time()})
-            else:
-                self._journal.result(action.record)
+            if self._journal is not None:
+                if action.kind == "epoch":
+                    self._journal.epoch(record)
+                else:
+                    self._journal.result(record)
         except JournalError as exc:
             if not action.tolerant:
                 raise
-            self._log(f"the abort is not recorded in the run directory: {exc}")
+            self._log(f"the abort is not recorded in the run directory: {self._unwritten(exc)}")
+        if action.kind == "epoch":
+            self._told_epochs.append(record)
+        else:
+            self._tell_end(record)
 
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
         assert self._socket is not None

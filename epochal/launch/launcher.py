@@ -21,7 +21,7 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from epochal.coordinator import Coordinator, CoordinatorConfig, RunSummary
 from epochal.environment import (
@@ -40,6 +40,8 @@ from epochal.errors import RunAborted
 from epochal.launch.processes import die_with_parent, kill_group
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
+from epochal.observe import RunObserver
+from epochal.observe import options as observe_options
 from epochal.output import RankStream, Relay
 
 EXIT_OK = 0
@@ -85,6 +87,7 @@ async def launch(
     max_restarts: int = 0,
     verbose: bool = False,
     exit_timeout: float | None = None,
+    observers: RunObserver | None = None,
 ) -> int:
     """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status.
 
@@ -94,6 +97,7 @@ async def launch(
     default: no bound) kills those still running that long after the finish. ``verbose`` shows
     every line the workers print, also the noise that follows an abort, and has the workers
     print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
+    ``observers`` watch every attempt (see :func:`run_observed`, which makes and closes them).
     """
     ensure_configured()
     if not config.token:
@@ -107,6 +111,8 @@ async def launch(
             log=_coordinator_say,
             run_id=run_id if n == 0 else None,
             fresh=fresh and n == 0,
+            observers=observers,
+            attempt=n,
         )
         return await _attempt(
             coordinator,
@@ -128,6 +134,18 @@ async def launch(
         )
 
     return await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
+
+
+def run_observed(config: CoordinatorConfig, nproc: int, command: list[str], **kwargs: Any) -> int:
+    """``epochal run``: :func:`launch` (``kwargs`` are its keywords) with the observers the
+    config asks for (status.json, curve.png, TensorBoard, metrics), one set for every attempt.
+    They are made before the run, so a taken metrics port or a missing extra stops it before it
+    starts, and closed after the event loop is gone: the learning curve is drawn there."""
+    observers = observe_options.from_config(config)
+    try:
+        return asyncio.run(launch(config, nproc, command, observers=observers, **kwargs))
+    finally:
+        observers.close()
 
 
 def worker_environment(

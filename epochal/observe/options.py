@@ -1,54 +1,26 @@
-"""The command-line options that switch observers on, and the observers they make.
+"""The observers a run's settings ask for.
 
-``add_arguments(parser)`` adds ``--tensorboard DIR``, ``--metrics-address HOST:PORT`` and
-``--no-status``; ``from_args(args, run_dir)`` returns the :class:`~epochal.observe.base.Observers`
-for one run (status.json and the learning curve by default, the others when asked for).
+``--tensorboard DIR``, ``--metrics-address HOST:PORT`` and ``--no-status`` are settings of the run
+(fields of :class:`~epochal.coordinator.config.CoordinatorConfig`, so ``epochal run`` and
+``epochal coordinator`` both take them); ``from_config(config)`` returns the
+:class:`~epochal.observe.base.Observers` for one run (status.json and the learning curve by
+default, the others when asked for). Their owner builds them once for all the attempts of a run
+and closes them outside the event loop.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from epochal.log import COORDINATOR
 from epochal.observe.base import Observers
 from epochal.observe.curve import Curve
-from epochal.observe.prometheus import is_loopback, parse_address
+from epochal.observe.prometheus import is_loopback
 from epochal.observe.statusfile import StatusFile
 
-
-def _address(text: str) -> str:
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("watching the run")
-    g.add_argument(
-        "--tensorboard",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write every journaled scalar per epoch as TensorBoard events to DIR/RUN_NAME "
-        "(needs the tensorboard extra: pip install 'epochal[tensorboard]')",
-    )
-    g.add_argument(
-        "--metrics-address",
-        type=_address,
-        default=None,
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on loopback)",
-    )
-    g.add_argument(
-        "--no-status",
-        dest="status_file",
-        action="store_false",
-        help="do not keep RUN_DIR/status.json (read by `epochal status`) or draw "
-        "RUN_DIR/curve.png at the end",
-    )
+if TYPE_CHECKING:
+    from epochal.coordinator.config import CoordinatorConfig
 
 
 def build(
@@ -83,11 +55,12 @@ def build(
     return observers
 
 
-def from_args(args: argparse.Namespace, run_dir: Path | None) -> Observers:
-    """:func:`build` from the options :func:`add_arguments` added."""
+def from_config(config: CoordinatorConfig) -> Observers:
+    """:func:`build` from the run's settings (``--tensorboard``, ``--metrics-address``,
+    ``--no-status``, declared on :class:`~epochal.coordinator.config.CoordinatorConfig`)."""
     return build(
-        run_dir,
-        tensorboard=getattr(args, "tensorboard", None),
-        metrics_address=getattr(args, "metrics_address", None),
-        status_file=getattr(args, "status_file", True),
+        config.run_dir,
+        tensorboard=config.tensorboard,
+        metrics_address=config.metrics_address,
+        status_file=config.status,
     )

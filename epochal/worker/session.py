@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from epochal.coordinator.oslimits import raise_nofile_limit
 from epochal.errors import (
     ConfigError,
     CoordinatorLost,
@@ -425,6 +426,7 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
     what torchrun, Slurm or a Kubernetes Indexed Job set (:mod:`epochal.worker.launchenv`).
     """
     ensure_configured()  # the worker's lines go to stderr even where nobody set logging up
+    raise_nofile_limit()  # gloo connects to every peer (and rank 0 serves the store): one fd each
     if options is None:
         options = JoinOptions.from_env(**given)
     elif given:

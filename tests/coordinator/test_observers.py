@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epochal import log
 from epochal.cli import EXIT_USAGE, main
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import Journal
 from epochal.errors import ConfigError
 from epochal.observe import (
@@ -492,18 +493,32 @@ def test_a_taken_metrics_port_is_said_before_the_run(tmp_path: Path) -> None:
 
 
 def test_options_build_the_observers_asked_for(tmp_path: Path) -> None:
-    import argparse
+    from epochal.cli import _config, build_parser
 
-    parser = argparse.ArgumentParser()
-    options.add_arguments(parser)
-    args = parser.parse_args(["--tensorboard", str(tmp_path / "tb"), "--metrics-address", "0"])
-    observers = options.from_args(args, tmp_path / "run")
+    argv = ["run", "--nproc", "2", "--tensorboard", str(tmp_path / "tb")]
+    args = build_parser().parse_args([*argv, "--metrics-address", "0", "s.py"])
+    config = _config(args, 2, "", "RUN")
+    assert config.tensorboard == tmp_path / "tb" and config.metrics_address == "0"
+    observers = options.from_config(config)
     try:
         kinds = [type(o).__name__ for o in observers._observers]
         assert kinds == ["StatusFile", "Curve", "TensorBoard", "Prometheus"]
     finally:
         observers.close()
-    assert len(options.from_args(parser.parse_args(["--no-status"]), tmp_path)) == 0
+    quiet_args = build_parser().parse_args(["coordinator", "--world-size", "2", "--no-status"])
+    quiet = _config(quiet_args, 2, "", "RUN")
+    assert len(options.from_config(quiet)) == 0
+
+
+def test_a_bad_metrics_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from epochal.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(["coordinator", "--metrics-address", "host:port"])
+    assert exit.value.code == 2
+    assert "HOST:PORT or PORT" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="HOST:PORT or PORT"):
+        CoordinatorConfig(world_size=1, metrics_address="nowhere")
 
 
 def test_observers_import_neither_torch_nor_their_libraries_until_used() -> None:

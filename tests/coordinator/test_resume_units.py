@@ -473,6 +473,9 @@ MAY_CHANGE: dict[str, Any] = {
     "keep_checkpoints": 7,
     "stall_timeout": 60.0,
     "stall_abort": 30.0,
+    "tensorboard": "tb",
+    "metrics_address": "127.0.0.1:9400",
+    "status": False,
 }
 
 
