@@ -24,10 +24,13 @@ from __future__ import annotations
 import errno
 import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 FILES_RESERVED = 64
 """Descriptors the coordinator holds besides one per worker: ZeroMQ's own (its I/O thread's
@@ -203,3 +206,41 @@ class AcceptFailures:
         if self.total:
             return f"; {self.total} connections could not be accepted (see the log above)"
         return ""
+
+
+class AcceptMonitor:
+    """A ROUTER's socket monitor, read for :class:`AcceptFailures`.
+
+    :meth:`watch` before the socket binds; :meth:`read` as a task for as long as the socket lives
+    (it drains the monitor until cancelled: a full monitor pipe would block closing the socket);
+    :meth:`close` before the socket closes.
+    """
+
+    def __init__(self, failures: AcceptFailures) -> None:
+        self.failures = failures
+        self._monitor: zmq.asyncio.Socket | None = None
+
+    @property
+    def watching(self) -> bool:
+        return self._monitor is not None
+
+    def watch(self, sock: zmq.asyncio.Socket) -> None:
+        self._monitor = sock.get_monitor_socket(AcceptFailures.EVENTS)
+
+    def close(self, sock: zmq.asyncio.Socket) -> None:
+        """Stop monitoring ``sock`` (before it closes)."""
+        if self._monitor is not None:
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    async def read(self, log: Callable[[str], None]) -> None:
+        """Log the first connection the ROUTER could not accept for each cause (and count the
+        rest: libzmq retries at every turn, so the events come in floods)."""
+        monitor = self._monitor
+        assert monitor is not None
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            line = self.failures.note(int(event["event"]), int(event["value"]))
+            if line is not None:
+                log(line)

@@ -20,7 +20,7 @@ from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, check_record
-from epochal.coordinator.policy import LoopState
+from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
@@ -265,3 +265,21 @@ def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:
         (run_dir / name).unlink(missing_ok=True)
     if checkpoint_dir is not None and checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)
+
+
+def decided_epochs(run_dir: Path) -> list[EpochOutcome]:
+    """The decided epochs a finished run's journal holds (lines that do not read are skipped:
+    the run is over, and its result.json says how it ended)."""
+    try:
+        lines = (run_dir / EPOCHS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    history = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            if record["kind"] == "epoch":
+                history.append(EpochOutcome.from_record(record))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return history

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import os
 import shutil
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from epochal.coordinator import clock, oslimits, resume
 from epochal.coordinator.actions import (
@@ -39,15 +37,15 @@ from epochal.coordinator.actions import (
     Send,
 )
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import EPOCHS_FILE, JournalError
+from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.journal import Journal as RunJournal
+from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.policy import EpochOutcome
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
-from epochal.observe import Observers, RankStatus, RunObserver, RunStart, StatusSnapshot, World
-from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Fingerprint, Heartbeat, encode
+from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
+from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Heartbeat, encode
 from epochal.protocol.codec import decode_frame
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
@@ -90,24 +88,6 @@ def _log_line(line: str) -> None:
     COORDINATOR.info(line)
 
 
-def _history(run_dir: Path) -> list[EpochOutcome]:
-    """The decided epochs a finished run's journal holds (lines that do not read are skipped:
-    the run is over, and its result.json says how it ended)."""
-    try:
-        lines = (run_dir / EPOCHS_FILE).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    history = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-            if record["kind"] == "epoch":
-                history.append(EpochOutcome.from_record(record))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return history
-
-
 class Coordinator:
     """Runs one training job's control plane.
 
@@ -136,17 +116,10 @@ class Coordinator:
     ) -> None:
         self.config = config
         self._observers: RunObserver = observers if observers is not None else Observers()
+        self._feed = ObserverFeed(self._observers)
         self._attempt = attempt
-        self._told_end = False
-        # the observers heard on_end: they hear nothing more from this coordinator
-        self._told_epochs: list[dict[str, Any]] = []
-        # journal records written by the actions being applied, told once they all are
-        self._told_joined = (0, 0)
-        # (workers joined, ranks assigned) as last told to the observers
-        self._beat = False
-        # a heartbeat went out: the observers get a snapshot
         self._accept_failures = oslimits.AcceptFailures(config.world_size)
-        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor = oslimits.AcceptMonitor(self._accept_failures)
         # the ROUTER's monitor (connections it could not accept, e.g. out of file descriptors)
         self.bind_address = bind
         self.endpoint: str | None = None
@@ -224,20 +197,13 @@ class Coordinator:
             self._state,
             run_id=self.run_id,
             now=time.monotonic(),
-            check_model=None if run_dir is None else self._model_check(run_dir),
+            check_model=None if run_dir is None else functools.partial(resume.check_model, run_dir),
             rendezvous_note=self._rendezvous_note,
         )
 
     def _rendezvous_note(self) -> str:
         """Why a rendezvous may fall short besides missing workers."""
         return self.refused_handshakes.rendezvous_note() + self._accept_failures.rendezvous_note()
-
-    @staticmethod
-    def _model_check(run_dir: Path) -> Callable[[Fingerprint], str | None]:
-        def check(fingerprint: Fingerprint) -> str | None:
-            return resume.check_model(run_dir, fingerprint)
-
-        return check
 
     async def start(self) -> str:
         """Bind the ROUTER socket and return the endpoint it listens on."""
@@ -255,7 +221,7 @@ class Coordinator:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         oslimits.configure_router(sock, workers)  # before bind: libzmq applies it at listen()
-        self._monitor = sock.get_monitor_socket(oslimits.AcceptFailures.EVENTS)
+        self._monitor.watch(sock)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
                 self._auth = secure_server(
@@ -267,13 +233,13 @@ class Coordinator:
                     ),
                 )
             except BaseException:
-                self._close_monitor(sock)
+                self._monitor.close(sock)
                 sock.close(linger=0)
                 raise
         try:
             sock.bind(self.bind_address)
         except zmq.ZMQError as exc:
-            self._close_monitor(sock)
+            self._monitor.close(sock)
             sock.close(linger=0)
             self._stop_auth()
             raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
@@ -320,31 +286,12 @@ class Coordinator:
     def _close(self) -> None:
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
         if self._socket is not None:
-            self._close_monitor(self._socket)
+            self._monitor.close(self._socket)
             self._socket.close(linger=LINGER_MS)
             self._socket = None
         self._stop_auth()
         if self._own_context:
             self._context.term()
-
-    def _close_monitor(self, sock: zmq.asyncio.Socket) -> None:
-        """Stop monitoring ``sock`` (before it closes)."""
-        if self._monitor is not None:
-            sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-
-    async def _read_monitor(self) -> None:
-        """Log the first connection the ROUTER could not accept for each cause (and count the
-        rest: libzmq retries at every turn, so the events come in floods). It drains the monitor
-        until the socket closes: a full monitor pipe would block closing it."""
-        monitor = self._monitor
-        assert monitor is not None
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            line = self._accept_failures.note(int(event["event"]), int(event["value"]))
-            if line is not None:
-                self._log(line)
 
     def _stop_auth(self) -> None:
         """Stop the authenticator (after the socket closed)."""
@@ -386,13 +333,15 @@ class Coordinator:
                 best_epoch=done.get("best_epoch"),
                 best_loss=done.get("best_loss"),
                 epochs_run=int(done.get("epochs_run", 0)),
-                history=_history(self.config.run_dir),
+                history=resume.decided_epochs(self.config.run_dir),
             )
         sock = self._socket
         assert sock is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         self._clock_read = time.monotonic()
-        monitor = None if self._monitor is None else asyncio.create_task(self._read_monitor())
+        monitor = (
+            asyncio.create_task(self._monitor.read(self._log)) if self._monitor.watching else None
+        )
         try:
             while self._outcome is None:
                 polled = await sock.poll(timeout=int(tick * 1000))
@@ -478,57 +427,12 @@ class Coordinator:
     # ------------------------------------------------------------------ observers
 
     def _tell_observers(self) -> None:
-        """The journal records just written, a change in who has joined, and (after a heartbeat)
-        a snapshot; after the end, nothing (its on_end was the last word)."""
-        records, self._told_epochs = self._told_epochs, []
-        beat, self._beat = self._beat, False
-        if self._told_end or self._machine is None:
-            return
-        machine = self._machine
-        joined = (len(machine.rendezvous.members), len(machine.members))
-        if joined != self._told_joined:
-            self._told_joined = joined
-            hosts = tuple(m.hello.host for m in machine.members)
-            self._observers.on_join(World(joined[0], self.config.world_size, hosts))
-        if not (records or beat) or not self._observers:
-            return
-        snapshot = self._snapshot(time.monotonic())
-        for record in records:
-            self._observers.on_epoch(record, snapshot)
-        if beat and self._outcome is None:
-            self._observers.on_status(snapshot)
+        self._feed.tell(self._machine, self._outcome is None, self._snapshot)
 
-    def _tell_end(self, result: dict[str, Any]) -> None:
-        if self._told_end:
-            return
-        self._tell_observers()  # what came before the end, first
-        self._told_end = True
-        self._observers.on_end(result)
-
-    def _snapshot(self, now: float) -> StatusSnapshot:
+    def _snapshot(self) -> StatusSnapshot:
         """The run as the observers see it (status.json, metrics)."""
-        machine = self.machine
         assert self._state is not None
-        loop = self._state.loop
-        heard = machine.watchdog.last_seen
-        members = machine.members
-        ranks = [
-            RankStatus.from_row(row, now - heard.get(members[row[0]].peer, now))
-            for row in machine.watchdog.rows(now, members)
-        ]
-        return StatusSnapshot(
-            run_id=self.run_id,
-            state=self.phase.value,
-            epoch=machine.epoch,
-            epochs=self.config.epochs,
-            world_size=self.config.world_size,
-            joined=len(machine.rendezvous.members),
-            best_epoch=loop.best_epoch,
-            best_loss=loop.best_loss,
-            ranks=ranks,
-            refused=machine.refused,
-            round_seconds=machine.round_seconds,
-        )
+        return snapshot(self.machine, self._state.loop, self.run_id, self.phase, time.monotonic())
 
     async def _do(self, action: Action) -> None:
         match action:
@@ -539,7 +443,8 @@ class Coordinator:
                 assert self._socket is not None
                 for peer in peers:
                     await self._socket.send_multipart([peer, data])
-                self._beat = self._beat or isinstance(message, Heartbeat)
+                if isinstance(message, Heartbeat):
+                    self._feed.heartbeat_sent()
             case Log(line=line):
                 self._log(line)
             case Journal():
@@ -569,9 +474,9 @@ class Coordinator:
                 raise
             self._log(f"the abort is not recorded in the run directory: {self._unwritten(exc)}")
         if action.kind == "epoch":
-            self._told_epochs.append(record)
+            self._feed.written(record)
         else:
-            self._tell_end(record)
+            self._feed.end(record, self._machine, self._snapshot)
 
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
         assert self._socket is not None

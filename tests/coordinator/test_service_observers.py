@@ -243,7 +243,7 @@ async def test_the_router_is_sized_and_monitored_for_the_run(ctx):
     assert "could not accept connections 1 times for want of file descriptors" in (
         aborted.value.reason
     )
-    assert coordinator._monitor is None  # disabled and closed with the socket
+    assert not coordinator._monitor.watching  # disabled and closed with the socket
 
 
 async def test_an_abort_that_cannot_be_recorded_for_want_of_files_says_how_to_raise_the_limit(
