@@ -26,7 +26,7 @@ from collections.abc import Callable as _Callable
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -43,6 +43,32 @@ MAX_SESSION_CHARS = 64
 
 MAX_SHAPE_DIMS = 64
 """Most dimensions one parameter's shape may have."""
+
+MAX_METRICS = 64
+"""Most named metrics one split of an epoch may report (besides the loss)."""
+
+MAX_METRIC_NAME_CHARS = 64
+"""Longest metric name."""
+
+_METRIC_NAME = _re.compile(rf"^[A-Za-z][A-Za-z0-9_]{{0,{MAX_METRIC_NAME_CHARS - 1}}}$")
+
+
+def check_metric_name(name: str) -> str:
+    """Return ``name`` if it may name a metric, else raise ValueError saying what is allowed.
+
+    A metric name is 1-64 letters, digits or ``_``, starting with a letter, and not ``loss``
+    (the loss is always reported on its own): it becomes part of journal keys
+    (``valid_accuracy``) and of ``--monitor``.
+    """
+    if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
+        raise ValueError(
+            f"metric name {name!r} is not allowed: use 1-{MAX_METRIC_NAME_CHARS} letters, digits "
+            "or '_', starting with a letter"
+        )
+    if name == "loss":
+        raise ValueError("'loss' is reported on its own and cannot name a metric")
+    return name
+
 
 DEFAULT_JOB = "epochal"
 """Job name of a coordinator or worker that was given none."""
@@ -403,6 +429,39 @@ class ParamSpec(Record):
 
 
 @_dataclasses.dataclass(frozen=True, slots=True)
+class MetricName:
+    """The string is a metric name (:func:`check_metric_name`)."""
+
+    def __call__(self, name: str, value: _Any) -> _Any:
+        try:
+            return check_metric_name(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class Metric(Record):
+    """One named metric of one split of an epoch: a sum over samples and the sample count.
+
+    Its value is ``total / count``; sums and counts, not means, travel so that the coordinator
+    weights every rank by its samples. ``total`` may be any float: a non-finite one aborts the run
+    naming the rank, as a non-finite loss does.
+    """
+
+    name: _Annotated[str, MetricName()]
+    total: float
+    count: NonNeg
+
+
+def _check_metrics(field: str, metrics: tuple[Metric, ...]) -> None:
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"{field} holds over {MAX_METRICS} metrics")
+    names = [m.name for m in metrics]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field} names a metric twice")
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
 class Fingerprint(Record):
     """What must be identical on every rank: the model's parameters and the torch version."""
 
@@ -470,6 +529,14 @@ class EpochReport(WorkerMessage):
     valid_loss_sum: float
     valid_count: NonNeg
     # 0 when the worker did not validate this epoch
+    train_metrics: tuple[Metric, ...] = ()
+    # the training code's named metrics of the training split, as sums and counts
+    valid_metrics: tuple[Metric, ...] = ()
+    # the same of the validation split (empty when the worker did not validate)
+
+    def _validate(self) -> None:
+        _check_metrics("train_metrics", self.train_metrics)
+        _check_metrics("valid_metrics", self.valid_metrics)
 
 
 @message
@@ -595,6 +662,13 @@ class Decision(CoordinatorMessage):
     # write a checkpoint of the state after this epoch
     stop: bool
     # no further epoch; a Finish follows
+    train_metrics: tuple[Metric, ...] = ()
+    # every named metric summed over all ranks, with the total sample count
+    valid_metrics: tuple[Metric, ...] = ()
+
+    def _validate(self) -> None:
+        _check_metrics("train_metrics", self.train_metrics)
+        _check_metrics("valid_metrics", self.valid_metrics)
 
 
 @message
