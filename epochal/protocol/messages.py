@@ -50,6 +50,9 @@ MAX_METRICS = 64
 MAX_METRIC_NAME_CHARS = 64
 """Longest metric name."""
 
+RESERVED_METRIC_NAMES = frozenset({"loss", "batches"})
+"""Names a metric may not take: the journal already has ``train_loss``, ``valid_batches``..."""
+
 _METRIC_NAME = _re.compile(rf"^[A-Za-z][A-Za-z0-9_]{{0,{MAX_METRIC_NAME_CHARS - 1}}}$")
 
 
@@ -57,7 +60,7 @@ def check_metric_name(name: str) -> str:
     """Return ``name`` if it may name a metric, else raise ValueError saying what is allowed.
 
     A metric name is 1-64 letters, digits or ``_``, starting with a letter, and not ``loss``
-    (the loss is always reported on its own): it becomes part of journal keys
+    or ``batches`` (the loss is reported on its own): it becomes part of journal keys
     (``valid_accuracy``) and of ``--monitor``.
     """
     if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
@@ -65,8 +68,8 @@ def check_metric_name(name: str) -> str:
             f"metric name {name!r} is not allowed: use 1-{MAX_METRIC_NAME_CHARS} letters, digits "
             "or '_', starting with a letter"
         )
-    if name == "loss":
-        raise ValueError("'loss' is reported on its own and cannot name a metric")
+    if name in RESERVED_METRIC_NAMES:
+        raise ValueError(f"{name!r} is reported on its own and cannot name a metric")
     return name
 
 

@@ -201,7 +201,7 @@ def welcomes(draw: st.DrawFn) -> Welcome:
 # Records whose fields depend on each other (or, for ParamSpec, whose list items are bounded)
 # have their strategy written out; every other message's is derived from its declared fields.
 metric_names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,63}", fullmatch=True).filter(
-    lambda name: name != "loss"
+    lambda name: name not in ("loss", "batches")
 )
 WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
     ParamSpec: param_specs,
