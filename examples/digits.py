@@ -35,6 +35,11 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
 
 
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Correct predictions in the batch and its size: epochal sums both over every rank."""
+    return (outputs.argmax(dim=1) == targets).sum(), len(targets)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
@@ -65,7 +70,12 @@ def main() -> None:
         return build
 
     result = epochal.train(
-        net, optimizer, shard(train_set, True), shard(valid_set, False), nn.functional.cross_entropy
+        net,
+        optimizer,
+        shard(train_set, True),
+        shard(valid_set, False),
+        nn.functional.cross_entropy,
+        metrics={"accuracy": accuracy},
     )
 
     if result.rank != 0:
@@ -73,12 +83,13 @@ def main() -> None:
     net.eval()
     with torch.no_grad():
         x, y = test_set.tensors
-        accuracy = (net(x).argmax(dim=1) == y).float().mean().item()
+        test_accuracy = (net(x).argmax(dim=1) == y).float().mean().item()
     best = result.best
     assert best is not None
     print(
         f"best epoch {result.best_epoch} of {result.epochs_run}: train loss {best.train_loss:.4f}, "
-        f"valid loss {best.valid_loss:.4f}, test accuracy {accuracy:.4f}",
+        f"valid loss {best.valid_loss:.4f}, valid accuracy {best.metrics['valid_accuracy']:.4f}, "
+        f"test accuracy {test_accuracy:.4f}",
         flush=True,
     )
 

@@ -459,7 +459,7 @@ class RunMachine:
             Broadcast(self._recipients(), finish),
             Log(
                 f"run {self.run_id} finished after {len(loop.history)} epochs: best epoch "
-                f"{loop.best_epoch} (smoothed loss {format_loss(loop.best_loss)})"
+                f"{loop.best_epoch} (smoothed {loop.monitor} {format_loss(loop.best_loss)})"
             ),
         ]
 
