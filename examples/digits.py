@@ -3,9 +3,10 @@
     epochal run --nproc 2 --epochs 15 examples/digits.py
 
 Each worker trains on its own shard of the training set (a DistributedSampler built once the rank
-is known); the coordinator picks the best epoch by validation loss, every worker ends with the best
-weights, and rank 0 reports that epoch's test accuracy. Seeded: the same arguments print the same
-numbers.
+is known); the coordinator picks the best epoch by validation loss (``--monitor accuracy
+--monitor-mode max``: by validation accuracy, a metric every worker reports and the coordinator
+sums over the ranks' samples), every worker ends with the best weights, and rank 0 reports that
+epoch's test accuracy. Seeded: the same arguments print the same numbers.
 """
 
 from __future__ import annotations
