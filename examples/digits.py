@@ -3,9 +3,10 @@
     epochal run --nproc 2 --epochs 15 examples/digits.py
 
 Each worker trains on its own shard of the training set (a DistributedSampler built once the rank
-is known); the coordinator picks the best epoch by validation loss, every worker ends with the best
-weights, and rank 0 reports that epoch's test accuracy. Seeded: the same arguments print the same
-numbers.
+is known); the coordinator picks the best epoch by validation loss (``--monitor accuracy
+--monitor-mode max``: by validation accuracy, a metric every worker reports and the coordinator
+sums over the ranks' samples), every worker ends with the best weights, and rank 0 reports that
+epoch's test accuracy. Seeded: the same arguments print the same numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def datasets(seed: int) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
 
 def model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10))
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Correct predictions in the batch and its size: epochal sums both over every rank."""
+    return (outputs.argmax(dim=1) == targets).sum(), len(targets)
 
 
 def main() -> None:
@@ -65,7 +71,12 @@ def main() -> None:
         return build
 
     result = epochal.train(
-        net, optimizer, shard(train_set, True), shard(valid_set, False), nn.functional.cross_entropy
+        net,
+        optimizer,
+        shard(train_set, True),
+        shard(valid_set, False),
+        nn.functional.cross_entropy,
+        metrics={"accuracy": accuracy},
     )
 
     if result.rank != 0:
@@ -73,12 +84,13 @@ def main() -> None:
     net.eval()
     with torch.no_grad():
         x, y = test_set.tensors
-        accuracy = (net(x).argmax(dim=1) == y).float().mean().item()
+        test_accuracy = (net(x).argmax(dim=1) == y).float().mean().item()
     best = result.best
     assert best is not None
     print(
         f"best epoch {result.best_epoch} of {result.epochs_run}: train loss {best.train_loss:.4f}, "
-        f"valid loss {best.valid_loss:.4f}, test accuracy {accuracy:.4f}",
+        f"valid loss {best.valid_loss:.4f}, valid accuracy {best.metrics['valid_accuracy']:.4f}, "
+        f"test accuracy {test_accuracy:.4f}",
         flush=True,
     )
 

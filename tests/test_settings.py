@@ -80,6 +80,8 @@ def test_every_flag_reaches_its_field():
         "patience": ("3", 3),
         "min_delta": ("0.1", 0.1),
         "best_from": ("1", 1),
+        "monitor": ("accuracy", "accuracy"),
+        "monitor_mode": ("max", "max"),
         "backend": ("gloo", "gloo"),
         "checkpoint_every": ("0", 0),
         "keep_checkpoints": ("4", 4),
@@ -118,3 +120,20 @@ def test_an_option_row_escapes_pipes_and_leaves_a_switch_without_default():
     choice = Option(dest="mode", group="failures", default="x", choices=("x", "y"), help="m")
     assert choice.row() == "| `--mode x\\|y` | x | m |"
     assert choice.full_help == "m (default: x)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--monitor-mode", "maximum"], "invalid choice: 'maximum'"),
+        (["--monitor", "9x"], "metric name '9x' is not allowed"),
+        (["--monitor", "batches"], "'batches' is reported on its own"),
+    ],
+)
+def test_monitor_options_are_checked_when_parsed(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["run", "--nproc", "2", *argv, "s.py"])
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err

@@ -14,12 +14,31 @@ from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
 from epochal.observe.prometheus import parse_address
-from epochal.protocol.messages import DEFAULT_JOB, check_job_name
+from epochal.protocol.messages import DEFAULT_JOB, check_job_name, check_metric_name
 from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
+MonitorMode = Literal["min", "max"]
+MONITOR_MODES: tuple[MonitorMode, ...] = ("min", "max")
+
+
+def check_monitor(name: str) -> str:
+    """``name`` if ``--monitor`` may name it (``loss`` or a metric name), else ConfigError."""
+    if name == "loss":
+        return name
+    try:
+        return check_metric_name(name)
+    except ValueError as exc:
+        raise ConfigError(f"--monitor {name!r}: {exc}") from None
+
+
+def _monitor_arg(text: str) -> str:
+    try:
+        return check_monitor(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def metrics_address(text: str) -> str:
@@ -89,6 +108,25 @@ class CoordinatorConfig:
             help="validation-loss smoothing factor A in (0, 1]: s = A*loss + (1-A)*s_prev; 1.0 "
             "is no smoothing",
             flag=Flag(RUN_POLICY, metavar="A", type=float, shown="1.0"),
+        ),
+    )
+    monitor: str = field(
+        default="loss",
+        metadata=setting(
+            help="what picks the best epoch, early stopping and the plateau schedule: loss, or "
+            "the name of a metric the workers report (train(metrics=...)); of the validation "
+            "split when the run validates, else of the training split",
+            flag=Flag(RUN_POLICY, metavar="NAME", type=_monitor_arg),
+            on_resume="when_known",  # a run recorded before it existed monitored the loss (min)
+        ),
+    )
+    monitor_mode: MonitorMode = field(
+        default="min",
+        metadata=setting(
+            help="whether a lower (min: a loss) or higher (max: an accuracy) monitored value "
+            "is better",
+            flag=Flag(RUN_POLICY, choices=MONITOR_MODES),
+            on_resume="when_known",  # a run recorded before it existed monitored the loss (min)
         ),
     )
     validation_frequency: int = field(
@@ -307,6 +345,12 @@ class CoordinatorConfig:
         if not (0.0 < self.smoothing <= 1.0) or math.isnan(self.smoothing):
             raise ConfigError(
                 f"smoothing factor must be in (0, 1] (1.0 = no smoothing), got {self.smoothing}"
+            )
+        check_monitor(self.monitor)
+        if self.monitor_mode not in MONITOR_MODES:
+            raise ConfigError(
+                f"monitor mode {self.monitor_mode!r} is unknown: use one of "
+                f"{', '.join(MONITOR_MODES)}"
             )
         if self.validation_frequency < 1:
             raise ConfigError(

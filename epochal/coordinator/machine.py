@@ -35,9 +35,11 @@ from epochal.coordinator.policy import (
     EpochPlan,
     LossSums,
     PolicyViolation,
+    aggregate_metrics,
     checkpoint_after,
     format_epoch_line,
     format_loss,
+    metric_values,
     plan_epoch,
 )
 from epochal.coordinator.policy import aggregate as aggregate_losses
@@ -235,6 +237,8 @@ class RunMachine:
                     message.train_count,
                     message.valid_loss_sum,
                     message.valid_count,
+                    {m.name: (m.total, m.count) for m in message.train_metrics},
+                    {m.name: (m.total, m.count) for m in message.valid_metrics},
                 )
                 if len(self._reports) == self.config.world_size:
                     return self._decide(now)
@@ -400,11 +404,18 @@ class RunMachine:
     def _decide(self, now: float) -> list[Action]:
         try:
             train_loss, valid_loss = aggregate_losses(self._reports)
+            sums = aggregate_metrics(self._reports)
+            outcome = self._loop.update(
+                self.epoch,
+                train_loss,
+                valid_loss,
+                validates=self._validates,
+                metrics=metric_values(sums),
+            )
         except PolicyViolation as exc:
             return self.abort(f"epoch {self.epoch}: {exc}")
         self._reports.clear()
         self.round_seconds = now - self._round_started
-        outcome = self._loop.update(self.epoch, train_loss, valid_loss, validates=self._validates)
         checkpoint = checkpoint_after(self.config, outcome)
         seconds = now - self._epoch_started
         plan = self._plan
@@ -413,7 +424,7 @@ class RunMachine:
             validates=self._validates, checkpoint=checkpoint, plan=plan, seconds=seconds
         )
         actions: list[Action] = [Journal("epoch", record)]
-        actions.append(Broadcast(self._recipients(), outcome.decision(checkpoint)))
+        actions.append(Broadcast(self._recipients(), outcome.decision(checkpoint, sums)))
         actions.append(Log(format_epoch_line(outcome, self.config.epochs, seconds)))
         if not outcome.stop:
             self.epoch += 1
@@ -457,7 +468,7 @@ class RunMachine:
             Broadcast(self._recipients(), finish),
             Log(
                 f"run {self.run_id} finished after {len(loop.history)} epochs: best epoch "
-                f"{loop.best_epoch} (smoothed loss {format_loss(loop.best_loss)})"
+                f"{loop.best_epoch} (smoothed {loop.monitor} {format_loss(loop.best_loss)})"
             ),
         ]
 

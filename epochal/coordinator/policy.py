@@ -4,8 +4,10 @@ Nothing here does I/O or reads a clock: the service passes the inputs in and sen
 so every rule is tested with plain tables (``tests/coordinator/test_policy.py``).
 
 - :func:`plan_epoch` checks every rank's batch counts before any collective runs;
-- :func:`aggregate` turns per-rank loss sums into sample-weighted global losses;
-- :class:`LoopState` smooths the monitored loss, tracks the best epoch and decides when to stop.
+- :func:`aggregate` turns per-rank loss sums into sample-weighted global losses, and
+  :func:`aggregate_metrics` does the same for the training code's named metrics;
+- :class:`LoopState` smooths the monitored value (the loss, or a metric with ``--monitor``), tracks
+  the best epoch and decides when to stop.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from epochal.coordinator.config import BatchPolicy, CoordinatorConfig
+from epochal.coordinator.config import BatchPolicy, CoordinatorConfig, MonitorMode
 from epochal.coordinator.schedule import Schedule
 from epochal.protocol import Decision
+from epochal.protocol.messages import Metric
+
+MetricSums = dict[str, tuple[float, int]]
+"""Named metrics of one split as ``name -> (sum over samples, sample count)``."""
+
+SPLITS = ("train", "valid")
 
 
 class PolicyViolation(Exception):
@@ -49,6 +57,11 @@ class LossSums:
     train_count: int
     valid_sum: float
     valid_count: int
+    train_metrics: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    valid_metrics: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+
+    def metrics(self, split: str) -> Mapping[str, tuple[float, int]]:
+        return self.train_metrics if split == "train" else self.valid_metrics
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -173,6 +186,66 @@ def _total(reports: Mapping[int, LossSums], which: str) -> float:
     )
 
 
+def aggregate_metrics(reports: Mapping[int, LossSums]) -> dict[str, MetricSums]:
+    """Every named metric summed over the ranks: ``{"train": {name: (sum, count)}, "valid": ...}``.
+
+    Sample-weighted by construction: the global value of a metric is the sum of every rank's sum
+    over the sum of every rank's count, never a mean of the ranks' means. Raises PolicyViolation
+    when a sum is not finite, or when the ranks do not report the same metric names (a mean over
+    some ranks only would silently leave the others' samples out).
+    """
+    out: dict[str, MetricSums] = {}
+    for split in SPLITS:
+        what = "training" if split == "train" else "validation"
+        reporting = {rank: r.metrics(split) for rank, r in reports.items()}
+        if split == "valid":  # ranks that did not validate this epoch report no validation metrics
+            reporting = {rank: m for rank, m in reporting.items() if reports[rank].valid_count}
+        groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for rank, metrics in reporting.items():
+            groups[tuple(sorted(metrics))].append(rank)
+        if len(groups) > 1:
+            parts = [
+                f"{format_ranks(ranks)} {', '.join(names) or 'none'}"
+                for names, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
+            ]
+            raise PolicyViolation(
+                f"the ranks report different {what} metrics ({'; '.join(parts)}): every rank "
+                "must compute the same metrics"
+            )
+        totals: MetricSums = {}
+        for name in next(iter(groups), ()):
+            sums = {rank: float(m[name][0]) for rank, m in reporting.items()}
+            bad = sorted(rank for rank, v in sums.items() if not math.isfinite(v))
+            try:
+                total = math.fsum(sums.values())
+            except OverflowError:
+                total = math.inf
+            if bad or not math.isfinite(total):
+                culprits = bad or sorted(sums, key=lambda rank: -abs(sums[rank]))[:2]
+                raise PolicyViolation(
+                    f"the {what} metric {name!r} of {format_ranks(culprits)} is not finite "
+                    f"({', '.join(f'{sums[r]:.3g}' for r in culprits)}): check the metric function"
+                )
+            totals[name] = (total, sum(int(m[name][1]) for m in reporting.values()))
+        out[split] = totals
+    return out
+
+
+def metric_values(sums: Mapping[str, MetricSums]) -> dict[str, float]:
+    """The global value of every metric with samples, by its journal key (``valid_accuracy``)."""
+    return {
+        f"{split}_{name}": total / count
+        for split in SPLITS
+        for name, (total, count) in sorted(sums.get(split, {}).items())
+        if count > 0
+    }
+
+
+def metric_records(sums: MetricSums) -> tuple[Metric, ...]:
+    """One split's summed metrics as they travel in a Decision."""
+    return tuple(Metric(name, total, count) for name, (total, count) in sorted(sums.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class EpochOutcome:
     """What the coordinator decided about one epoch."""
@@ -191,9 +264,12 @@ class EpochOutcome:
     # the factor the next epoch runs at (<= 0 stops the run)
     stop_reason: str | None = None
     # why the run stops after this epoch: "epochs", "lr_factor" or "patience"
+    metrics: dict[str, float] = field(default_factory=dict)
+    # every named metric's global value by its journal key: "train_accuracy", "valid_accuracy"
 
-    def decision(self, checkpoint: bool) -> Decision:
-        """The message every rank receives about this epoch."""
+    def decision(self, checkpoint: bool, sums: Mapping[str, MetricSums] | None = None) -> Decision:
+        """The message every rank receives about this epoch (with the metrics' global ``sums``)."""
+        sums = sums or {}
         return Decision(
             epoch=self.epoch,
             train_loss=self.train_loss,
@@ -203,16 +279,25 @@ class EpochOutcome:
             is_best=self.is_best,
             checkpoint=checkpoint,
             stop=self.stop,
+            train_metrics=metric_records(sums.get("train", {})),
+            valid_metrics=metric_records(sums.get("valid", {})),
         )
 
     def record(
         self, *, validates: bool, checkpoint: bool, plan: EpochPlan, seconds: float
     ) -> dict[str, Any]:
         """This epoch's line in epochs.jsonl (the journal stamps its wall-clock ``time``); the
-        fields of the outcome are what :class:`LoopState` replays on resume."""
+        fields of the outcome are what :class:`LoopState` replays on resume.
+
+        Each metric is a flat numeric key (``"valid_accuracy": 0.96``) and ``metrics`` lists those
+        keys, so a reader that plots every number finds them, and the replay finds them again."""
+        fields = asdict(self)
+        metrics = fields.pop("metrics")
         return {
             "kind": "epoch",
-            **asdict(self),
+            **fields,
+            **metrics,
+            "metrics": sorted(metrics),
             "validates": validates,
             "checkpoint": checkpoint,
             "train_batches": plan.train_batches,
@@ -224,7 +309,9 @@ class EpochOutcome:
     def from_record(cls, record: Mapping[str, Any]) -> EpochOutcome:
         """The outcome an epoch line of epochs.jsonl holds (its other fields are left aside);
         TypeError or KeyError when the line is not one."""
-        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+        given = {f.name: record[f.name] for f in fields(cls) if f.name in record}
+        given["metrics"] = {key: float(record[key]) for key in record.get("metrics", ())}
+        return cls(**given)
 
 
 def checkpoint_after(config: CoordinatorConfig, outcome: EpochOutcome) -> bool:
@@ -240,8 +327,20 @@ def format_loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """``"  valid accuracy 0.9611"``: the validation metrics after the losses, or the training
+    metrics in an epoch that did not validate (the journal keeps both)."""
+    split = "valid" if any(key.startswith("valid_") for key in metrics) else "train"
+    return "".join(
+        f"  {split} {key[len(split) + 1 :]} {format_loss(value)}"
+        for key, value in sorted(metrics.items())
+        if key.startswith(f"{split}_")
+    )
+
+
 def format_epoch_line(outcome: EpochOutcome, epochs: int, seconds: float) -> str:
-    """The one line per epoch a person follows a run by."""
+    """The one line per epoch a person follows a run by; ``smoothed`` and ``best`` are of the
+    monitored value (the loss unless ``--monitor`` names a metric)."""
     best = (
         "-"
         if outcome.best_epoch is None
@@ -250,26 +349,36 @@ def format_epoch_line(outcome: EpochOutcome, epochs: int, seconds: float) -> str
     marker = " *" if outcome.is_best else ""
     return (
         f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]  "
-        f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}  "
-        f"smoothed {format_loss(outcome.smoothed_loss)}  lr x{outcome.lr_factor:g}  best {best}  "
+        f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}"
+        f"{format_metrics(outcome.metrics)}  smoothed {format_loss(outcome.smoothed_loss)}  "
+        f"lr x{outcome.lr_factor:g}  best {best}  "
         f"{seconds:.2f}s{marker}"
     )
 
 
+def monitored_key(monitor: str, validates: bool) -> str:
+    """The journal key of the monitored value: ``valid_NAME`` when the run validates, else
+    ``train_NAME`` (``loss`` is ``valid_loss`` / ``train_loss``)."""
+    return f"{'valid' if validates else 'train'}_{monitor}"
+
+
 @dataclass(slots=True)
 class LoopState:
-    """lamp's epoch loop state: smoothed loss, best epoch, learning-rate factor, stop.
+    """lamp's epoch loop state: smoothed monitored value, best epoch, learning-rate factor, stop.
 
-    The monitored loss is the validation loss when the run validates, else the train loss.
-    Smoothing is lamp's ``s = a*raw + (1-a)*s_prev``, seeded with the first value; epochs without a
-    monitored value leave the state as it is (lamp resets it; we keep it). The best epoch is the one
-    with the strictly lowest smoothed loss (ties keep the earlier epoch) among epochs >=
-    ``best_from``. The run stops after the last epoch, when the schedule's next factor is <= 0,
-    or when more than ``patience`` monitored epochs in a row failed to improve the best smoothed
-    loss by more than ``min_delta``.
+    The monitored value is ``monitor`` (``"loss"``, or the name of a metric the training code
+    reports) of the validation split when the run validates, else of the training split; ``mode``
+    says whether lower (``"min"``) or higher (``"max"``) is better. Smoothing is lamp's
+    ``s = a*raw + (1-a)*s_prev``, seeded with the first value; epochs without a monitored value
+    leave the state as it is (lamp resets it; we keep it). The best epoch is the one with the
+    strictly best smoothed value (ties keep the earlier epoch) among epochs >= ``best_from``. The
+    run stops after the last epoch, when the schedule's next factor is <= 0, or when more than
+    ``patience`` monitored epochs in a row failed to improve the best smoothed value by more than
+    ``min_delta``. The plateau schedule sees the smoothed value, negated under ``max``.
 
-    Everything here is a function of the sequence of :meth:`update` calls, so replaying a run's
-    journal rebuilds the state exactly.
+    ``smoothed`` and ``best_loss`` (and an outcome's ``smoothed_loss`` / ``best_loss``) hold the
+    monitored value, whatever it is. Everything here is a function of the sequence of
+    :meth:`update` calls, so replaying a run's journal rebuilds the state exactly.
     """
 
     epochs: int
@@ -278,6 +387,8 @@ class LoopState:
     patience: int | None = None
     min_delta: float = 0.0
     best_from: int = 0
+    monitor: str = "loss"
+    mode: MonitorMode = "min"
     smoothed: float | None = None
     best_epoch: int | None = None
     best_loss: float | None = None
@@ -287,11 +398,55 @@ class LoopState:
     # monitored epochs since the last improvement (for patience)
     history: list[EpochOutcome] = field(default_factory=list)
 
+    def observed(
+        self,
+        train_loss: float,
+        valid_loss: float | None,
+        metrics: Mapping[str, float],
+        *,
+        validates: bool,
+    ) -> float | None:
+        """This epoch's monitored value; None when the epoch did not validate in a run that does.
+
+        Raises PolicyViolation when the monitored metric is not among those reported, naming
+        the ones that are.
+        """
+        if self.monitor == "loss":
+            return valid_loss if validates else train_loss
+        if validates and valid_loss is None:
+            return None
+        key = monitored_key(self.monitor, validates)
+        if key in metrics:
+            return metrics[key]
+        split = "valid" if validates else "train"
+        names = ["loss"] + [
+            k[len(split) + 1 :] for k in sorted(metrics) if k.startswith(f"{split}_")
+        ]
+        what = "validation" if validates else "training"
+        raise PolicyViolation(
+            f"--monitor {self.monitor}: the workers report no {what} metric of that name "
+            f"(they report {', '.join(names)}): monitor one of those, or add "
+            f"{self.monitor!r} to the training code's metrics"
+        )
+
+    def _better(self, value: float, than: float, margin: float = 0.0) -> bool:
+        if self.mode == "max":
+            return value > than + margin
+        return value < than - margin
+
     def update(
-        self, epoch: int, train_loss: float, valid_loss: float | None, *, validates: bool
+        self,
+        epoch: int,
+        train_loss: float,
+        valid_loss: float | None,
+        *,
+        validates: bool,
+        metrics: Mapping[str, float] | None = None,
     ) -> EpochOutcome:
-        """Record ``epoch``'s global losses and return the decision for it."""
-        observed = valid_loss if validates else train_loss
+        """Record ``epoch``'s global losses and metrics (by journal key) and return the decision
+        for it; PolicyViolation (nothing changed) when the monitored metric is not reported."""
+        metrics = dict(metrics or {})
+        observed = self.observed(train_loss, valid_loss, metrics, validates=validates)
         is_best = False
         if observed is not None:
             a = self.smoothing
@@ -301,16 +456,19 @@ class LoopState:
             else:
                 self.smoothed = a * observed + (1 - a) * self.smoothed
             if epoch >= self.best_from and (
-                self.best_loss is None or self.smoothed < self.best_loss
+                self.best_loss is None or self._better(self.smoothed, self.best_loss)
             ):
                 self.best_epoch, self.best_loss, is_best = epoch, self.smoothed, True
-            improved = previous_best is None or self.smoothed < previous_best - self.min_delta
+            improved = previous_best is None or self._better(
+                self.smoothed, previous_best, self.min_delta
+            )
             self.stale = 0 if improved else self.stale + 1
         factor = self.lr_factor
         if self.schedule is not None:
-            self.lr_factor = self.schedule.next_factor(
-                epoch, self.smoothed if observed is not None else None, factor, self.schedule_state
-            )
+            seen = None
+            if observed is not None and self.smoothed is not None:
+                seen = -self.smoothed if self.mode == "max" else self.smoothed
+            self.lr_factor = self.schedule.next_factor(epoch, seen, factor, self.schedule_state)
         stop_reason = None
         if epoch + 1 >= self.epochs:
             stop_reason = "epochs"
@@ -330,6 +488,7 @@ class LoopState:
             lr_factor=factor,
             next_lr_factor=self.lr_factor,
             stop_reason=stop_reason,
+            metrics=metrics,
         )
         self.history.append(outcome)
         return outcome

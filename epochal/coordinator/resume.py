@@ -119,6 +119,8 @@ def new_loop(config: CoordinatorConfig) -> LoopState:
         patience=config.patience,
         min_delta=config.min_delta,
         best_from=config.best_from,
+        monitor=config.monitor,
+        mode=config.monitor_mode,
     )
 
 
@@ -220,6 +222,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
                 record["train_loss"],
                 record["valid_loss"],
                 validates=bool(record["validates"]),
+                metrics={key: float(record[key]) for key in record.get("metrics", ())},
             )
     if resume is None and records:
         notes.append("no usable checkpoint: the run starts again from epoch 0")

@@ -61,7 +61,8 @@ class Schedule:
     def next_factor(
         self, epoch: int, monitored: float | None, factor: float, state: State
     ) -> float:
-        """The factor for ``epoch + 1`` after ``epoch`` ended with ``monitored`` (None: no loss)."""
+        """The factor for ``epoch + 1`` after ``epoch`` ended with ``monitored`` (None: no loss);
+        lower ``monitored`` is better."""
         p = self.params
         nxt = epoch + 1
         match self.name:
@@ -80,7 +81,12 @@ class Schedule:
                 if monitored is None:
                     return factor  # no loss this epoch: the plateau count does not move
                 best = state.get("best")
-                if best is None or monitored < best * (1 - p["threshold"]):
+                # lower is better (the caller negates a maximised metric); a relative threshold
+                # on a negative best moves the line down too
+                line = None if best is None else best - abs(best) * p["threshold"]
+                if best is not None and best >= 0:
+                    line = best * (1 - p["threshold"])  # as ever for a loss, to the last bit
+                if line is None or monitored < line:
                     state["best"], state["bad"] = monitored, 0
                     return factor
                 state["bad"] = int(state.get("bad", 0)) + 1

@@ -8,7 +8,7 @@ legitimate message (a hello whose fingerprint lists :data:`MAX_PARAMS` parameter
 
 from __future__ import annotations
 
-from epochal.protocol.messages import MAX_PARAMS, MAX_SHAPE_DIMS
+from epochal.protocol.messages import MAX_METRICS, MAX_PARAMS, MAX_SHAPE_DIMS
 
 SESSION_KEY = "s"
 """Frame key of the session a worker presents with every frame after its hello was admitted.
@@ -21,7 +21,12 @@ MAX_KEY_CHARS = 64
 MAX_FIELDS = 16
 """Most fields any message declares (Welcome has 11), beyond the reserved ``v``, ``t``, ``s``."""
 
-LIST_LIMITS: dict[str, int] = {"params": MAX_PARAMS, "shape": MAX_SHAPE_DIMS}
+LIST_LIMITS: dict[str, int] = {
+    "params": MAX_PARAMS,
+    "shape": MAX_SHAPE_DIMS,
+    "train_metrics": MAX_METRICS,
+    "valid_metrics": MAX_METRICS,
+}
 """Most items of each list-valued field, by field name; a list anywhere else is refused."""
 
 MAX_FRAME_OBJECTS = 12 * MAX_PARAMS

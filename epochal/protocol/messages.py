@@ -18,9 +18,11 @@ exports exactly the protocol's names.
 
 import dataclasses as _dataclasses
 from typing import Annotated as _Annotated
+from typing import Any as _Any
 
 from epochal.protocol.records import *  # noqa: F403  (the parts, re-exported with the messages)
 from epochal.protocol.records import (
+    MAX_METRICS,
     MAX_PARAMS,
     MAX_SHAPE_DIMS,
     Backend,
@@ -38,6 +40,7 @@ from epochal.protocol.records import (
     Session,
     Text,
     WorkerMessage,
+    check_metric_name,
     message,
 )
 
@@ -57,6 +60,39 @@ class ParamSpec(Record):
             raise ValueError(f"shape of {self.name} has more than {MAX_SHAPE_DIMS} dimensions")
         if not all(d >= 0 for d in self.shape):
             raise ValueError(f"shape of {self.name} has a negative size")
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class MetricName:
+    """The string is a metric name (:func:`check_metric_name`)."""
+
+    def __call__(self, name: str, value: _Any) -> _Any:
+        try:
+            return check_metric_name(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class Metric(Record):
+    """One named metric of one split of an epoch: a sum over samples and the sample count.
+
+    Its value is ``total / count``; sums and counts, not means, travel so that the coordinator
+    weights every rank by its samples. ``total`` may be any float: a non-finite one aborts the run
+    naming the rank, as a non-finite loss does.
+    """
+
+    name: _Annotated[str, MetricName()]
+    total: float
+    count: NonNeg
+
+
+def _check_metrics(field: str, metrics: tuple[Metric, ...]) -> None:
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"{field} holds over {MAX_METRICS} metrics")
+    names = [m.name for m in metrics]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field} names a metric twice")
 
 
 @_dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +163,14 @@ class EpochReport(WorkerMessage):
     valid_loss_sum: float
     valid_count: NonNeg
     # 0 when the worker did not validate this epoch
+    train_metrics: tuple[Metric, ...] = ()
+    # the training code's named metrics of the training split, as sums and counts
+    valid_metrics: tuple[Metric, ...] = ()
+    # the same of the validation split (empty when the worker did not validate)
+
+    def _validate(self) -> None:
+        _check_metrics("train_metrics", self.train_metrics)
+        _check_metrics("valid_metrics", self.valid_metrics)
 
 
 @message
@@ -252,6 +296,13 @@ class Decision(CoordinatorMessage):
     # write a checkpoint of the state after this epoch
     stop: bool
     # no further epoch; a Finish follows
+    train_metrics: tuple[Metric, ...] = ()
+    # every named metric summed over all ranks, with the total sample count
+    valid_metrics: tuple[Metric, ...] = ()
+
+    def _validate(self) -> None:
+        _check_metrics("train_metrics", self.train_metrics)
+        _check_metrics("valid_metrics", self.valid_metrics)
 
 
 @message

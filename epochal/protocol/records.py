@@ -16,7 +16,7 @@ from collections.abc import Callable as _Callable
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -33,6 +33,35 @@ MAX_SESSION_CHARS = 64
 
 MAX_SHAPE_DIMS = 64
 """Most dimensions one parameter's shape may have."""
+
+MAX_METRICS = 64
+"""Most named metrics one split of an epoch may report (besides the loss)."""
+
+MAX_METRIC_NAME_CHARS = 64
+"""Longest metric name."""
+
+RESERVED_METRIC_NAMES = frozenset({"loss", "batches"})
+"""Names a metric may not take: the journal already has ``train_loss``, ``valid_batches``..."""
+
+_METRIC_NAME = _re.compile(rf"^[A-Za-z][A-Za-z0-9_]{{0,{MAX_METRIC_NAME_CHARS - 1}}}$")
+
+
+def check_metric_name(name: str) -> str:
+    """Return ``name`` if it may name a metric, else raise ValueError saying what is allowed.
+
+    A metric name is 1-64 letters, digits or ``_``, starting with a letter, and not ``loss``
+    or ``batches`` (the loss is reported on its own): it becomes part of journal keys
+    (``valid_accuracy``) and of ``--monitor``.
+    """
+    if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
+        raise ValueError(
+            f"metric name {name!r} is not allowed: use 1-{MAX_METRIC_NAME_CHARS} letters, digits "
+            "or '_', starting with a letter"
+        )
+    if name in RESERVED_METRIC_NAMES:
+        raise ValueError(f"{name!r} is reported on its own and cannot name a metric")
+    return name
+
 
 DEFAULT_JOB = "epochal"
 """Job name of a coordinator or worker that was given none."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,10 +17,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class LossSum:
-    """A loss summed over samples (``total``) and how many samples that was (``count``)."""
+    """A loss summed over samples (``total``) and how many samples that was (``count``).
+
+    ``metrics`` holds further named metrics the same way, ``name -> (sum over samples, sample
+    count)``: ``{"accuracy": (correct, n)}``. The coordinator sums them over the ranks and divides
+    (so each rank weighs by its samples), journals them and can monitor one (``--monitor``). A name
+    is 1-64 letters, digits or ``_``, starting with a letter, and neither ``loss`` nor ``batches``.
+    """
 
     total: float
     count: int
+    metrics: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +56,11 @@ class EpochRecord:
     train_loss: float
     valid_loss: float | None
     smoothed_loss: float | None
+    # the smoothed monitored value (the loss unless the coordinator monitors a metric)
     lr_factor: float
     seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    # every metric's value over all ranks by split and name: {"valid_accuracy": 0.96, ...}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +69,7 @@ class RunResult:
 
     best_epoch: int | None
     best_loss: float | None
-    # smoothed monitored loss of the best epoch
+    # smoothed monitored value of the best epoch (the loss unless a metric is monitored)
     epochs_run: int
     rank: int
     world_size: int

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
+from epochal.protocol.messages import MAX_METRICS, check_metric_name
 from epochal.worker import faults
 from epochal.worker.initialization import initialize_on_rank
 from epochal.worker.options import JoinOptions
@@ -32,6 +33,36 @@ from epochal.worker.strategies import ModeOptions, to_device, wrap
 Loader = Iterable[Any]
 LoaderArg = Loader | Callable[[int, int], Loader]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor | float, int]]
+"""``metric(outputs, targets) -> (sum over the batch's samples, sample count)``: for accuracy
+``((outputs.argmax(1) == targets).sum(), len(targets))``. The sum may be a tensor (it is added up
+on the device, read once per epoch) or a number."""
+
+
+class _MetricSums:
+    """Running sums and counts of the named metrics over one epoch of one rank."""
+
+    def __init__(self, metrics: Mapping[str, MetricFn], device: torch.device) -> None:
+        self.metrics = metrics
+        self.totals = {
+            name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics
+        }
+        self.counts = dict.fromkeys(metrics, 0)
+
+    def add(self, outputs: Any, targets: torch.Tensor) -> None:
+        if not self.metrics:
+            return
+        with torch.no_grad():
+            for name, metric in self.metrics.items():
+                total, count = metric(outputs, targets)
+                if isinstance(total, torch.Tensor):
+                    self.totals[name] += total.detach().double()
+                else:
+                    self.totals[name] += float(total)
+                self.counts[name] += int(count)
+
+    def result(self) -> dict[str, tuple[float, int]]:
+        return {name: (float(t.item()), self.counts[name]) for name, t in self.totals.items()}
 
 
 def _progress_enabled(rank: int, progress: bool | None) -> bool:
@@ -97,8 +128,27 @@ class FitOptions:
     # the gradients' global L2 norm is clipped to this at each optimizer step; None: no clipping
     precision: str = "32"
     # "32", "bf16" or "fp16": the dtype of autocast for the forward and the loss
+    metrics: Mapping[str, MetricFn] = field(default_factory=dict)
+    # named metric functions (outputs, targets) -> (sum, count), reported for both splits
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metrics, Mapping):
+            raise ConfigError(
+                "metrics must be a mapping of names to functions (outputs, targets) -> "
+                f"(sum, count), got {type(self.metrics).__name__}"
+            )
+        if len(self.metrics) > MAX_METRICS:
+            raise ConfigError(f"at most {MAX_METRICS} metrics, got {len(self.metrics)}")
+        for name, metric in self.metrics.items():
+            try:
+                check_metric_name(name)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if not callable(metric):
+                raise ConfigError(
+                    f"metric {name!r} must be a function (outputs, targets) -> (sum, count), "
+                    f"got {type(metric).__name__}"
+                )
         if type(self.accumulate) is not int or self.accumulate < 1:
             raise ConfigError(
                 f"accumulate must be a whole number of batches >= 1, got {self.accumulate!r}"
@@ -167,6 +217,7 @@ def fit(
         strategy.module.train()
         total = torch.zeros((), dtype=torch.float64, device=device)
         count = 0
+        metric_sums = _MetricSums(options.metrics, device)
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -188,7 +239,9 @@ def fit(
             # gradients are exchanged only for the batch that steps; the others accumulate locally
             with nullcontext() if stepping else strategy.no_sync():
                 with policy.autocast():
-                    loss = loss_fn(strategy.module(inputs), targets)
+                    outputs = strategy.module(inputs)
+                    loss = loss_fn(outputs, targets)
+                    metric_sums.add(outputs, targets)
                 micro = group_end - (step - step % accumulate)  # batches in this step
                 policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
             if stepping:
@@ -199,13 +252,14 @@ def fit(
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return LossSum(float(total.item()), count)
+        return LossSum(float(total.item()), count, metric_sums.result())
 
     def valid_epoch(ctx: EpochContext) -> LossSum:
         assert valid_data is not None
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=device)
         count = 0
+        metric_sums = _MetricSums(options.metrics, device)
         with torch.no_grad():
             for step, batch in enumerate(valid_data):
                 if step == ctx.valid_batches:
@@ -213,10 +267,12 @@ def fit(
                 ctx.check()
                 inputs, targets, n = _split(batch, device)
                 with policy.autocast():
-                    loss = loss_fn(model(inputs), targets)
+                    outputs = model(inputs)
+                    loss = loss_fn(outputs, targets)
+                    metric_sums.add(outputs, targets)
                 total += loss.double() * n
                 count += n
-        return LossSum(float(total.item()), count)
+        return LossSum(float(total.item()), count, metric_sums.result())
 
     def keep_best(epoch: int) -> None:
         nonlocal best_state
@@ -257,7 +313,8 @@ def train(
     this rank's share of the data, or functions ``(rank, world_size) -> loader`` that build it once
     the rank is known. ``loss_fn(outputs, targets)`` returns the batch's mean loss. The coordinator
     starts each epoch, sets the learning-rate factor, and picks the best epoch by the smoothed
-    validation loss (the train loss when there is no validation loader); the best weights are
+    validation loss (the train loss when there is no validation loader; ``--monitor`` picks a
+    metric instead); the best weights are
     loaded into ``model`` before this returns. ``accumulate=N`` sums gradients over N batches
     and steps once (gradients are exchanged only on the stepping batch).
 
@@ -284,8 +341,19 @@ def train(
     (fully_sharded reduces the norm of its shards).
     Other values raise :class:`~epochal.errors.ConfigError` before the run is joined.
 
+    ``metrics`` maps names to functions ``metric(outputs, targets) -> (sum, count)``: the metric
+    summed over the batch's samples and their number, e.g. ``{"accuracy": lambda out, y:
+    ((out.argmax(1) == y).sum(), len(y))}``. Each is computed on every training and validation
+    batch (without gradients); the coordinator sums the sums and the counts over all ranks and
+    divides, so ranks with more samples weigh more, journals the values (``valid_accuracy``),
+    shows the validation ones in its epoch line, and ``--monitor NAME --monitor-mode max`` picks
+    the best epoch by one. The result's curve carries them (:attr:`EpochRecord.metrics`). A name
+    is 1-64 letters, digits or ``_``, starting with a letter, and neither ``loss`` nor
+    ``batches``.
+
     ``progress``, ``accumulate``, ``mode``, ``mode_options``, ``initialize``, ``configure_ddp``,
-    ``ddp_options``, ``clip_grad_norm`` and ``precision`` are the fields of :class:`FitOptions`;
+    ``ddp_options``, ``clip_grad_norm``, ``precision`` and ``metrics`` are the fields of
+    :class:`FitOptions`;
     every other keyword argument is one of :func:`epochal.join` (``coordinator=``, ``job=``,
     ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.options.JoinOptions`), which
     are checked before joining.

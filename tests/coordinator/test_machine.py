@@ -42,6 +42,7 @@ from epochal.protocol import (
     Hello,
     Joined,
     Message,
+    Metric,
     OpenStore,
     ParamSpec,
     Status,
@@ -381,3 +382,43 @@ def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: 
         if isinstance(node, ast.ImportFrom)
     }
     assert not imported & {"asyncio", "zmq", "time", "socket", "os", "shutil", "pathlib"}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def metric_report(epoch: int, correct: float, n: int) -> EpochReport:
+    """A rank's report with ``correct`` of ``n`` validation samples right (loss 1 each)."""
+    return EpochReport(
+        epoch=epoch,
+        train_loss_sum=1.0,
+        train_count=1,
+        valid_loss_sum=float(n),
+        valid_count=n,
+        valid_metrics=(Metric("accuracy", correct, n),),
+    )
+
+
+def test_metrics_of_uneven_ranks_are_summed_journaled_shown_and_sent_back():
+    run = start(epochs=1, monitor="accuracy", monitor_mode="max")
+    run.all(1.0, lambda r: ready(r))
+    shards = [(3.0, 3), (1.0, 5)]  # 4 of 8 right: 0.5 (the ranks' means would say 0.5667)
+    actions = run.all(2.0, lambda r: metric_report(0, *shards[r]))
+    (decision,) = broadcast(actions, Decision)
+    assert decision.valid_metrics == (Metric("accuracy", 4.0, 8),)
+    assert decision.smoothed_loss == 0.5 and decision.is_best
+    record = next(a.record for a in actions if isinstance(a, Journal))
+    assert record["valid_accuracy"] == 0.5 and record["metrics"] == ["valid_accuracy"]
+    assert any("valid accuracy 0.5000  smoothed 0.5000" in line for line in logged(actions))
+    assert any("(smoothed accuracy 0.5000)" in line for line in logged(actions))
+
+
+def test_monitoring_a_metric_nobody_reports_aborts_at_the_first_report_naming_it():
+    run = start(monitor="f1", monitor_mode="max")
+    run.all(1.0, lambda r: ready(r))
+    actions = run.all(2.0, lambda r: metric_report(0, 1.0, 2))
+    reason = aborted(actions)
+    assert reason is not None
+    assert "--monitor f1: the workers report no validation metric of that name" in reason
+    assert "(they report loss, accuracy)" in reason
+    assert broadcast(actions, Decision) == []

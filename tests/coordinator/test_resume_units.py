@@ -454,6 +454,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "patience": (None, "--patience is None now but 3 in the run"),
     "min_delta": (0.5, "--min-delta is 0.5 now but 0.0 in the run"),
     "best_from": (0, "--best-from is 0 now but 1 in the run"),
+    "monitor": ("accuracy", "--monitor is 'accuracy' now but 'loss' in the run"),
+    "monitor_mode": ("max", "--monitor-mode is 'max' now but 'min' in the run"),
     "restore_best": (False, "is False now but True in the run"),
     "checkpoint_every": (2, "--checkpoint-every is 2 now but 1 in the run"),
     "checkpoint_dir": (

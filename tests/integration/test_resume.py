@@ -103,6 +103,52 @@ def reference(tmp_path_factory) -> Path:
     return tmp / "out"
 
 
+MONITORED = (
+    "--monitor",
+    "accuracy",
+    "--monitor-mode",
+    "max",
+    "--lr-schedule",
+    "plateau:patience=0,factor=0.5,threshold=0.01,min=0",
+)
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory) -> Path:
+    """The uninterrupted run that monitors its smoothed validation accuracy."""
+    tmp = tmp_path_factory.mktemp("monitored")
+    spawner = Spawner("mon-" + os.urandom(4).hex(), tmp)
+    try:
+        proc = launch(spawner, tmp / "run", tmp / "out", *MONITORED, script=("--accuracy",))
+        code, output = spawner.finish(proc, DEADLINE)
+        assert code == 0, output
+    finally:
+        spawner.cleanup()
+    return tmp / "out"
+
+
+def test_a_run_monitoring_a_metric_resumes_bit_identical(spawn, tmp_path, monitored):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    args = (spawn, run_dir, out, *MONITORED)
+    launch(*args, delay=0.02, script=("--accuracy",))
+    wait_for(lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= 2, 60)
+    kill_everything(spawn)
+    assert max(r["epoch"] for r in epoch_records(run_dir)) < EPOCHS - 1, "finished before the kill"
+
+    proc = launch(*args, delay=0.02, script=("--accuracy",))
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert "resuming" in output
+    # the smoothed accuracy, the plateau schedule's state and the best epoch came back from the
+    # journal: the curve (smoothed values and metrics included) and the weights are the same
+    assert_same_result(monitored, out)
+    curve = torch.load(out / "rank0.pt")["curve"]
+    smoothed = [c[3] for c in curve]
+    assert torch.load(out / "rank0.pt")["best_epoch"] == smoothed.index(max(smoothed))
+    assert all("valid_accuracy" in c[4] for c in curve)
+    spawn.assert_none_left()
+
+
 @pytest.mark.parametrize("after_epochs", [1, 3])
 def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, after_epochs):
     run_dir, out = tmp_path / "run", tmp_path / "out"

@@ -29,10 +29,15 @@ def _linear():  # the worker script, imported as a module for its data and model
 
 
 def reference_run(
-    epochs: int, *, bf16: bool = False, clip: float | None = None
+    epochs: int,
+    *,
+    bf16: bool = False,
+    clip: float | None = None,
+    close: list[float] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """One process on the union of the data: weights after each epoch and validation losses
-    (``bf16``: forward and loss under bfloat16 autocast; ``clip``: the gradient norm clipped)."""
+    (``bf16``: forward and loss under bfloat16 autocast; ``clip``: the gradient norm clipped;
+    ``close``: filled with the validation 'close' metric of each epoch)."""
     lin = _linear()
     x, y, xv, yv = lin.data()
     model = lin.make_model()
@@ -55,6 +60,9 @@ def reference_run(
             opt.step()
         with torch.no_grad(), autocast():
             valid.append(nn.functional.mse_loss(model(xv), yv).item())
+            if close is not None:
+                right, n = lin.close(model(xv), yv)
+                close.append(float(right) / n)
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     return states, valid
 
@@ -99,6 +107,55 @@ def test_workers_match_one_process_on_the_union(spawn: Spawner, tmp_path: Path, 
     assert re.search(
         rf"^\[rank {world_size - 1}\] rank {world_size - 1}: best epoch {best}", output, re.M
     ), output
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_metrics_of_uneven_shards_match_one_process_and_pick_the_best(
+    spawn: Spawner, tmp_path: Path, world_size: int
+):
+    out = tmp_path / "out"
+    run_dir = tmp_path / "run"
+    epochs = 6
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        str(world_size),
+        "--epochs",
+        str(epochs),
+        "--run-dir",
+        str(run_dir),
+        "--monitor",
+        "close",
+        "--monitor-mode",
+        "max",
+        str(SCRIPTS / "linear.py"),
+        "--out",
+        str(out),
+        "--metrics",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    spawn.assert_none_left()
+
+    close: list[float] = []
+    _, valid = reference_run(epochs, close=close)
+    # the validation shards hold 1/3 and 2/3 (1/6, 2/6, 3/6) of the samples: only a
+    # sample-weighted sum over the ranks gives one process's figures
+    best = max(range(epochs), key=lambda e: (close[e], -e))
+    lowest_loss = min(range(epochs), key=lambda e: (valid[e], e))
+    assert best != lowest_loss, "the data no longer makes the metric and the loss disagree"
+    records = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    lines = [r for r in records if r["kind"] == "epoch"]
+    assert [line["valid_close"] for line in lines] == pytest.approx(close, abs=1e-12)
+    assert [line["valid_loss"] for line in lines] == pytest.approx(valid, rel=1e-5, abs=1e-7)
+    assert [line["smoothed_loss"] for line in lines] == pytest.approx(close, abs=1e-12)
+    assert json.loads((run_dir / "result.json").read_text())["best_epoch"] == best
+    for rank in range(world_size):
+        got = torch.load(out / f"rank{rank}.pt")
+        assert got["best_epoch"] == best
+        assert [m["valid_close"] for m in got["metrics"]] == pytest.approx(close, abs=1e-12)
+        assert all("train_close" in m for m in got["metrics"])
+    assert re.search(r"epoch 0 \[1/6\] .* valid close 0\.\d{4}  smoothed", output), output
 
 
 def test_bf16_and_clipping_through_train_match_one_process(spawn: Spawner, tmp_path: Path):

@@ -20,6 +20,7 @@ from epochal.errors import EpochalError, MalformedMessage, ProtocolVersionMismat
 from epochal.protocol import decode, encode
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
+    MAX_METRICS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -42,6 +43,7 @@ from epochal.protocol.messages import (
     Hello,
     Joined,
     Length,
+    Metric,
     OneOf,
     OpenStore,
     ParamSpec,
@@ -84,7 +86,12 @@ EXAMPLES: dict[type, Any] = {
     StoreReady: StoreReady(host="10.0.0.1", port=29500, key="9f2c" * 8),
     EpochReady: EpochReady(epoch=3, train_batches=48, valid_batches=None),
     EpochReport: EpochReport(
-        epoch=3, train_loss_sum=12.5, train_count=100, valid_loss_sum=0.0, valid_count=0
+        epoch=3,
+        train_loss_sum=12.5,
+        train_count=100,
+        valid_loss_sum=0.0,
+        valid_count=0,
+        train_metrics=(Metric(name="accuracy", total=91.0, count=100),),
     ),
     Failed: Failed(reason="ValueError: boom"),
     Done: Done(),
@@ -117,6 +124,7 @@ EXAMPLES: dict[type, Any] = {
         is_best=False,
         checkpoint=True,
         stop=True,
+        valid_metrics=(Metric("accuracy", 180.0, 200), Metric("top_5", 199.0, 200)),
     ),
     Finish: Finish(best_epoch=1, best_loss=0.125, epochs_run=3, restore_best=True),
     Checkpointed: Checkpointed(epoch=2),
@@ -192,8 +200,12 @@ def welcomes(draw: st.DrawFn) -> Welcome:
 
 # Records whose fields depend on each other (or, for ParamSpec, whose list items are bounded)
 # have their strategy written out; every other message's is derived from its declared fields.
+metric_names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,63}", fullmatch=True).filter(
+    lambda name: name not in ("loss", "batches")
+)
 WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
     ParamSpec: param_specs,
+    Metric: st.builds(Metric, name=metric_names, total=no_nan, count=nonneg),
     Joined: joineds(),
     Welcome: welcomes(),
 }
@@ -232,7 +244,8 @@ def _plain_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
         return st.text(min_size=least, max_size=most)
     if spec.kind is tuple:
         assert spec.item is not None
-        return st.lists(field_values(spec.item), max_size=4).map(tuple)
+        unique = (lambda m: m.name) if spec.item.kind is Metric else None
+        return st.lists(field_values(spec.item), max_size=4, unique_by=unique).map(tuple)
     return record_values(spec.kind)
 
 
@@ -268,7 +281,7 @@ msgpack_objects = st.recursive(
 
 ALL_FIELDS = sorted(
     {f.name for cls in MESSAGE_TYPES.values() for f in dataclasses.fields(cls)}
-    | {f.name for cls in (Fingerprint, ParamSpec) for f in dataclasses.fields(cls)}
+    | {f.name for cls in (Fingerprint, ParamSpec, Metric) for f in dataclasses.fields(cls)}
 )
 small_objects = st.recursive(
     msgpack_scalars,
@@ -316,7 +329,7 @@ def decodes_or_refuses(data: bytes) -> Any:
 def test_every_message_type_has_an_example_and_a_strategy():
     assert set(EXAMPLES) == set(MESSAGE_TYPES.values())
     assert set(STRATEGIES) == set(MESSAGE_TYPES.values())
-    assert set(WRITTEN_OUT) <= {*MESSAGE_TYPES.values(), ParamSpec, Fingerprint}
+    assert set(WRITTEN_OUT) <= {*MESSAGE_TYPES.values(), ParamSpec, Fingerprint, Metric}
     assert all(type(m) is cls for cls, m in EXAMPLES.items())
 
 
@@ -380,6 +393,36 @@ def test_non_finite_losses_travel_where_the_message_allows_them():
         epoch=0, train_loss_sum=math.inf, train_count=1, valid_loss_sum=-math.inf, valid_count=0
     )
     assert decode(encode(report)) == report
+
+
+def test_metrics_travel_as_sums_with_counts_and_are_bounded():
+    metrics = tuple(Metric(f"m{i}", float(i), i) for i in range(MAX_METRICS))
+    report = dataclasses.replace(EXAMPLES[EpochReport], valid_metrics=metrics)
+    assert decode(encode(report)) == report
+    frame = frame_of(report)
+    frame["valid_metrics"] = [*frame["valid_metrics"], {"name": "more", "total": 1.0, "count": 1}]
+    assert f"a list of {MAX_METRICS + 1} items, at most {MAX_METRICS} allowed" in refusal(
+        pack(frame)
+    )
+
+
+@pytest.mark.parametrize(
+    ("metrics", "expected"),
+    [
+        ([{"name": "loss", "total": 1.0, "count": 1}], "'loss' is reported on its own"),
+        ([{"name": "9lives", "total": 1.0, "count": 1}], "metric name '9lives' is not allowed"),
+        ([{"name": "acc", "total": 1.0, "count": -1}], "count must be >= 0"),
+        ([{"name": "acc", "total": "1", "count": 1}], "train_metrics[0].total"),
+        (
+            [{"name": "acc", "total": 1.0, "count": 1}, {"name": "acc", "total": 2.0, "count": 1}],
+            "train_metrics names a metric twice",
+        ),
+    ],
+)
+def test_a_bad_metric_is_refused_naming_it(metrics: list[Any], expected: str):
+    frame = frame_of(EXAMPLES[EpochReport])
+    frame["train_metrics"] = metrics
+    assert expected in refusal(pack(frame))
 
 
 def test_longest_allowed_text_round_trips_even_in_four_byte_characters():

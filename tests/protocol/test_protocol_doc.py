@@ -103,6 +103,8 @@ def what_it_must_say(spec: FieldSpec) -> list[str]:
             elif isinstance(constraint, Within):
                 words.append(f"{constraint.lowest}..{constraint.highest}")
         return words if len(words) > spec.nilable else [*words, "int"]
+    if spec.kind is tuple:
+        return [*words, "list"]
     if issubclass(spec.kind, Record):
         return [*words, "map"]
     for constraint in spec.constraints:

@@ -48,6 +48,21 @@ def shard(x: torch.Tensor, y: torch.Tensor, batch: int, rank: int, world: int) -
     ]
 
 
+def uneven_shard(x: torch.Tensor, y: torch.Tensor, batch: int, rank: int, world: int) -> list:
+    """Like :func:`shard`, but rank r takes a share of each batch that grows with r (1, 2, ...
+    parts of ``world * (world + 1) / 2``): every rank has the same number of batches and a
+    different number of samples."""
+    parts = world * (world + 1) // 2
+    start = batch * (rank * (rank + 1) // 2) // parts
+    end = batch * ((rank + 1) * (rank + 2) // 2) // parts
+    return [(x[i + start : i + end], y[i + start : i + end]) for i in range(0, len(x), batch)]
+
+
+def close(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Samples predicted within 0.5 of their target, and how many samples there were."""
+    return ((out - target).abs() < 0.5).sum(), len(target)
+
+
 class HangingLoader:
     """A validation loader whose iterator never yields (a stuck file system, say)."""
 
@@ -72,6 +87,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--precision", default="32")
     parser.add_argument("--clip-grad-norm", type=float, default=None)
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="report the 'close' metric, over validation shards of uneven sizes",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     my_rank = int(os.environ.get("EPOCHAL_RANK", "0"))
@@ -90,7 +110,8 @@ def main() -> None:
         return batches
 
     def valid_loader(rank: int, world: int) -> Any:
-        batches = shard(xv, yv, GLOBAL_BATCH, rank, world)
+        split = uneven_shard if args.metrics else shard
+        batches = split(xv, yv, GLOBAL_BATCH, rank, world)
         return HangingLoader(batches) if broken and args.mode == "hang-valid" else batches
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -106,6 +127,7 @@ def main() -> None:
         loss_fn,
         precision=args.precision,
         clip_grad_norm=args.clip_grad_norm,
+        metrics={"close": close} if args.metrics else {},
     )
     print(f"rank {result.rank}: best epoch {result.best_epoch} of {result.epochs_run}", flush=True)
     if args.out is not None:
@@ -116,6 +138,7 @@ def main() -> None:
                 "best_epoch": result.best_epoch,
                 "valid_losses": [r.valid_loss for r in result.curve],
                 "train_losses": [r.train_loss for r in result.curve],
+                "metrics": [r.metrics for r in result.curve],
             },
             args.out / f"rank{result.rank}.pt",
         )

@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--best-at", type=int, default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=None)
+    parser.add_argument("--accuracy", action="store_true", help="report an accuracy metric")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -54,7 +55,10 @@ def main() -> None:
             loss = loss + 10.0 * abs(epoch - args.best_at)
         return loss
 
-    join_options = {}
+    def accuracy(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return (out.argmax(dim=1) == target).sum(), len(target)
+
+    join_options: dict = {"metrics": {"accuracy": accuracy}} if args.accuracy else {}
     if args.heartbeat_timeout is not None:
         join_options["heartbeat_timeout"] = args.heartbeat_timeout
     result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn, **join_options)
@@ -65,7 +69,10 @@ def main() -> None:
             "best_epoch": result.best_epoch,
             "best": None if result.best is None else result.best.epoch,
             "weights_note": result.weights_note,
-            "curve": [(r.epoch, r.train_loss, r.valid_loss) for r in result.curve],
+            "curve": [
+                (r.epoch, r.train_loss, r.valid_loss, r.smoothed_loss, r.metrics)
+                for r in result.curve
+            ],
         },
         args.out / f"rank{result.rank}.pt",
     )
