@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epochal.coordinator import resume
+from epochal.coordinator import ending, resume
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -26,7 +26,6 @@ from epochal.coordinator.actions import (
     Log,
     Prune,
     RunPhase,
-    RunSummary,
     Send,
 )
 from epochal.coordinator.config import CoordinatorConfig
@@ -38,7 +37,6 @@ from epochal.coordinator.policy import (
     aggregate_metrics,
     checkpoint_after,
     format_epoch_line,
-    format_loss,
     metric_values,
     plan_epoch,
 )
@@ -54,7 +52,6 @@ from epochal.protocol import (
     EpochReport,
     Failed,
     Fingerprint,
-    Finish,
     Go,
     Heartbeat,
     Hello,
@@ -430,17 +427,7 @@ class RunMachine:
             self.epoch += 1
             self._set_phase(RunPhase.READY, now)
             return actions
-        if outcome.stop_reason == "lr_factor":
-            actions.append(
-                Log(f"the learning-rate factor reached {outcome.next_lr_factor:g}: stopping")
-            )
-        elif outcome.stop_reason == "patience":
-            actions.append(
-                Log(
-                    f"no improvement for {self._loop.stale} validated epochs "
-                    f"(patience {self.config.patience}): stopping early"
-                )
-            )
+        actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
         return actions + self._finish(now)
 
     def _on_checkpointed(self, epoch: int) -> list[Action]:
@@ -456,39 +443,13 @@ class RunMachine:
         return actions
 
     def _finish(self, now: float) -> list[Action]:
-        loop = self._loop
-        finish = Finish(
-            best_epoch=loop.best_epoch,
-            best_loss=loop.best_loss,
-            epochs_run=len(loop.history),
-            restore_best=self.config.restore_best,
-        )
+        finish, line = ending.finish(self._loop, self.config, self.run_id)
         self._set_phase(RunPhase.FINISHING, now)
-        return [
-            Broadcast(self._recipients(), finish),
-            Log(
-                f"run {self.run_id} finished after {len(loop.history)} epochs: best epoch "
-                f"{loop.best_epoch} (smoothed {loop.monitor} {format_loss(loop.best_loss)})"
-            ),
-        ]
+        return [Broadcast(self._recipients(), finish), Log(line)]
 
     def _end(self) -> list[Action]:
-        loop = self._loop
-        summary = RunSummary(
-            run_id=self.run_id,
-            best_epoch=loop.best_epoch,
-            best_loss=loop.best_loss,
-            epochs_run=len(loop.history),
-            history=list(loop.history),
-        )
+        summary, result = ending.result(self._loop, self.run_id)
         self.over = True
-        result = {
-            "status": "finished",
-            "run_id": self.run_id,
-            "best_epoch": loop.best_epoch,
-            "best_loss": loop.best_loss,
-            "epochs_run": len(loop.history),
-        }
         return [Journal("result", result), Finished(summary)]
 
     # ------------------------------------------------------------------ the clock

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from epochal.protocol import MAX_METRICS, Decision, Metric
+
 if TYPE_CHECKING:
     from epochal.worker.session import Session
 
@@ -84,3 +86,31 @@ class RunResult:
     def best(self) -> EpochRecord | None:
         """The learning-curve record of the best epoch."""
         return next((r for r in self.curve if r.epoch == self.best_epoch), None)
+
+
+def wire_metrics(split: str, sums: LossSum) -> tuple[Metric, ...]:
+    """An epoch function's named metrics as they travel; ValueError naming a bad one."""
+    metrics = getattr(sums, "metrics", None) or {}
+    out = []
+    for name, pair in sorted(metrics.items()):
+        try:
+            total, count = pair
+            out.append(Metric(name=name, total=float(total), count=int(count)))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"the {split} function's metric {name!r} = {pair!r} is not a (sum, count) pair "
+                f"of a metric epochal can carry: {exc}"
+            ) from None
+    if len(out) > MAX_METRICS:
+        raise ValueError(f"the {split} function reports {len(out)} metrics, over {MAX_METRICS}")
+    return tuple(out)
+
+
+def metric_values(decision: Decision) -> dict[str, float]:
+    """The metrics of a Decision as values by journal key (``valid_accuracy``)."""
+    return {
+        f"{split}_{m.name}": m.total / m.count
+        for split, metrics in (("train", decision.train_metrics), ("valid", decision.valid_metrics))
+        for m in metrics
+        if m.count > 0
+    }

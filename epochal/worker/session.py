@@ -47,7 +47,6 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
-from epochal.protocol.messages import MAX_METRICS, Metric
 from epochal.security.curve import ClientSecurity
 from epochal.worker import faults, launchenv, network
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
@@ -62,7 +61,14 @@ from epochal.worker.options import (
     read_address_file,
 )
 from epochal.worker.rendezvous import StillRunning, StoreRef, rendezvous, tell_join_failure
-from epochal.worker.results import EpochContext, EpochRecord, LossSum, RunResult
+from epochal.worker.results import (
+    EpochContext,
+    EpochRecord,
+    LossSum,
+    RunResult,
+    metric_values,
+    wire_metrics,
+)
 from epochal.worker.state import Stateful
 from epochal.worker.store import scoped
 
@@ -283,8 +289,8 @@ class Session:
                 train_count=int(train.count),
                 valid_loss_sum=float(valid.total),
                 valid_count=int(valid.count),
-                train_metrics=_metrics("train", train),
-                valid_metrics=_metrics("validation", valid),
+                train_metrics=wire_metrics("train", train),
+                valid_metrics=wire_metrics("validation", valid),
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
@@ -296,7 +302,7 @@ class Session:
             smoothed_loss=decision.smoothed_loss,
             lr_factor=go.lr_factor,
             seconds=time.monotonic() - started,
-            metrics=_values(decision),
+            metrics=metric_values(decision),
         )
         if decision.checkpoint and state is not None:
             self.client.at(Phase.CHECKPOINT, epoch)
@@ -396,34 +402,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _metrics(split: str, sums: LossSum) -> tuple[Metric, ...]:
-    """An epoch function's named metrics as they travel; ValueError naming a bad one."""
-    metrics = getattr(sums, "metrics", None) or {}
-    out = []
-    for name, pair in sorted(metrics.items()):
-        try:
-            total, count = pair
-            out.append(Metric(name=name, total=float(total), count=int(count)))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"the {split} function's metric {name!r} = {pair!r} is not a (sum, count) pair "
-                f"of a metric epochal can carry: {exc}"
-            ) from None
-    if len(out) > MAX_METRICS:
-        raise ValueError(f"the {split} function reports {len(out)} metrics, over {MAX_METRICS}")
-    return tuple(out)
-
-
-def _values(decision: Decision) -> dict[str, float]:
-    """The metrics of a Decision as values by journal key (``valid_accuracy``)."""
-    return {
-        f"{split}_{m.name}": m.total / m.count
-        for split, metrics in (("train", decision.train_metrics), ("valid", decision.valid_metrics))
-        for m in metrics
-        if m.count > 0
-    }
 
 
 def _device_for(local_rank: int, device: str | torch.device | None) -> torch.device:
