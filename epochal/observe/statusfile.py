@@ -192,6 +192,11 @@ def _epoch_line(record: Mapping[str, Any]) -> str:
     return (
         f"last epoch {record.get('epoch')}: train {_loss(record.get('train_loss'))}  "
         f"valid {_loss(record.get('valid_loss'))}  smoothed {_loss(record.get('smoothed_loss'))}"
+        + "".join(
+            f"  {key.replace('_', ' ', 1)} {_loss(record.get(key))}"
+            for key in record.get("metrics") or ()
+            if isinstance(key, str)
+        )
         + (f"  lr x{lr:g}" if isinstance(lr, int | float) else "")
         + (f"  {seconds:.2f}s" if isinstance(seconds, int | float) else "")
     )

@@ -531,3 +531,19 @@ def test_observers_import_neither_torch_nor_their_libraries_until_used() -> None
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_last_epoch_line_shows_the_journaled_metrics(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.epoch(
+        {
+            **record(0),
+            "metrics": ["train_accuracy", "valid_accuracy"],
+            "train_accuracy": 0.75,
+            "valid_accuracy": 0.5,
+        }
+    )
+    journal.result({"status": "finished", "best_epoch": 0, "best_loss": 0.5, "epochs_run": 1})
+    journal.close()
+    line = next(t for t in describe(tmp_path).splitlines() if t.startswith("last epoch 0: "))
+    assert "train accuracy 0.7500  valid accuracy 0.5000" in line
