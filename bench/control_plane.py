@@ -57,6 +57,7 @@ import zmq
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
+    Awaiting,
     Decision,
     Done,
     EpochReady,
@@ -131,6 +132,7 @@ class SimWorker:
     index: int
     worker_id: str
     phase: Phase = Phase.RENDEZVOUS
+    awaiting: Awaiting | None = None
     epoch: int = 0
     step: int = 0
     session: str = ""
@@ -141,12 +143,13 @@ class SimWorker:
         self.marks[what] = time.monotonic()
 
     def status(self) -> Status:
-        return Status(self.phase, self.epoch, self.step, WHERE)
+        return Status(self.phase, self.epoch, self.step, WHERE, self.awaiting)
 
-    def at(self, phase: Phase, epoch: int) -> Iterator[Action]:
-        """``ControlClient.at``: a change of phase is reported at once with a Status."""
-        changed = phase is not self.phase
-        self.phase, self.epoch, self.step = phase, epoch, 0
+    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> Iterator[Action]:
+        """``ControlClient.at``: a change of phase (or of what it awaits) is reported at once
+        with a Status."""
+        changed = (phase, awaiting) != (self.phase, self.awaiting)
+        self.phase, self.awaiting, self.epoch, self.step = phase, awaiting, epoch, 0
         if changed:
             yield Send(self.status())
 
@@ -203,7 +206,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
             raise RuntimeError(f"{type(message).__name__}: {message.reason}")
     yield from w.at(Phase.SETUP, epoch)
     while True:
-        yield from w.at(Phase.WAITING, epoch)
+        yield from w.at(Phase.WAITING, epoch, Awaiting.GO)
         yield Send(EpochReady(epoch, 100, 10))
         go = yield from expect(Go, Finish)
         if isinstance(go, Finish):
@@ -213,7 +216,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
         if train_seconds > 0:
             yield Sleep(train_seconds)
         yield from w.at(Phase.VALIDATE, epoch)
-        yield from w.at(Phase.WAITING, epoch)
+        yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION)
         yield Send(EpochReport(epoch, 230.0, 100, 23.0, 10))
         w.mark(f"report.{epoch}")
         decision = yield from expect(Decision)

@@ -150,7 +150,7 @@ class RunMachine:
         actions = self._handle(now, peer, message, user_id)
         if rank is not None and self.phase in (RunPhase.READY, RunPhase.RUNNING):
             answered = self._ready if self.phase is RunPhase.READY else self._reports
-            self.watchdog.after_message(rank, peer, self.epoch, answered)
+            self.watchdog.after_message(rank, peer, self.phase, self.epoch, answered)
         return actions
 
     def on_tick(self, now: float) -> list[Action]:

@@ -18,9 +18,16 @@ from epochal.coordinator import liveness
 from epochal.coordinator.actions import RunPhase
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.rendezvous import Member
-from epochal.protocol import Status
+from epochal.protocol import Awaiting, Status
 from epochal.protocol.messages import Phase as WorkerPhase
 from epochal.protocol.messages import check_phase
+
+_ANSWER = {RunPhase.READY: Awaiting.GO, RunPhase.RUNNING: Awaiting.DECISION}
+"""The answer a rank waits for while the run's phase collects its message (batch counts, loss
+report): only such a wait can mean that message was lost."""
+
+_SAID = {Awaiting.GO: ("Go", "batch counts"), Awaiting.DECISION: ("decision", "loss report")}
+"""The answer awaited and the message it answers, in words."""
 
 FAILURE_SETTLE = 0.25
 """Seconds between the first failure report and the abort, so the cause can arrive too."""
@@ -28,12 +35,14 @@ FAILURE_SETTLE = 0.25
 
 @dataclass(frozen=True, slots=True)
 class RankStatus:
-    """A rank's last reported (phase, epoch, step) and when that last changed."""
+    """A rank's last reported (phase, epoch, step, awaiting) and when that last changed."""
 
     phase: str
     epoch: int
     step: int
     since: float
+    awaiting: str | None = None
+    # phase waiting: the answer it waits for (go, decision)
 
 
 class Watchdog:
@@ -84,11 +93,13 @@ class Watchdog:
         previous = self.status.get(rank)
         if (
             previous is None
-            or (previous.phase, previous.epoch, previous.step)
-            != (status.phase, status.epoch, status.step)
+            or (previous.phase, previous.epoch, previous.step, previous.awaiting)
+            != (status.phase, status.epoch, status.step, status.awaiting)
             or liveness.moved(before, status.where)
         ):
-            self.status[rank] = RankStatus(status.phase, status.epoch, status.step, now)
+            self.status[rank] = RankStatus(
+                status.phase, status.epoch, status.step, now, status.awaiting
+            )
             self.newest = now
 
     def margin(self) -> float:
@@ -96,22 +107,32 @@ class Watchdog:
         several heartbeats, so a slow or starved heartbeat thread never looks like a loss."""
         return max(3 * self.config.heartbeat_interval, 2.0)
 
-    def _waits_in_vain(self, rank: int, peer: bytes, epoch: int) -> bool:
+    def _waits_in_vain(self, rank: int, peer: bytes, epoch: int, answer: Awaiting) -> bool:
+        """Whether ``rank`` waits for ``answer`` to ``epoch`` past the margin: only the answer
+        the run's phase holds back counts, so a rank still waiting for its Go while the run
+        collects loss reports (a wide broadcast reaches some ranks late) is not blamed."""
         status = self.status.get(rank)
-        if status is None or status.phase != "waiting" or status.epoch != epoch:
+        if (
+            status is None
+            or status.phase != "waiting"
+            or status.awaiting != answer
+            or status.epoch != epoch
+        ):
             return False
         # heard from for longer than the margin while it waits: its link works, so the message
         # was lost; a rank that went silent meanwhile is the heartbeat timeout's to name
         heard = self.last_seen.get(peer, status.since)
         return status.since > self.phase_started and heard - status.since > self.margin()
 
-    def after_message(self, rank: int, peer: bytes, epoch: int, answered: Container[int]) -> None:
+    def after_message(
+        self, rank: int, peer: bytes, phase: RunPhase, epoch: int, answered: Container[int]
+    ) -> None:
         """Note ``rank`` as a suspect if it now waits in vain (O(1)).
 
         Only a message from the rank itself can make its wait count: the other conditions only
         ever stop holding (a new phase, its message arriving), and lost time moves both ends.
         """
-        if rank not in answered and self._waits_in_vain(rank, peer, epoch):
+        if rank not in answered and self._waits_in_vain(rank, peer, epoch, _ANSWER[phase]):
             self._suspects.add(rank)
 
     # ------------------------------------------------------------------ verdicts
@@ -155,8 +176,7 @@ class Watchdog:
                 if stuck is not None:
                     member = members[stuck.rank]
                     return lines, f"{stuck.reason} [rank {stuck.rank}: {member.describe()}]"
-            what = "batch counts" if phase is RunPhase.READY else "loss report"
-            lost = self.lost_message(now, epoch, answered, members, what)
+            lost = self.lost_message(now, phase, epoch, answered, members)
             if lost is not None:
                 return lines, lost
         silent = self.first_silent(now, ranks)
@@ -178,15 +198,24 @@ class Watchdog:
         return f" while {phase.description}"
 
     def lost_message(
-        self, now: float, epoch: int, answered: Container[int], members: Sequence[Member], what: str
+        self,
+        now: float,
+        phase: RunPhase,
+        epoch: int,
+        answered: Container[int],
+        members: Sequence[Member],
     ) -> str | None:
-        """A rank that says it is waiting for us although its message never arrived."""
+        """A rank that says it is waiting for our answer although its message never arrived.
+
+        ``phase``: READY (its batch counts are missing, it waits for Go) or RUNNING (its loss
+        report is missing, it waits for the decision)."""
         if not self._suspects:
             return None
-        answer = "Go" if what == "batch counts" else "decision"
+        awaited = _ANSWER[phase]
+        answer, what = _SAID[awaited]
         for rank in sorted(self._suspects):
             member = members[rank]
-            if rank in answered or not self._waits_in_vain(rank, member.peer, epoch):
+            if rank in answered or not self._waits_in_vain(rank, member.peer, epoch, awaited):
                 self._suspects.discard(rank)
                 continue
             since = self.status[rank].since
@@ -295,7 +324,7 @@ class Watchdog:
         for peer in self.last_seen:
             self.last_seen[peer] += lost  # the order stays: every value moves alike
         self.status = {
-            rank: RankStatus(s.phase, s.epoch, s.step, s.since + lost)
+            rank: RankStatus(s.phase, s.epoch, s.step, s.since + lost, s.awaiting)
             for rank, s in self.status.items()
         }
         if self.newest is not None:

@@ -25,6 +25,7 @@ from epochal.protocol.records import (
     MAX_METRICS,
     MAX_PARAMS,
     MAX_SHAPE_DIMS,
+    Awaiting,
     Backend,
     CoordinatorMessage,
     Device,
@@ -202,6 +203,12 @@ class Status(WorkerMessage):
     # batches done in this phase of this epoch
     where: MaybeText
     # the line the training code's thread is executing ("file.py:12 in fn"), for stall reports
+    awaiting: Awaiting | None = None
+    # phase waiting: the answer it waits for; any other phase: None
+
+    def _validate(self) -> None:
+        if (self.phase == Phase.WAITING) != (self.awaiting is not None):
+            raise ValueError("awaiting is given exactly when the phase is waiting")
 
 
 @message

@@ -127,6 +127,20 @@ _PHASE_WORDS = {
 PHASES = tuple(p.value for p in Phase)
 
 
+class Awaiting(_enum.StrEnum):
+    """Which answer a worker in :attr:`Phase.WAITING` waits for (:class:`Status`).
+
+    The coordinator counts a wait as a lost message only when it waits for the answer to the
+    message the run's phase collects: a rank still waiting for its Go while the others train is
+    only slow to hear it (a wide broadcast takes time), not missing its loss report.
+    """
+
+    GO = "go"
+    # sent epoch_ready; waits for Go (or Finish)
+    DECISION = "decision"
+    # sent epoch_report; waits for the Decision
+
+
 class RejectCode(_enum.StrEnum):
     """Why a :class:`Reject` was sent."""
 

@@ -39,6 +39,7 @@ from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     Abort,
+    Awaiting,
     CoordinatorMessage,
     Failed,
     Heartbeat,
@@ -125,10 +126,25 @@ class ControlClient:
         # set when the main thread has taken the latest coordinator loss (or closed the client)
         self.rank: int | None = None
         # this worker's rank once it has one (for fault injection)
-        self.phase = Phase.RENDEZVOUS
+        self._doing: tuple[Phase, Awaiting | None] = (Phase.RENDEZVOUS, None)
+        # (phase, awaiting) in one attribute, so the loop's heartbeat never reads half a change
         self.epoch = 0
         self.step = 0
         # where the training code is; set by the main thread, sent with every heartbeat
+
+    @property
+    def phase(self) -> Phase:
+        """The phase the training code is in (set with :meth:`at`)."""
+        return self._doing[0]
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._doing = (phase, self._doing[1])
+
+    @property
+    def awaiting(self) -> Awaiting | None:
+        """In :attr:`Phase.WAITING`: the answer the training code waits for."""
+        return self._doing[1]
 
     # ------------------------------------------------------------------ main-thread API
 
@@ -196,16 +212,23 @@ class ControlClient:
             raise RunAborted(item.reason)
         return item
 
-    def at(self, phase: Phase, epoch: int) -> None:
+    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> None:
         """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat).
 
-        A change of phase is reported at once, so the coordinator's view is current even if the
-        main thread now blocks for long (in the data plane's connect, say). Raises ValueError
-        for anything but a :class:`~epochal.protocol.Phase` (or its value).
+        ``awaiting``: in :attr:`Phase.WAITING` (and only there), the answer it waits for, so the
+        coordinator tells a slow Go from a lost loss report. A change of phase or of what it
+        awaits is reported at once, so the coordinator's view is current even if the main thread
+        now blocks for long (in the data plane's connect, say). Raises ValueError for anything but
+        a :class:`~epochal.protocol.Phase` (or its value), or an ``awaiting`` given in another
+        phase or missing in the waiting one.
         """
         new = check_phase(phase)
-        changed = new is not self.phase
-        self.phase, self.epoch, self.step = new, epoch, 0
+        if awaiting is not None:
+            awaiting = Awaiting(awaiting)
+        if (new is Phase.WAITING) != (awaiting is not None):
+            raise ValueError("awaiting is given exactly when the phase is waiting")
+        changed = (new, awaiting) != self._doing
+        self._doing, self.epoch, self.step = (new, awaiting), epoch, 0
         self._progress_at = time.monotonic()
         loop = self._loop
         if changed and loop is not None and not loop.is_closed():
@@ -389,7 +412,8 @@ class ControlClient:
     def _beat(self) -> None:
         """Queue a heartbeat saying where the training code is (on this thread)."""
         if self._outbox is not None:
-            self._outbox.put_nowait(Status(self.phase, self.epoch, self.step, self._where()))
+            phase, awaiting = self._doing
+            self._outbox.put_nowait(Status(phase, self.epoch, self.step, self._where(), awaiting))
 
     def _where(self) -> str:
         """Where the main thread is right now: its innermost frame, as ``file.py:12 in fn``."""

@@ -33,6 +33,7 @@ from epochal.errors import (
 )
 from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
+    Awaiting,
     Checkpointed,
     Decision,
     Done,
@@ -260,7 +261,7 @@ class Session:
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
         if valid_epoch is None:
             valid_batches = None
-        self.client.at(Phase.WAITING, epoch)
+        self.client.at(Phase.WAITING, epoch, Awaiting.GO)
         self.client.send(EpochReady(epoch, train_batches, valid_batches))
         go = self._expect(Go, Finish)
         if isinstance(go, Finish):
@@ -281,7 +282,7 @@ class Session:
         if valid_epoch is not None and go.valid_batches > 0:
             self.client.at(Phase.VALIDATE, epoch)
             valid = valid_epoch(ctx)
-        self.client.at(Phase.WAITING, epoch)
+        self.client.at(Phase.WAITING, epoch, Awaiting.DECISION)
         self.client.send(
             EpochReport(
                 epoch=epoch,

@@ -261,7 +261,7 @@ def test_a_failure_waits_the_settle_window_for_its_cause():
 def test_a_lost_batch_count_is_named_once_its_rank_waited_a_margin_while_heard():
     run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)  # margin: 2 s
     run.send(1.0, run.peers[0], ready(0))
-    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where=""))
+    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where="", awaiting="go"))
     run.send(3.0, run.peers[1], Heartbeat())
     assert aborted(run.machine.on_tick(3.0)) is None  # heard for exactly the margin
     run.send(3.01, run.peers[1], Heartbeat())
@@ -274,10 +274,44 @@ def test_a_lost_batch_count_is_named_once_its_rank_waited_a_margin_while_heard()
 
 def test_a_wait_that_ends_with_its_message_is_no_loss():
     run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)
-    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where=""))
+    run.send(1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where="", awaiting="go"))
     run.send(4.0, run.peers[1], Heartbeat())  # suspected ...
     run.send(4.0, run.peers[1], ready(1))  # ... but its counts were only late
     assert aborted(run.machine.on_tick(4.0)) is None
+
+
+def test_a_rank_slow_to_hear_its_go_is_not_blamed_for_a_lost_loss_report():
+    # a wide broadcast reaches some ranks seconds late: while the run collects loss reports a
+    # rank may still say it waits, but for its Go; only its wait for the decision counts
+    run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)  # margin: 2 s
+    run.all(1.0, lambda rank: ready(rank))
+    assert run.machine.phase is RunPhase.RUNNING
+    # its heartbeat says it waits, first seen after the epoch began: the Go is still on its way
+    waiting_for_go = Status(phase="waiting", epoch=0, step=0, where="", awaiting="go")
+    run.send(1.5, run.peers[1], waiting_for_go)
+    for t in (2.0, 3.0, 4.0, 5.0, 6.0):
+        run.send(t, run.peers[1], Heartbeat())
+        assert aborted(run.machine.on_tick(t)) is None
+    waiting_for_decision = Status(phase="waiting", epoch=0, step=0, where="", awaiting="decision")
+    run.send(7.0, run.peers[1], waiting_for_decision)  # trained; its loss report is lost
+    run.send(9.0, run.peers[1], Heartbeat())
+    assert aborted(run.machine.on_tick(9.0)) is None  # heard for exactly the margin
+    run.send(9.01, run.peers[1], Heartbeat())
+    reason = aborted(run.machine.on_tick(9.01))
+    assert reason is not None and reason.startswith(
+        "rank 1 (worker w1 (host testhost, pid 1)) has waited 2.0 s for epoch 0's decision, but "
+        "its loss report never arrived"
+    )
+
+
+def test_a_rank_waiting_for_its_decision_in_the_ready_phase_is_no_lost_batch_count():
+    run = start(heartbeat_interval=0.5, heartbeat_timeout=10.0)  # margin: 2 s
+    run.send(
+        1.0, run.peers[1], Status(phase="waiting", epoch=0, step=0, where="", awaiting="decision")
+    )
+    for t in (2.0, 3.0, 4.0):
+        run.send(t, run.peers[1], Heartbeat())
+        assert aborted(run.machine.on_tick(t)) is None
 
 
 def test_a_stall_is_reported_once_per_stall_timeout_and_aborted_after_stall_abort():

@@ -56,6 +56,21 @@ def test_progress_is_a_change_of_phase_step_or_line():
     assert w.status[0].since == 4.0
 
 
+def test_a_wait_for_another_answer_is_a_new_wait():
+    # a fast epoch may never report its training: waiting for the Go, then for the decision, is
+    # all the coordinator sees, and the wait for the decision counts from when it was first seen
+    w = dog()
+    go = Status(phase="waiting", epoch=0, step=0, where="", awaiting="go")  # type: ignore[arg-type]
+    decision = Status(phase="waiting", epoch=0, step=0, where="", awaiting="decision")  # type: ignore[arg-type]
+    w.note_status(0, go, 1.0)
+    w.note_status(0, go, 2.0)
+    assert w.status[0].since == 1.0
+    w.note_status(0, decision, 3.0)
+    assert (w.status[0].since, w.status[0].awaiting, w.newest) == (3.0, "decision", 3.0)
+    w.forgive(4.0, 1.0)
+    assert (w.status[0].since, w.status[0].awaiting) == (4.0, "decision")
+
+
 def test_a_stall_report_is_due_once_per_stall_timeout():
     w = dog(stall_timeout=10.0)
     assert w.stall_due(100.0) is None  # nobody reported: nothing to say

@@ -26,6 +26,7 @@ from epochal.protocol.messages import (
     PROTOCOL_VERSION,
     TYPE_NAMES,
     Abort,
+    Awaiting,
     Chars,
     Checkpointed,
     Decision,
@@ -198,6 +199,19 @@ def welcomes(draw: st.DrawFn) -> Welcome:
     )
 
 
+@st.composite
+def statuses(draw: st.DrawFn) -> Status:
+    phase = draw(st.sampled_from([p.value for p in Phase]))
+    waiting = phase == Phase.WAITING
+    return Status(
+        phase=phase,
+        epoch=draw(nonneg),
+        step=draw(nonneg),
+        where=draw(text),
+        awaiting=draw(st.sampled_from([a.value for a in Awaiting])) if waiting else None,
+    )
+
+
 # Records whose fields depend on each other (or, for ParamSpec, whose list items are bounded)
 # have their strategy written out; every other message's is derived from its declared fields.
 metric_names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,63}", fullmatch=True).filter(
@@ -208,6 +222,7 @@ WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
     Metric: st.builds(Metric, name=metric_names, total=no_nan, count=nonneg),
     Joined: joineds(),
     Welcome: welcomes(),
+    Status: statuses(),
 }
 
 
@@ -913,6 +928,22 @@ def test_a_status_phase_is_the_shared_enum_on_both_sides():
         Status(phase="trian", epoch=0, step=0, where="")  # type: ignore[arg-type]
     assert Phase.CONNECT.description == "connecting the data plane"
     assert all(phase.description for phase in Phase)
+
+
+def test_a_status_says_what_it_awaits_exactly_when_it_waits():
+    status = decode(encode(Status(phase="waiting", epoch=1, step=0, where="", awaiting="go")))  # type: ignore[arg-type]
+    assert isinstance(status, Status) and status.awaiting is Awaiting.GO
+    assert frame_of(status)["awaiting"] == "go"
+    for phase, awaiting in (("waiting", None), ("train", "decision")):
+        with pytest.raises(ValueError, match="awaiting is given exactly when the phase is waiting"):
+            Status(phase=phase, epoch=1, step=0, where="", awaiting=awaiting)  # type: ignore[arg-type]
+    frame = frame_of(status)
+    frame["awaiting"] = None
+    reason = refusal(msgpack.packb(frame))
+    assert "awaiting is given exactly when the phase is waiting" in reason
+    frame["awaiting"] = "finish"
+    reason = refusal(msgpack.packb(frame))
+    assert "status.awaiting: expected one of go, decision, got 'finish'" in reason
 
 
 # ----------------------------------------------------------------------------- bombs

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from epochal.errors import RunAborted
-from epochal.protocol import Failed, Phase, Status, decode
+from epochal.protocol import Awaiting, Failed, Phase, Status, decode
 from epochal.worker.client import ControlClient
 from epochal.worker.options import JoinOptions
 
@@ -71,6 +71,40 @@ def test_a_misspelt_phase_is_refused_at_the_call(client: ControlClient):
     client.at(Phase.TRAIN, 1)
     assert client.phase is Phase.TRAIN
     client.check()  # nothing failed
+
+
+def test_a_wait_says_what_it_waits_for_and_only_a_wait_does(client: ControlClient):
+    with pytest.raises(ValueError, match="awaiting is given exactly when the phase is waiting"):
+        client.at(Phase.WAITING, 1)
+    with pytest.raises(ValueError, match="awaiting is given exactly when the phase is waiting"):
+        client.at(Phase.TRAIN, 1, Awaiting.GO)
+    client.at(Phase.WAITING, 1, Awaiting.DECISION)
+    assert (client.phase, client.awaiting) == (Phase.WAITING, Awaiting.DECISION)
+
+
+def first_status(sock: zmq.Socket[bytes], phase: Phase, epoch: int) -> Status | None:
+    """The first heartbeat in ``phase`` of ``epoch`` (None if none within the bound)."""
+    end = time.monotonic() + HEARTBEAT_INTERVAL + MARGIN
+    while time.monotonic() < end:
+        for seen in frames_until(sock, end - time.monotonic(), Status):
+            if isinstance(seen, Status) and (seen.phase, seen.epoch) == (phase, epoch):
+                return seen
+    return None
+
+
+def test_the_heartbeat_carries_the_answer_awaited(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    sock, _ = router
+    client.at(Phase.WAITING, 1, Awaiting.GO)
+    beat = first_status(sock, Phase.WAITING, 1)
+    assert beat is not None and beat.awaiting is Awaiting.GO
+    client.at(Phase.WAITING, 2, Awaiting.DECISION)
+    beat = first_status(sock, Phase.WAITING, 2)
+    assert beat is not None and beat.awaiting is Awaiting.DECISION
+    client.at(Phase.TRAIN, 3)
+    beat = first_status(sock, Phase.TRAIN, 3)
+    assert beat is not None and beat.awaiting is None
 
 
 def test_a_dead_heartbeat_task_fails_the_worker_at_once_naming_its_cause(
