@@ -111,7 +111,10 @@ class StatusFile(RunObserver):
         self._data.update(joined=world.joined, world_size=world.world_size)
         if world.hosts:
             self._data["hosts"] = list(world.hosts)
-        self._write()
+        # every worker's join would be a file written and renamed: thousands in a rendezvous of
+        # thousands; the file follows at most every interval, and at once when all are in
+        if world.joined >= world.world_size or self._clock() - self._written >= self._interval:
+            self._write()
 
     def _take(self, snapshot: StatusSnapshot) -> None:
         if self._ended:

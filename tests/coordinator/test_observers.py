@@ -547,3 +547,20 @@ def test_the_last_epoch_line_shows_the_journaled_metrics(tmp_path: Path) -> None
     journal.close()
     line = next(t for t in describe(tmp_path).splitlines() if t.startswith("last epoch 0: "))
     assert "train accuracy 0.7500  valid accuracy 0.5000" in line
+
+
+def test_joins_are_written_at_most_every_interval_and_at_once_when_all_are_in(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    status = StatusFile(tmp_path, interval=2.0, clock=clock)
+    path = tmp_path / "status.json"
+    status.on_start(start(tmp_path))
+    for joined in (1, 2, 3):  # a rendezvous of many: not one file per worker
+        status.on_join(World(joined=joined, world_size=4))
+    assert json.loads(path.read_text())["joined"] == 0
+    clock.now += 2.0
+    status.on_join(World(joined=3, world_size=4))
+    assert json.loads(path.read_text())["joined"] == 3
+    status.on_join(World(joined=4, world_size=4))  # the last one: at once
+    assert json.loads(path.read_text())["joined"] == 4
