@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from epochal.plot import restart_marks
 from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
 
 pytestmark = pytest.mark.slow
@@ -166,6 +167,9 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
     assert code == 0, output
     assert "resuming" in output
     assert_same_result(reference, out)
+    # the resumed run's picture: curve.png drawn at its end, with the resume marked on it
+    assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [label for _, label in restart_marks(run_dir)] == ["resumed"]
     spawn.assert_none_left()
 
 
