@@ -19,12 +19,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epochal.observe.statusfile import describe
 from tests.integration.conftest import REPO, Spawner
 
 pytestmark = pytest.mark.slow
 
 RENDEZVOUS_TIMEOUT = 120.0
 DEADLINE = 300.0
+HOLD_MS = 15_000
+"""How long epoch 1's first step waits: the window in which the live run is looked at."""
 """Three epochs of a small classifier; only a hang should reach this."""
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -71,16 +74,20 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
         "--metrics-address",
         f"127.0.0.1:{port}",
         str(REPO / "examples" / "digits.py"),
+        # epoch 1 holds its first step, so the run is still going when it is looked at
+        EPOCHAL_FAULT=f"delay@train-step:epoch=1:step=0:ms={HOLD_MS}",
     )
     # the server is up before the run starts and stays up until the run's last attempt is over;
     # scrape until an epoch has been decided (the run's own timeouts bound the wait)
     url = f"http://127.0.0.1:{port}/metrics"
     live: dict[str, float] | None = None
+    seen = ""
     deadline = time.monotonic() + DEADLINE
     while proc.poll() is None and time.monotonic() < deadline:
         samples = scrape(url)
         if samples is not None and samples.get("epochal_epoch_seconds_count", 0) >= 1:
             live = samples
+            seen = describe(run_dir)  # `epochal status` of the live run, epoch 1 being held
             break
         time.sleep(0.1)
     code, output = spawn.finish(proc, DEADLINE)
@@ -91,6 +98,9 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
     assert live["epochal_train_loss"] > 0 and live["epochal_aborted"] == 0
     assert live["epochal_restarts_total"] == 0
     assert scrape(url) is None, "the metrics server outlived the run"
+    header = seen.splitlines()[0]
+    assert re.search(r": (ready|running), epoch 1 of 3, 2/2 workers joined$", header), seen
+    assert "last epoch 0: " in seen and re.search(r"^rank\s+host\s+phase", seen, re.M), seen
 
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status
