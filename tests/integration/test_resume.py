@@ -321,13 +321,36 @@ def test_a_run_directory_of_another_model_is_refused(spawn, tmp_path):
     spawn.assert_none_left()
 
 
+def held_mid_epoch(run_dir: Path, epoch: int) -> bool:
+    """Whether the run's status shows every rank training ``epoch`` (rank 0 held by its fault)."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):  # not written yet, or caught while being replaced
+        return False
+    ranks = status.get("ranks", [])
+    return len(ranks) == 2 and all(
+        r["phase"] == "train" and r["epoch"] == epoch and r["step"] >= 1 for r in ranks
+    )
+
+
+HOLD_EPOCH = 2
+HOLD_MS = 8000
+# rank 0 sleeps this long in a step of HOLD_EPOCH (rank 1 waits for it in the step's all-reduce):
+# the coordinator is killed inside that window, while both ranks are surely training. Shorter
+# than heartbeat_timeout + abort_grace (17 s), after which a rank that made no progress since
+# it lost the coordinator gives up.
+
+
 def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
+    """Killed while both ranks train an epoch. Not in the instant between two epochs, where a
+    Go may reach one rank and not the other: the README ("When things fail") says what then."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
     first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0")
     line = first.stdout.readline()
     endpoint = line.split()[-1]
     assert endpoint.startswith("tcp://127.0.0.1:"), line
+    hold = f"delay@train-step:epoch={HOLD_EPOCH}:step=4:ms={HOLD_MS}"
     workers = [
         spawn.script(
             "resumable.py",
@@ -337,13 +360,16 @@ def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path,
             "0.02",
             EPOCHAL_COORDINATOR=endpoint,
             EPOCHAL_RANK=str(rank),
+            **({"EPOCHAL_FAULT": hold} if rank == 0 else {}),
         )
         for rank in (0, 1)
     ]
-    wait_for(lambda: any(r["kind"] == "checkpoint" for r in epoch_records(run_dir)), 60)
+    wait_for(lambda: held_mid_epoch(run_dir, HOLD_EPOCH), 60)
     first.kill()
     first.wait(timeout=10)
-    assert max(r["epoch"] for r in epoch_records(run_dir)) < EPOCHS - 1
+    decided = [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    assert max(decided) == HOLD_EPOCH - 1, decided  # killed inside the epoch held
+    assert any(r["kind"] == "checkpoint" for r in epoch_records(run_dir))
 
     second = spawn.epochal(*args, "--bind", endpoint)
     for worker in workers:
