@@ -76,9 +76,13 @@ class Output:
             pass
 
     def wait_for(self, text: str, deadline: float = 60.0) -> None:
+        self.wait_for_any((text,), deadline)
+
+    def wait_for_any(self, texts: tuple[str, ...], deadline: float = 60.0) -> None:
+        """Until one of ``texts`` appears in a line of the output."""
         end = time.monotonic() + deadline
-        while not any(text in line for line in self.lines):
-            assert time.monotonic() < end, f"never saw {text!r}:\n{self.text}"
+        while not any(text in line for line in self.lines for text in texts):
+            assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
             time.sleep(0.05)
 
     @property
