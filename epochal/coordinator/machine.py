@@ -41,7 +41,15 @@ from epochal.coordinator.policy import (
     plan_epoch,
 )
 from epochal.coordinator.policy import aggregate as aggregate_losses
-from epochal.coordinator.rendezvous import Admitted, Fatal, Member, Refused, Rendezvous, printable
+from epochal.coordinator.rendezvous import (
+    Admitted,
+    Fatal,
+    JoinLog,
+    Member,
+    Refused,
+    Rendezvous,
+    printable,
+)
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
@@ -90,6 +98,7 @@ class RunMachine:
         self._rendezvous_note = rendezvous_note
         # why a rendezvous may fall short besides missing workers (refused CURVE handshakes)
         self.rendezvous = Rendezvous(config)
+        self._joins = JoinLog(config.world_size)
         self.gate = Gate()
         self.watchdog = Watchdog(config, now)
         self._ranks: dict[bytes, int] = {}
@@ -300,12 +309,7 @@ class RunMachine:
                 ]
                 if again:
                     return actions
-                actions.append(
-                    Log(
-                        f"worker {printable(hello.worker_id)} joined from "
-                        f"{printable(hello.host)} ({joined}/{world})"
-                    )
-                )
+                actions += [Log(line) for line in self._joins.joined(now, hello, joined)]
                 if self.rendezvous.complete:
                     actions += self._open_store(now)
                 return actions
@@ -313,6 +317,8 @@ class RunMachine:
 
     def _rehello(self, now: float, peer: bytes) -> list[Action]:
         """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
+        if self._joins.crossed(now, self.config.heartbeat_timeout):
+            return []  # a retry that crossed its Joined, not a worker that lost the coordinator
         rank = self._ranks[peer]
         if not self.watchdog.rehello_due(rank, now):
             return []

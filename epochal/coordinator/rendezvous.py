@@ -4,12 +4,14 @@
 admit it (again, for a retried hello), refuse just that worker (wrong job or token, duplicate,
 surplus, rank clash), or abort the whole run (a model that differs between workers: nobody can
 tell which side is wrong). When ``world_size`` workers are in, :meth:`Rendezvous.assign` gives
-ranks and picks the data-plane backend.
+ranks and picks the data-plane backend. :class:`JoinLog` says who joined in a few lines, however
+many workers there are.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 from dataclasses import dataclass
 
 from epochal.coordinator.config import CoordinatorConfig
@@ -88,6 +90,61 @@ def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str
     if [p.name for p in a.params] != [p.name for p in b.params]:
         return f"the parameters are registered in a different order in {a_name} and {b_name}"
     return "the fingerprints' digests differ"
+
+
+NAMED_JOINS = 8
+"""Joins logged by name, the first ones; after them, a count now and then."""
+
+JOIN_PROGRESS_SECONDS = 2.0
+"""Least time between two lines that count the joins (after the named ones)."""
+
+
+class JoinLog:
+    """The lines a rendezvous logs: the first :data:`NAMED_JOINS` joins by name, then at most one
+    count every :data:`JOIN_PROGRESS_SECONDS`, then the one that completes the set; a retried hello
+    says nothing. A thousand workers make about a dozen lines, not a thousand flushed ones.
+    The clock is an argument."""
+
+    def __init__(
+        self,
+        world_size: int,
+        named: int = NAMED_JOINS,
+        every: float = JOIN_PROGRESS_SECONDS,
+    ) -> None:
+        self.world_size = world_size
+        self.named = named
+        self.every = every
+        self.completed: float | None = None
+        # when the last worker joined
+        self._said = -math.inf
+
+    def joined(self, now: float, hello: Hello, joined: int) -> list[str]:
+        """What to log when the worker of ``hello`` joins as the ``joined``-th one at ``now``."""
+        world = self.world_size
+        who = f"worker {printable(hello.worker_id)} from {printable(hello.host)}"
+        if joined == world:
+            self.completed = now
+            if world > self.named:
+                return [f"all {world} workers joined (the last: {who})"]
+        if joined <= self.named or joined == world:
+            self._said = now
+            return [
+                f"worker {printable(hello.worker_id)} joined from {printable(hello.host)} "
+                f"({joined}/{world})"
+            ]
+        if now - self._said < self.every:
+            return []
+        self._said = now
+        return [f"{joined} of {world} workers joined"]
+
+    def crossed(self, now: float, heartbeat_timeout: float) -> bool:
+        """Whether a ranked worker's hello at ``now`` is a retry sent before its Joined reached it.
+
+        A worker says hello again on its own only after hearing nothing from the coordinator for
+        its heartbeat timeout; until then, within a heartbeat timeout of the last join, a hello
+        from a worker with a rank is one it re-sent while its answer was on the way.
+        """
+        return self.completed is not None and now - self.completed < heartbeat_timeout
 
 
 class Rendezvous:

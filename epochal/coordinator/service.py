@@ -41,11 +41,12 @@ from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.retries import HelloRetries
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
-from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Heartbeat, encode
+from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Heartbeat, Hello, encode
 from epochal.protocol.codec import decode_frame
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
@@ -146,6 +147,8 @@ class Coordinator:
         self._journal: RunJournal | None = None
         self._clock_read = time.monotonic()
         # the last reading of the service's clock (see clock.lost_time)
+        self._retries = HelloRetries()
+        # each member's last admitted hello, known again by its bytes without decoding them
 
     # ------------------------------------------------------------------ what others read
 
@@ -393,13 +396,44 @@ class Coordinator:
         user_id = _user_id(frames[1])
         if not machine.reads(peer):
             return []  # a stranger whose budget is spent: not even read
+        size = len(data) if isinstance(data, bytes) else data.nbytes
+        members = machine.rendezvous.members
+        retried = self._retries.match(peer, data, size) if peer in members else None
+        if retried is not None:  # the same bytes decode to the same hello: act on that one
+            hello, session = retried
+            return machine.on_message(now, peer, hello, session=session, user_id=user_id)
         try:
             message, session = decode_frame(data)
         except ProtocolVersionMismatch as exc:
             return machine.on_unreadable(now, peer, str(exc), version=True)
         except MalformedMessage as exc:
             return machine.on_unreadable(now, peer, str(exc), version=False, user_id=user_id)
-        return machine.on_message(now, peer, message, session=session, user_id=user_id)
+        actions = machine.on_message(now, peer, message, session=session, user_id=user_id)
+        if isinstance(message, Hello):
+            self._remember(peer, data, size, message, session, user_id)
+        return actions
+
+    def _remember(
+        self,
+        peer: bytes,
+        data: bytes | memoryview,
+        size: int,
+        hello: Hello,
+        session: str,
+        user_id: str,
+    ) -> None:
+        """Remember a hello the run admitted for ``peer`` (it is a member under that worker id,
+        bound to the key the hello came with), to know its retries by their bytes."""
+        machine = self.machine
+        member = machine.rendezvous.members.get(peer)
+        if (
+            member is None
+            or member.hello.worker_id != hello.worker_id
+            or not machine.gate.sessions.same_sender(peer, user_id)
+        ):
+            return
+        self._retries.admitted(peer, data, size, hello, session)
+        self._retries.prune(machine.rendezvous.members, self.config.world_size)
 
     # ------------------------------------------------------------------ applying
 

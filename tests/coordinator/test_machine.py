@@ -26,6 +26,7 @@ from epochal.coordinator.actions import (
     Send,
 )
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.rendezvous import JOIN_PROGRESS_SECONDS, NAMED_JOINS
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.protocol import (
     Abort,
@@ -231,6 +232,36 @@ def test_a_worker_silent_during_rendezvous_is_dropped():
     lines = logged(machine.on_tick(2.5))
     assert lines == ["worker a (host testhost, pid 1) went silent during rendezvous; dropped"]
     assert list(machine.rendezvous.members) == [b"b"]
+
+
+def test_a_large_rendezvous_logs_a_few_joins_by_name_then_counts_then_the_full_set():
+    world = NAMED_JOINS + 20
+    config = CoordinatorConfig(world_size=world, epochs=1)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r", now=0.0)
+    lines: list[str] = []
+    step = JOIN_PROGRESS_SECONDS / 8  # eight joins per count at most
+    for i in range(world):
+        peer = f"w{i}".encode()
+        lines += logged(machine.on_message(i * step, peer, hello(f"w{i}")))
+        lines += logged(machine.on_message(i * step, peer, hello(f"w{i}")))  # its retry
+    named = [f"worker w{i} joined from testhost ({i + 1}/{world})" for i in range(NAMED_JOINS)]
+    assert lines[:NAMED_JOINS] == named
+    counts = lines[NAMED_JOINS:-1]
+    # the last named join is the 8th; a count of the joins at most every JOIN_PROGRESS_SECONDS
+    assert counts == [f"{n} of {world} workers joined" for n in (NAMED_JOINS + 8, NAMED_JOINS + 16)]
+    assert lines[-1] == f"all {world} workers joined (the last: worker w{world - 1} from testhost)"
+
+
+def test_a_hello_that_crossed_its_joined_is_answered_but_not_logged_as_a_reattach():
+    run = start(now=0.0, heartbeat_timeout=3.0)
+    peer = run.peers[1]
+    retried = run.send(2.9, peer, hello("w1"))  # re-sent before its Joined reached it
+    assert [type(a.message) for a in retried if isinstance(a, Send)] == [Welcome]
+    assert logged(retried) == []
+    later = run.send(3.0, peer, hello("w1"))  # a heartbeat timeout later: it lost the coordinator
+    assert [type(a.message) for a in later if isinstance(a, Send)] == [Welcome]
+    (line,) = logged(later)
+    assert line.startswith("rank 1 (worker w1 (host testhost, pid 1)) said hello again")
 
 
 def test_store_timeout_names_rank_0():

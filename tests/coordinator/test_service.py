@@ -39,6 +39,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.decoders import Decoder
 
 FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
 OTHER_FP = Fingerprint(
@@ -145,6 +146,59 @@ async def test_a_whole_run_with_scripted_losses(ctx):
         await w.send(Done())
     summary = await asyncio.wait_for(task, 5)
     assert (summary.best_epoch, summary.epochs_run) == (1, 3)
+
+
+async def test_a_retried_hello_is_known_by_its_bytes_and_its_fingerprint_is_not_decoded(
+    ctx, monkeypatch
+):
+    """A hello re-sent unchanged gets the answer the decoded one gets, without decoding; a hello
+    that differs in any byte, or the same bytes from another peer, are decoded and judged."""
+    decoded: list[str] = []
+    build = Decoder.build
+
+    def counting(self: Decoder, raw: object, where: str) -> object:
+        if self.cls is Fingerprint:
+            decoded.append(where)
+        return build(self, raw, where)
+
+    monkeypatch.setattr(Decoder, "build", counting)
+    coordinator, task = await serve(ctx, token="s3cret")
+    first = FakeWorker(ctx, coordinator.endpoint, "first")
+    await first.send(hello("first", token="s3cret"))
+    joined = await first.recv()
+    assert isinstance(joined, Joined) and len(decoded) == 1
+    for _ in range(3):
+        await first.send(hello("first", token="s3cret"))
+        assert await first.recv() == joined  # the same answer: count, world size and session
+    assert len(decoded) == 1
+    # another peer with the same bytes: decoded, and refused as the duplicate it is
+    twin = FakeWorker(ctx, coordinator.endpoint, "twin")
+    await twin.send(hello("first", token="s3cret"))
+    reply = await twin.recv()
+    assert isinstance(reply, Reject) and "already joined" in reply.reason
+    assert len(decoded) == 2
+    # the same peer with a changed hello: decoded, and judged as before
+    await first.send(hello("first", token="s3cret", pid=2))
+    assert await first.recv() == joined
+    await first.send(hello("other", token="s3cret"))
+    reply = await first.recv()
+    assert isinstance(reply, Reject) and "already joined as worker first" in reply.reason
+    assert len(decoded) == 4
+    # after the welcome a retry is answered with the welcome again, still without decoding
+    second = FakeWorker(ctx, coordinator.endpoint, "second")
+    await second.send(hello("second", token="s3cret"))
+    assert isinstance(await second.recv(), Joined)
+    assert isinstance(await first.recv(), OpenStore)
+    await first.send(StoreReady(host="127.0.0.1", port=4242, key="k"))
+    welcome = await second.recv()
+    assert isinstance(welcome, Welcome) and isinstance(await first.recv(), Welcome)
+    decoded.clear()
+    await second.send(hello("second", token="s3cret"))
+    assert await second.recv() == welcome
+    assert decoded == []
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
 
 
 async def test_uneven_batches_abort_every_worker(ctx):

@@ -66,7 +66,8 @@ async def test_a_frame_from_another_allowed_key_under_a_members_identity_is_drop
         await asyncio.sleep(0.2)
         members = coordinator.machine.rendezvous.members.values()
         assert "alice" in {m.hello.worker_id for m in members}
-        # a hello from bob under alice's identity is not admitted as her either
+        # a hello from bob under alice's identity is not admitted as her either, though it is
+        # byte for byte hers, known without decoding as her retry: it is judged all the same
         await bob.send(encode(hello("alice")))
         await asyncio.sleep(0.2)
         assert coordinator.forged_frames >= 2
