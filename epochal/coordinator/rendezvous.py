@@ -164,11 +164,8 @@ class Rendezvous:
     def offer(self, peer: bytes, hello: Hello) -> Verdict:
         """Judge one hello from ``peer`` (the routing identity it came from)."""
         cfg = self.config
-        known = self.members.get(peer)
-        if known is not None:
-            if known.hello.worker_id == hello.worker_id:
-                return Admitted(again=True)
-            return Refused(f"connection already joined as worker {known.hello.worker_id}")
+        # job and token first, for every hello: a connection that already joined proves them
+        # again each time it says hello (its routing id is the only other thing that binds it)
         if hello.job != cfg.job:
             return Refused(
                 f"this coordinator runs job {cfg.job!r}, the worker asked for job {hello.job!r}: "
@@ -180,6 +177,11 @@ class Rendezvous:
                 "wrong or missing job token: give the worker the coordinator's token "
                 "(EPOCHAL_TOKEN)"
             )
+        known = self.members.get(peer)
+        if known is not None:
+            if known.hello.worker_id == hello.worker_id:
+                return Admitted(again=True)
+            return Refused(f"connection already joined as worker {known.hello.worker_id}")
         if hello.worker_id in self._by_worker_id:
             return Refused(
                 f"a worker with id {hello.worker_id!r} has already joined: give every worker a "

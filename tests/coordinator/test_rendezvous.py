@@ -121,6 +121,16 @@ def test_the_right_token_is_admitted():
     assert rv.offer(b"a", hello(token="s3cr\u00e9t")) == Admitted(again=False)
 
 
+@pytest.mark.parametrize("token", ["", "wrong"])
+def test_a_member_proves_the_token_again_with_every_hello(token: str):
+    rv = rendezvous(token="s3cret")
+    assert rv.offer(b"a", hello("w0", token="s3cret")) == Admitted(again=False)
+    # the same connection, the same worker id, but not the token: refused, still a member
+    assert "wrong or missing job token" in refused(rv.offer(b"a", hello("w0", token=token)))
+    assert rv.offer(b"a", hello("w0", token="s3cret")) == Admitted(again=True)
+    assert list(rv.members) == [b"a"]
+
+
 def test_any_token_is_admitted_when_none_is_required():
     rv = rendezvous(world_size=2, token="")
     assert rv.offer(b"a", hello("w0", token="whatever")) == Admitted(again=False)
