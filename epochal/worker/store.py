@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import secrets
 import socket
 from datetime import timedelta
@@ -54,14 +55,22 @@ def open_store(host: str, timeout: float) -> TCPStore:
                 "listens on every interface (its keys are under the run's secret)"
             )
         listener.listen(socket.SOMAXCONN)
-        store = TCPStore(
+        port = listener.getsockname()[1]
+        server = functools.partial(
+            TCPStore,
             own,
-            listener.getsockname()[1],
+            port,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=timeout),
             master_listen_fd=listener.fileno(),
         )
+        try:
+            store = server()
+        except NotImplementedError:
+            # torch before 2.8: its default (libuv) store cannot take a listening socket; the
+            # older backend can, and serves a run's rendezvous as well
+            store = server(use_libuv=False)
     except BaseException:
         with contextlib.suppress(OSError):  # the store may have closed it already
             listener.close()

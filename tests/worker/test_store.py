@@ -5,8 +5,11 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from torch.distributed import PrefixStore, TCPStore
 
+from epochal.log import ensure_configured
+from epochal.worker import store as store_module
 from epochal.worker.store import connect_store, new_key, open_store, scoped
 
 
@@ -51,6 +54,29 @@ def test_without_the_secret_no_rendezvous_key_is_read_or_planted():
 
 def test_an_address_of_another_machine_falls_back_to_every_interface(capfd):
     # 192.0.2.1 (TEST-NET-1) is nobody's address: advertised through a NAT, say. Only bound here.
+    ensure_configured()  # as a worker's session does before it opens the store
     store = open_store("192.0.2.1", 10)
     assert listening_addresses(store.port) == {"00000000"}
     assert "is not an address of this machine" in capfd.readouterr().err
+
+
+def test_a_torch_whose_libuv_store_refuses_a_listening_socket_gets_the_other_backend(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    calls = []
+
+    def older_torch(*args, **kwargs):  # as torch before 2.8 did for master_listen_fd
+        if "master_listen_fd" not in kwargs:  # a client: as any torch
+            return TCPStore(*args, **kwargs)
+        calls.append(kwargs.get("use_libuv", True))
+        if kwargs.get("use_libuv", True):
+            raise NotImplementedError("masterListenFd is not supported by the libuv backend")
+        return TCPStore(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "TCPStore", older_torch)
+    ours = open_store("127.0.0.1", 10)
+    assert calls == [True, False]
+    assert listening_addresses(ours.port) == {"0100007F"}
+    peer = connect_store("127.0.0.1", ours.port, 10)
+    peer.set("k", b"v")
+    assert ours.get("k") == b"v"
