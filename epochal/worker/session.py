@@ -199,7 +199,10 @@ class Session:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
         ``batches`` is ``(train_batches, valid_batches)`` this rank holds (``valid_batches`` None
-        when it has no validation data), or a function of the epoch returning that. The functions
+        when it has no validation data), or a function of the epoch returning that; the function
+        is asked for an epoch's counts before it starts (for every epoch but the first, when the
+        previous epoch's loss report is sent, which carries them), never for an epoch past the
+        run's last. The functions
         receive an :class:`EpochContext` and must run exactly ``ctx.train_batches`` /
         ``ctx.valid_batches`` batches, returning the summed loss and the sample count.
         ``on_best(epoch)`` runs when the coordinator declares the epoch the new best.
