@@ -65,8 +65,13 @@ def examples(params: int) -> dict[str, Any]:
         "hello": hello(3),
         "store_ready": StoreReady(host="10.0.0.1", port=29500, key="9f2c" * 8),
         "epoch_ready": EpochReady(epoch=3, train_batches=48, valid_batches=None),
-        "epoch_report": EpochReport(
-            epoch=3, train_loss_sum=12.5, train_count=100, valid_loss_sum=0.0, valid_count=0
+        "epoch_report": EpochReport(  # as every epoch but the last sends it: with the next counts
+            epoch=3,
+            train_loss_sum=12.5,
+            train_count=100,
+            valid_loss_sum=0.0,
+            valid_count=0,
+            ready=EpochReady(epoch=4, train_batches=48, valid_batches=None),
         ),
         "checkpointed": Checkpointed(epoch=2),
         "failed": Failed(reason="ValueError: boom"),
@@ -99,7 +104,8 @@ def examples(params: int) -> dict[str, Any]:
             best_epoch=None,
             is_best=False,
             checkpoint=True,
-            stop=True,
+            stop=False,
+            go=Go(epoch=3, train_batches=48, valid_batches=0, lr_factor=0.5),  # the run goes on
         ),
         "finish": Finish(best_epoch=1, best_loss=0.125, epochs_run=3, restore_best=True),
         "abort": Abort(reason="rank 1 failed"),

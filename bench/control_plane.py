@@ -14,7 +14,7 @@ over the repeats and as ratios epochal / floor:
 - rendezvous: from the helpers' common start instant (every worker then creates its socket,
   connects and says hello) to the last worker's ``welcome``;
 - control per epoch: from the last ``epoch_report`` of epoch e to the last ``go`` of epoch e+1
-  (the decision, the next ``epoch_ready`` and the ``go``: everything between two trainings);
+  (the decision, which carries that ``go``: everything between two trainings);
 - CPU per epoch: the server's user+system time (``/proc/PID/stat``, sampled every 10 ms) from the
   last ``go`` of the first epoch to the last ``go`` of the last one, divided by the epochs between
   (it includes the heartbeats handled during ``--train-seconds``);
@@ -170,8 +170,10 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
 
     Rendezvous (``_rendezvous``): hello, re-sent with backoff 0.1 s doubling to 2 s until an
     answer; ``joined``; rank 0 gets ``open_store`` and answers ``store_ready``; ``welcome``.
-    Then per epoch (``_epoch``): ``epoch_ready`` -> ``go``, training (a sleep), ``epoch_report``
-    -> ``decision``; after a decision that stops, ``finish`` -> ``done``. Status messages go
+    Then per epoch (``_epoch``): for the first one ``epoch_ready`` -> ``go``; training (a sleep);
+    ``epoch_report`` (with the next epoch's batch counts unless it is the last) -> ``decision``
+    (with the next epoch's ``go`` unless it stops); after a decision that stops, ``finish`` ->
+    ``done``. Status messages go
     out at every change of phase, as ``ControlClient.at`` sends them; the periodic heartbeat is
     the driver's (:class:`Driver`).
     """
@@ -200,24 +202,28 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
             yield Send(StoreReady(host="127.0.0.1", port=29500, key=secrets.token_hex(16)))
         elif isinstance(message, Welcome):
             w.mark("welcome")
-            epoch = message.start_epoch
+            epoch, epochs = message.start_epoch, message.epochs
             break
         elif isinstance(message, Reject | Abort):
             raise RuntimeError(f"{type(message).__name__}: {message.reason}")
     yield from w.at(Phase.SETUP, epoch)
+    go: Go | None = None  # the go the last decision carried
     while True:
-        yield from w.at(Phase.WAITING, epoch, Awaiting.GO)
-        yield Send(EpochReady(epoch, 100, 10))
-        go = yield from expect(Go, Finish)
-        if isinstance(go, Finish):
-            break
+        if go is None:
+            yield from w.at(Phase.WAITING, epoch, Awaiting.GO)
+            yield Send(EpochReady(epoch, 100, 10))
+            answer = yield from expect(Go, Finish)
+            if isinstance(answer, Finish):
+                break
+            go = answer
         w.mark(f"go.{epoch}")
         yield from w.at(Phase.TRAIN, epoch)
         if train_seconds > 0:
             yield Sleep(train_seconds)
         yield from w.at(Phase.VALIDATE, epoch)
         yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION)
-        yield Send(EpochReport(epoch, 230.0, 100, 23.0, 10))
+        ready = EpochReady(epoch + 1, 100, 10) if epoch + 1 < epochs else None
+        yield Send(EpochReport(epoch, 230.0, 100, 23.0, 10, ready=ready))
         w.mark(f"report.{epoch}")
         decision = yield from expect(Decision)
         w.mark(f"decision.{epoch}")
@@ -226,6 +232,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
             yield from w.at(Phase.FINISHING, epoch)
             yield from expect(Finish)
             break
+        go = decision.go
     yield Send(Done())
 
 
@@ -426,12 +433,23 @@ def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog
         )
         for r in range(world_size)
     ]
-    gos = [
-        encode(Go(epoch=e, train_batches=100, valid_batches=10, lr_factor=1.0))
+    gos = [Go(epoch=e, train_batches=100, valid_batches=10, lr_factor=1.0) for e in range(epochs)]
+    first_go = encode(gos[0])
+    decisions = [  # each carries the next epoch's go, the last one stops
+        encode(
+            Decision(
+                e,
+                2.3,
+                2.3,
+                2.3,
+                0,
+                e == 0,
+                False,
+                e == epochs - 1,
+                go=gos[e + 1] if e + 1 < epochs else None,
+            )
+        )
         for e in range(epochs)
-    ]
-    decisions = [
-        encode(Decision(e, 2.3, 2.3, 2.3, 0, e == 0, False, e == epochs - 1)) for e in range(epochs)
     ]
     finish = encode(Finish(best_epoch=0, best_loss=2.3, epochs_run=epochs, restore_best=True))
     open_store = encode(OpenStore(run_id="0" * 12))
@@ -471,8 +489,8 @@ def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog
                 elif kind in counts:
                     counts[kind] += 1
                     n = counts[kind]
-                    if kind == "epoch_ready" and n % world_size == 0:
-                        await send_all(gos[n // world_size - 1])
+                    if kind == "epoch_ready" and n == world_size:  # the first epoch only
+                        await send_all(first_go)
                     elif kind == "epoch_report" and n % world_size == 0:
                         e = n // world_size - 1
                         await send_all(decisions[e])

@@ -8,8 +8,11 @@ test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rul
 in :mod:`.watchdog`, the budget of peers outside the run in :mod:`.strangers`.
 
 Phases (:class:`~epochal.coordinator.actions.RunPhase`), in order: rendezvous -> store -> ready
--> running -> back to ready, or finishing -> ended. An abort from any phase sends Abort to every
-worker and ends the run.
+-> running -> running (the next epoch), or finishing -> ended. The phase ready collects every rank's
+``epoch_ready`` only before the first epoch of a run (or of a resume); after that each loss report
+carries its rank's batch counts for the next epoch and each decision that does not stop carries the
+next epoch's Go, so one exchange lies between two trainings. An abort from any phase sends Abort to
+every worker and ends the run.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from epochal.coordinator.policy import (
     aggregate_metrics,
     checkpoint_after,
     format_epoch_line,
+    format_ranks,
     metric_values,
     plan_epoch,
 )
@@ -108,7 +112,10 @@ class RunMachine:
         self._store: StoreReady | None = None
         self.epoch = state.start_epoch
         self._ready: dict[int, BatchCounts] = {}
+        # phase ready: the batch counts of every rank's epoch_ready so far
         self._reports: dict[int, LossSums] = {}
+        self._next: dict[int, BatchCounts] = {}
+        # phase running: the batch counts for the next epoch that the loss reports carried
         self._done: set[int] = set()
         self._plan: EpochPlan | None = None
         self._validates = False
@@ -246,6 +253,9 @@ class RunMachine:
                     {m.name: (m.total, m.count) for m in message.train_metrics},
                     {m.name: (m.total, m.count) for m in message.valid_metrics},
                 )
+                if message.ready is not None:
+                    ready = message.ready
+                    self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
                 if len(self._reports) == self.config.world_size:
                     return self._decide(now)
                 return []
@@ -383,26 +393,35 @@ class RunMachine:
         return actions
 
     def _start_epoch(self, now: float) -> list[Action]:
+        """Every rank's epoch_ready is in (the first epoch of a run or of a resume): its Go."""
         if self._loop.history and self._loop.history[-1].stop:
             self._ready.clear()  # resumed after the last decision: only the finish is left
             return self._finish(now)
         try:
-            plan = plan_epoch(self._ready, self.config.batch_policy)
+            go = self._go(self.epoch, self._ready)
         except PolicyViolation as exc:
             return self.abort(f"epoch {self.epoch}: {exc}")
-        self._validates = plan.valid_batches > 0  # every rank has validation data
-        validate_now = self._validates and self.config.validates(self.epoch)
-        self._plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
         self._ready.clear()
-        self._set_phase(RunPhase.RUNNING, now)
-        self._epoch_started = now
-        go = Go(
-            epoch=self.epoch,
+        self._run(now)
+        return [Broadcast(self._recipients(), go)]
+
+    def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> Go:
+        """Plan ``epoch`` from every rank's batch ``counts`` (or raise PolicyViolation): its Go."""
+        plan = plan_epoch(counts, self.config.batch_policy)
+        self._validates = plan.valid_batches > 0  # every rank has validation data
+        validate_now = self._validates and self.config.validates(epoch)
+        self._plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
+        return Go(
+            epoch=epoch,
             train_batches=self._plan.train_batches,
             valid_batches=self._plan.valid_batches,
             lr_factor=self._loop.lr_factor,
         )
-        return [Broadcast(self._recipients(), go)]
+
+    def _run(self, now: float) -> None:
+        """Epoch ``self.epoch`` starts: its Go goes out now."""
+        self._set_phase(RunPhase.RUNNING, now)
+        self._epoch_started = now
 
     def _decide(self, now: float) -> list[Action]:
         try:
@@ -418,6 +437,7 @@ class RunMachine:
         except PolicyViolation as exc:
             return self.abort(f"epoch {self.epoch}: {exc}")
         self._reports.clear()
+        counts, self._next = self._next, {}
         self.round_seconds = now - self._round_started
         checkpoint = checkpoint_after(self.config, outcome)
         seconds = now - self._epoch_started
@@ -427,14 +447,28 @@ class RunMachine:
             validates=self._validates, checkpoint=checkpoint, plan=plan, seconds=seconds
         )
         actions: list[Action] = [Journal("epoch", record)]
-        actions.append(Broadcast(self._recipients(), outcome.decision(checkpoint, sums)))
-        actions.append(Log(format_epoch_line(outcome, self.config.epochs, seconds)))
-        if not outcome.stop:
-            self.epoch += 1
-            self._set_phase(RunPhase.READY, now)
-            return actions
-        actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
-        return actions + self._finish(now)
+        said = Log(format_epoch_line(outcome, self.config.epochs, seconds))
+        if outcome.stop:
+            actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums)), said]
+            actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
+            return actions + self._finish(now)
+        following = self.epoch + 1
+        if len(counts) < self.config.world_size:
+            missing = sorted(set(range(self.config.world_size)) - set(counts))
+            reason = (
+                f"{format_ranks(missing)} reported epoch {self.epoch} without its batch counts for "
+                f"epoch {following}: the worker and coordinator are out of step (a bug, or mixed "
+                "epochal versions)"
+            )
+            return [*actions, said, *self.abort(reason)]
+        try:
+            go = self._go(following, counts)
+        except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
+            return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
+        actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums, go)), said]
+        self.epoch = following
+        self._run(now)
+        return actions
 
     def _on_checkpointed(self, epoch: int) -> list[Action]:
         actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]

@@ -20,7 +20,7 @@ from typing import Any
 
 from epochal.coordinator.config import BatchPolicy, CoordinatorConfig, MonitorMode
 from epochal.coordinator.schedule import Schedule
-from epochal.protocol import Decision
+from epochal.protocol import Decision, Go
 from epochal.protocol.messages import Metric
 
 MetricSums = dict[str, tuple[float, int]]
@@ -267,8 +267,14 @@ class EpochOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     # every named metric's global value by its journal key: "train_accuracy", "valid_accuracy"
 
-    def decision(self, checkpoint: bool, sums: Mapping[str, MetricSums] | None = None) -> Decision:
-        """The message every rank receives about this epoch (with the metrics' global ``sums``)."""
+    def decision(
+        self,
+        checkpoint: bool,
+        sums: Mapping[str, MetricSums] | None = None,
+        go: Go | None = None,
+    ) -> Decision:
+        """The message every rank receives about this epoch (with the metrics' global ``sums``),
+        carrying the ``go`` of the next epoch unless the run stops."""
         sums = sums or {}
         return Decision(
             epoch=self.epoch,
@@ -281,6 +287,7 @@ class EpochOutcome:
             stop=self.stop,
             train_metrics=metric_records(sums.get("train", {})),
             valid_metrics=metric_records(sums.get("valid", {})),
+            go=go,
         )
 
     def record(

@@ -23,8 +23,10 @@ from epochal.protocol.messages import Phase as WorkerPhase
 from epochal.protocol.messages import check_phase
 
 _ANSWER = {RunPhase.READY: Awaiting.GO, RunPhase.RUNNING: Awaiting.DECISION}
-"""The answer a rank waits for while the run's phase collects its message (batch counts, loss
-report): only such a wait can mean that message was lost."""
+"""The answer a rank waits for while the run's phase collects its message (the batch counts of an
+epoch_ready, before the first epoch of a run or of a resume; the loss report, which carries the
+next epoch's batch counts): only such a wait can mean that message was lost. A rank still waiting
+for the previous epoch's decision (which carries this epoch's Go) is only slow to hear it."""
 
 _SAID = {Awaiting.GO: ("Go", "batch counts"), Awaiting.DECISION: ("decision", "loss report")}
 """The answer awaited and the message it answers, in words."""
@@ -207,8 +209,9 @@ class Watchdog:
     ) -> str | None:
         """A rank that says it is waiting for our answer although its message never arrived.
 
-        ``phase``: READY (its batch counts are missing, it waits for Go) or RUNNING (its loss
-        report is missing, it waits for the decision)."""
+        ``phase``: READY (its epoch_ready is missing, it waits for Go) or RUNNING (its loss
+        report, with its batch counts for the next epoch, is missing: it waits for the decision
+        that would carry the next epoch's Go)."""
         if not self._suspects:
             return None
         awaited = _ANSWER[phase]

@@ -146,7 +146,10 @@ class StoreReady(WorkerMessage):
 
 @message
 class EpochReady(WorkerMessage):
-    """A worker is ready for ``epoch`` and holds this many batches."""
+    """A worker is ready for ``epoch`` and holds this many batches.
+
+    Sent on its own before the first epoch of a run (or of a resume); for every later epoch it
+    travels inside the previous epoch's :class:`EpochReport` (``ready``)."""
 
     epoch: NonNeg
     train_batches: NonNeg
@@ -168,10 +171,17 @@ class EpochReport(WorkerMessage):
     # the training code's named metrics of the training split, as sums and counts
     valid_metrics: tuple[Metric, ...] = ()
     # the same of the validation split (empty when the worker did not validate)
+    ready: EpochReady | None = None
+    # this worker's batch counts for epoch + 1, so that the Decision can carry its Go;
+    # None: epoch + 1 is past the run's last epoch
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)
         _check_metrics("valid_metrics", self.valid_metrics)
+        if self.ready is not None and self.ready.epoch != self.epoch + 1:
+            raise ValueError(
+                f"ready is for epoch {self.ready.epoch}, not the next one ({self.epoch + 1})"
+            )
 
 
 @message
@@ -278,7 +288,10 @@ class Reject(CoordinatorMessage):
 
 @message
 class Go(CoordinatorMessage):
-    """Run ``epoch`` with exactly these batch counts at this learning-rate factor."""
+    """Run ``epoch`` with exactly these batch counts at this learning-rate factor.
+
+    Sent on its own to answer every rank's :class:`EpochReady`; for every later epoch it travels
+    inside the previous epoch's :class:`Decision` (``go``)."""
 
     epoch: NonNeg
     train_batches: Positive
@@ -306,10 +319,19 @@ class Decision(CoordinatorMessage):
     train_metrics: tuple[Metric, ...] = ()
     # every named metric summed over all ranks, with the total sample count
     valid_metrics: tuple[Metric, ...] = ()
+    go: Go | None = None
+    # the Go of epoch + 1, planned from the batch counts the reports carried; None exactly when
+    # the decision stops the run
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)
         _check_metrics("valid_metrics", self.valid_metrics)
+        if (self.go is None) != self.stop:
+            raise ValueError("go is given exactly when the decision does not stop the run")
+        if self.go is not None and self.go.epoch != self.epoch + 1:
+            raise ValueError(
+                f"go is for epoch {self.go.epoch}, not the next one ({self.epoch + 1})"
+            )
 
 
 @message

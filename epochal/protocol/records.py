@@ -16,7 +16,7 @@ from collections.abc import Callable as _Callable
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -136,9 +136,9 @@ class Awaiting(_enum.StrEnum):
     """
 
     GO = "go"
-    # sent epoch_ready; waits for Go (or Finish)
+    # sent epoch_ready (the first epoch of a run or of a resume); waits for Go (or Finish)
     DECISION = "decision"
-    # sent epoch_report; waits for the Decision
+    # sent epoch_report; waits for the Decision (which carries the next epoch's Go)
 
 
 class RejectCode(_enum.StrEnum):

@@ -4,7 +4,10 @@
 connect deadline passes), opens the data-plane process group, and returns a :class:`Session`.
 :meth:`Session.run_epochs` is lamp's ``epochs`` loop with the decisions taken by the coordinator:
 the user supplies a train-epoch function and a validation function; the session announces batch
-counts, waits for Go, runs them, reports the loss sums and follows the Decision.
+counts, waits for Go, runs them, reports the loss sums and follows the Decision. One exchange lies
+between two trainings: each loss report carries this rank's batch counts for the next epoch, and
+each decision that does not stop the run carries the next epoch's Go. Only the first epoch of a
+run (or of a resume) is announced on its own (``epoch_ready`` -> ``go``).
 """
 
 from __future__ import annotations
@@ -196,7 +199,10 @@ class Session:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
         ``batches`` is ``(train_batches, valid_batches)`` this rank holds (``valid_batches`` None
-        when it has no validation data), or a function of the epoch returning that. The functions
+        when it has no validation data), or a function of the epoch returning that; the function
+        is asked for an epoch's counts before it starts (for every epoch but the first, when the
+        previous epoch's loss report is sent, which carries them), never for an epoch past the
+        run's last. The functions
         receive an :class:`EpochContext` and must run exactly ``ctx.train_batches`` /
         ``ctx.valid_batches`` batches, returning the summed loss and the sample count.
         ``on_best(epoch)`` runs when the coordinator declares the epoch the new best.
@@ -211,16 +217,19 @@ class Session:
             curve = self._resume(state)
             epoch = self.start_epoch
             stopped = False
+            go: Go | None = None  # the Go the last decision carried; None: announce the epoch
             while True:
                 try:
                     if stopped:
                         self.client.at(Phase.FINISHING, epoch)
                         finish = self._expect(Finish)
                         break
-                    outcome = self._epoch(epoch, train_epoch, valid_epoch, batches, state, curve)
+                    outcome = self._epoch(
+                        epoch, go, train_epoch, valid_epoch, batches, state, curve
+                    )
                 except _TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
-                    epoch, stopped = self.start_epoch, False
+                    epoch, stopped, go = self.start_epoch, False, None
                     curve = [r for r in curve if r.epoch < epoch]
                     continue
                 if isinstance(outcome, Finish):  # a resumed run that had already stopped
@@ -230,7 +239,7 @@ class Session:
                 curve.append(record)
                 if decision.is_best and on_best is not None:
                     on_best(decision.epoch)
-                stopped = decision.stop
+                stopped, go = decision.stop, decision.go
                 epoch += 1
             self.client.send(Done())
         except (RunAborted, KeyboardInterrupt):
@@ -251,21 +260,24 @@ class Session:
     def _epoch(
         self,
         epoch: int,
+        go: Go | None,
         train_epoch: Callable[[EpochContext], LossSum],
         valid_epoch: Callable[[EpochContext], LossSum] | None,
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         state: Stateful | None,
         curve: list[EpochRecord],
     ) -> tuple[Decision, EpochRecord] | Finish:
-        """One epoch's exchange with the coordinator; Finish when the run is over instead."""
-        train_batches, valid_batches = batches(epoch) if callable(batches) else batches
-        if valid_epoch is None:
-            valid_batches = None
-        self.client.at(Phase.WAITING, epoch, Awaiting.GO)
-        self.client.send(EpochReady(epoch, train_batches, valid_batches))
-        go = self._expect(Go, Finish)
-        if isinstance(go, Finish):
-            return go
+        """One epoch's exchange with the coordinator; Finish when the run is over instead.
+
+        ``go``: the Go of ``epoch`` the previous decision carried; None (the first epoch of a run
+        or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
+        if go is None:
+            self.client.at(Phase.WAITING, epoch, Awaiting.GO)
+            self.client.send(_ready(epoch, batches, valid_epoch))
+            answer = self._expect(Go, Finish)
+            if isinstance(answer, Finish):
+                return answer
+            go = answer
         ctx = EpochContext(
             epoch=go.epoch,
             train_batches=go.train_batches,
@@ -292,6 +304,8 @@ class Session:
                 valid_count=int(valid.count),
                 train_metrics=wire_metrics("train", train),
                 valid_metrics=wire_metrics("validation", valid),
+                # the next epoch's counts, so that the decision can carry its Go
+                ready=_ready(epoch + 1, batches, valid_epoch) if epoch + 1 < self.epochs else None,
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
@@ -506,6 +520,16 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
         reattach_timeout=options.reattach_timeout,
         store_timeout=timeout,
     )
+
+
+def _ready(
+    epoch: int,
+    batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
+    valid_epoch: Callable[[EpochContext], LossSum] | None,
+) -> EpochReady:
+    """This rank's batch counts for ``epoch`` (valid None: it has no validation function)."""
+    train_batches, valid_batches = batches(epoch) if callable(batches) else batches
+    return EpochReady(epoch, train_batches, None if valid_epoch is None else valid_batches)
 
 
 class _TakenBack(Exception):

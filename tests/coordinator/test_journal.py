@@ -122,7 +122,7 @@ async def test_a_full_disk_mid_run_aborts_every_rank_with_the_reason(tmp_path, m
             assert isinstance(await w.recv(), Go)
         monkeypatch.setattr("epochal.coordinator.journal.os.fsync", _full_disk)
         for w in workers:
-            await w.send(EpochReport(0, 1.0, 1, 0.0, 0))
+            await w.send(EpochReport(0, 1.0, 1, 0.0, 0, ready=EpochReady(1, 2, None)))
         for w in workers:
             abort = await w.recv()  # not a Decision: it could not be recorded first
             assert isinstance(abort, Abort), abort
@@ -158,7 +158,7 @@ async def test_loss_sums_that_overflow_abort_naming_the_ranks_and_write_result_j
         for w in workers:
             assert isinstance(await w.recv(), Go)
         for w in workers:  # each finite; their sum is not (fsum raised OverflowError)
-            await w.send(EpochReport(0, 1.5e308, 1, 0.0, 0))
+            await w.send(EpochReport(0, 1.5e308, 1, 0.0, 0, ready=EpochReady(1, 2, None)))
         for w in workers:
             abort = await w.recv()
             assert isinstance(abort, Abort), abort

@@ -103,10 +103,16 @@ class Run:
         return out
 
 
-def start(now: float = 0.0, **settings: Any) -> Run:
-    """A run with every worker joined and welcomed at ``now`` (phase ready)."""
+def start(now: float = 0.0, resumed: int | None = None, **settings: Any) -> Run:
+    """A run with every worker joined and welcomed at ``now`` (phase ready); ``resumed``: the run
+    resumes after that epoch (its outcomes replayed as on resume)."""
     config = CoordinatorConfig(**{"world_size": 2, "epochs": 2, **settings})
-    run = Run(RunMachine(config, resume.inspect(config, None), run_id="r1", now=now))
+    state = resume.inspect(config, None)
+    if resumed is not None:
+        for epoch in range(resumed + 1):
+            state.loop.update(epoch, 1.0, 1.0, validates=True)
+        state = resume.RunState(loop=state.loop, resume_epoch=resumed)
+    run = Run(RunMachine(config, state, run_id="r1", now=now))
     actions: list[Action] = []
     for i in range(config.world_size):
         actions += run.send(now, f"w{i}".encode(), hello(f"w{i}"))
@@ -127,10 +133,25 @@ def ready(rank: int, epoch: int = 0) -> EpochReady:
     return EpochReady(epoch=epoch, train_batches=5, valid_batches=2)
 
 
-def report(valid_sum: float, epoch: int) -> EpochReport:
+def report(
+    valid_sum: float, epoch: int, then: tuple[int, int | None] | None = (5, 2)
+) -> EpochReport:
+    """A rank's loss report of ``epoch``, carrying its batch counts ``then`` for the next epoch
+    (None: there is no next epoch)."""
+    ready = None if then is None else EpochReady(epoch + 1, *then)
     return EpochReport(
-        epoch=epoch, train_loss_sum=1.0, train_count=1, valid_loss_sum=valid_sum, valid_count=2
+        epoch=epoch,
+        train_loss_sum=1.0,
+        train_count=1,
+        valid_loss_sum=valid_sum,
+        valid_count=2,
+        ready=ready,
     )
+
+
+def last(valid_sum: float, epoch: int) -> EpochReport:
+    """A rank's loss report of the run's last epoch: no batch counts for a next one."""
+    return report(valid_sum, epoch, None)
 
 
 # ----------------------------------------------------------------------------- a whole run
@@ -139,20 +160,29 @@ def report(valid_sum: float, epoch: int) -> EpochReport:
 def test_a_whole_run_records_each_epoch_before_deciding_it_and_ends_with_its_history():
     run = start(epochs=3)
     sums = [(8.0, 2.0), (3.0, 3.0), (5.0, 5.0)]  # global: 10/4, 6/4, 10/4
+    go = broadcast(run.all(10.0, ready), Go)  # only the first epoch is announced on its own
+    assert go == [Go(epoch=0, train_batches=5, valid_batches=2, lr_factor=1.0)]
     finish: list[Action] = []
     for epoch, pair in enumerate(sums):
         now = 10.0 * (epoch + 1)
-        go = broadcast(run.all(now, lambda r, e=epoch: ready(r, e)), Go)
-        assert go == [Go(epoch=epoch, train_batches=5, valid_batches=2, lr_factor=1.0)]
-        actions = run.all(now + 1.5, lambda r, e=epoch, p=pair: report(p[r], e))
+        make = report if epoch < 2 else last
+        actions = run.all(now + 1.5, lambda r, e=epoch, p=pair, m=make: m(p[r], e))
         kinds = [type(a).__name__ for a in actions if isinstance(a, Journal | Broadcast)]
         assert kinds[:2] == ["Journal", "Broadcast"]  # durable before the ranks hear of it
         record = next(a.record for a in actions if isinstance(a, Journal))
-        assert record["kind"] == "epoch" and record["seconds"] == 1.5 and "time" not in record
+        # an epoch lasts from its go (at 10.0, then with each decision) to its decision
+        seconds = 1.5 if epoch == 0 else 10.0
+        assert record["kind"] == "epoch" and record["seconds"] == seconds and "time" not in record
         (decision,) = broadcast(actions, Decision)
         assert decision.valid_loss == pytest.approx(sum(pair) / 4)
         assert decision.is_best == (epoch in (0, 1)) and decision.stop == (epoch == 2)
         assert any(line.startswith(f"epoch {epoch} [{epoch + 1}/3]") for line in logged(actions))
+        if epoch < 2:  # the next epoch starts with the decision: its go rides along
+            assert decision.go == Go(
+                epoch=epoch + 1, train_batches=5, valid_batches=2, lr_factor=1.0
+            )
+            assert broadcast(actions, Go) == []
+            assert (run.machine.phase, run.machine.epoch) == (RunPhase.RUNNING, epoch + 1)
         finish = actions
     assert broadcast(finish, Finish) == [
         Finish(best_epoch=1, best_loss=1.5, epochs_run=3, restore_best=True)
@@ -180,13 +210,128 @@ def test_uneven_batches_abort_every_worker():
 
 def test_checkpoints_beyond_those_kept_are_pruned():
     run = start(epochs=5, checkpoint_dir=Path("/nowhere"), keep_checkpoints=1)
+    run.all(1.0, ready)
     for epoch in range(3):
-        run.all(1.0, lambda r, e=epoch: ready(r, e))
         run.all(2.0, lambda r, e=epoch: report(10.0 - e, e))  # every epoch a new best
     first = run.send(3.0, run.peers[0], Checkpointed(epoch=0))
     assert [type(a) for a in first] == [Journal]
     second = run.send(3.0, run.peers[0], Checkpointed(epoch=1))
     assert [a for a in second if isinstance(a, Prune)] == [Prune((0,))]
+
+
+# ----------------------------------------------------------------------------- one exchange
+
+
+def test_between_two_trainings_one_exchange_waits_for_every_rank_s_report():
+    run = start(epochs=3, batch_policy="truncate")
+    run.all(1.0, ready)
+    # rank 0 has reported, rank 1 not yet: nothing is decided
+    assert run.send(2.0, run.peers[0], report(1.0, 0, then=(5, None))) == []
+    assert run.machine.phase is RunPhase.RUNNING and run.machine.epoch == 0
+    actions = run.send(2.5, run.peers[1], report(1.0, 0, then=(7, None)))
+    (decision,) = broadcast(actions, Decision)
+    # planned as from epoch_ready: the minimum under truncate; no validation loader, no validation
+    assert decision.go == Go(epoch=1, train_batches=5, valid_batches=0, lr_factor=1.0)
+    assert not decision.stop and broadcast(actions, Go) == []
+    assert (run.machine.phase, run.machine.epoch) == (RunPhase.RUNNING, 1)
+    # the next epoch is running: an epoch_ready of it is out of step, not a second announcement
+    reason = aborted(run.send(3.0, run.peers[0], ready(0, epoch=1)))
+    assert reason is not None and "sent EpochReady while the coordinator was in phase running" in (
+        reason
+    )
+
+
+def test_the_next_epoch_s_counts_against_the_batch_policy_abort_naming_that_epoch():
+    run = start(epochs=3)
+    run.all(1.0, ready)
+    run.send(2.0, run.peers[0], report(1.0, 0, then=(48, None)))
+    actions = run.send(2.0, run.peers[1], report(1.0, 0, then=(47, None)))
+    reason = aborted(actions)
+    assert reason is not None
+    assert reason.startswith("epoch 1: rank 0 has 48, rank 1 has 47 train batches")
+    assert broadcast(actions, Decision) == []  # the run stops: no rank trains epoch 1
+    (abort,) = broadcast(actions, Abort)
+    assert abort.reason.startswith("epoch 1: rank 0 has 48")
+    journaled = [a.record for a in actions if isinstance(a, Journal)]
+    assert [r.get("kind", r.get("status")) for r in journaled] == ["epoch", "aborted"]
+    assert journaled[0]["epoch"] == 0  # epoch 0 was decided and is kept, as it always was
+
+
+def test_a_report_without_the_next_epoch_s_counts_is_out_of_step_when_the_run_goes_on():
+    run = start(epochs=3)
+    run.all(1.0, ready)
+    run.send(2.0, run.peers[0], report(1.0, 0))
+    reason = aborted(run.send(2.0, run.peers[1], last(1.0, 0)))
+    assert reason is not None and reason.startswith(
+        "rank 1 reported epoch 0 without its batch counts for epoch 1: the worker and "
+        "coordinator are out of step"
+    )
+
+
+def test_a_decision_that_stops_carries_no_go_whatever_counts_the_reports_carried():
+    run = start(epochs=3, patience=0, best_from=0)
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: report(1.0, 0))
+    # no improvement at epoch 1 with patience 0: the run stops before its last epoch
+    actions = run.all(3.0, lambda r: report(5.0, 1, then=(1, None) if r else (9, 2)))
+    assert aborted(actions) is None  # the counts of an epoch that never runs are not checked
+    (decision,) = broadcast(actions, Decision)
+    assert decision.stop and decision.go is None
+    assert broadcast(actions, Finish) and run.machine.phase is RunPhase.FINISHING
+
+
+def test_a_resumed_run_announces_its_first_epoch_with_epoch_ready_again():
+    run = start(epochs=4, resumed=1, checkpoint_dir=Path("/nowhere"))
+    assert run.machine.epoch == 2 and run.machine.phase is RunPhase.READY
+    early = aborted(run.send(1.0, run.peers[0], report(1.0, 2)))  # a report before any Go
+    assert (
+        early is not None and "sent EpochReport while the coordinator was in phase ready" in early
+    )
+    run = start(epochs=4, resumed=1, checkpoint_dir=Path("/nowhere"))
+    (go,) = broadcast(run.all(1.0, lambda r: ready(r, 2)), Go)
+    assert go.epoch == 2
+    (decision,) = broadcast(run.all(2.0, lambda r: report(1.0, 2)), Decision)
+    assert decision.go is not None and decision.go.epoch == 3
+
+
+def test_a_lost_report_is_named_in_any_epoch_and_a_late_decision_is_not_blamed():
+    run = start(epochs=3, heartbeat_interval=0.5, heartbeat_timeout=10.0)  # margin: 2 s
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: report(1.0, 0))  # epoch 1 runs from 2.0: its go rode the decision
+    # rank 1 has not heard that decision yet (a wide broadcast): it still waits for it, in vain
+    # as far as it knows, but its report of epoch 0 arrived: it is only late to hear, not lost
+    late = Status(phase="waiting", epoch=0, step=0, where="", awaiting="decision")
+    run.send(2.5, run.peers[1], late)
+    for t in (3.0, 4.0, 5.0, 6.0):
+        run.send(t, run.peers[1], Heartbeat())
+        assert aborted(run.machine.on_tick(t)) is None
+    run.send(7.0, run.peers[0], report(1.0, 1, then=None))
+    waiting = Status(phase="waiting", epoch=1, step=0, where="", awaiting="decision")
+    run.send(8.0, run.peers[1], waiting)  # trained epoch 1; its report (and counts) is lost
+    run.send(10.0, run.peers[1], Heartbeat())
+    assert aborted(run.machine.on_tick(10.0)) is None  # heard for exactly the margin
+    run.send(10.01, run.peers[1], Heartbeat())
+    reason = aborted(run.machine.on_tick(10.01))
+    assert reason is not None and reason.startswith(
+        "rank 1 (worker w1 (host testhost, pid 1)) has waited 2.0 s for epoch 1's decision, but "
+        "its loss report never arrived"
+    )
+
+
+def test_a_worker_saying_hello_again_mid_epoch_is_welcomed_with_its_own_session():
+    # a worker that gave a stalled coordinator up says hello again: the coordinator answers with
+    # a welcome carrying the session it holds (so the worker knows it is the same coordinator);
+    # the decision it waits for, with its go, is already queued on its connection
+    run = start(epochs=3)
+    run.all(1.0, ready)
+    session = run.sessions[run.peers[1]]
+    actions = run.send(2.0, run.peers[1], hello("w1"))
+    (welcome,) = [a.message for a in actions if isinstance(a, Send)]
+    assert isinstance(welcome, Welcome) and welcome.session == session and welcome.rank == 1
+    assert any("said hello again" in line for line in logged(actions))
+    run.send(2.0, run.peers[0], report(1.0, 0))
+    (decision,) = broadcast(run.send(2.0, run.peers[1], report(1.0, 0)), Decision)
+    assert decision.go is not None and decision.go.epoch == 1
 
 
 # ----------------------------------------------------------------------------- the clock
@@ -375,7 +520,7 @@ def test_time_the_coordinator_itself_lost_is_forgiven():
 def test_a_finish_unconfirmed_within_the_finish_timeout_ends_the_run():
     run = start(epochs=1, finish_timeout=5.0, heartbeat_timeout=100.0)
     run.all(1.0, ready)
-    run.all(2.0, lambda r: report(1.0, 0))
+    run.all(2.0, lambda r: last(1.0, 0))
     run.send(3.0, run.peers[0], Done())
     assert not any(isinstance(a, Finished) for a in run.machine.on_tick(7.0))
     actions = run.machine.on_tick(7.01)
@@ -386,7 +531,7 @@ def test_a_finish_unconfirmed_within_the_finish_timeout_ends_the_run():
 def test_a_record_that_cannot_be_written_aborts_even_after_the_end():
     run = start(epochs=1)
     run.all(1.0, ready)
-    run.all(2.0, lambda r: report(1.0, 0))
+    run.all(2.0, lambda r: last(1.0, 0))
     run.send(3.0, run.peers[0], Done())
     assert isinstance(run.send(3.0, run.peers[1], Done())[-1], Finished)
     actions = run.machine.unrecorded("cannot write result.json: disk full")

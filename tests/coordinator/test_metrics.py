@@ -24,7 +24,7 @@ from epochal.coordinator.policy import (
     metric_values,
 )
 from epochal.coordinator.schedule import parse_schedule
-from epochal.protocol.messages import Metric
+from epochal.protocol.messages import Go, Metric
 
 PROPERTY = settings(max_examples=200, deadline=None)
 
@@ -254,7 +254,8 @@ def test_a_journal_line_written_before_metrics_reads_as_none():
 def test_the_decision_carries_the_summed_metrics():
     outcome = LoopState(epochs=3).update(0, 2.0, 1.5, validates=True)
     sums = {"train": {"accuracy": (3.0, 4)}, "valid": {"accuracy": (5.0, 8), "f1": (1.0, 8)}}
-    decision = outcome.decision(checkpoint=False, sums=sums)
+    go = Go(epoch=1, train_batches=1, valid_batches=1, lr_factor=1.0)
+    decision = outcome.decision(checkpoint=False, sums=sums, go=go)
     assert decision.train_metrics == (Metric("accuracy", 3.0, 4),)
     assert decision.valid_metrics == (Metric("accuracy", 5.0, 8), Metric("f1", 1.0, 8))
 

@@ -24,6 +24,7 @@ from epochal.coordinator.policy import (
     format_ranks,
     plan_epoch,
 )
+from epochal.protocol import Go
 
 PROPERTY = settings(max_examples=300, deadline=None)
 POLICIES = ["error", "truncate"]
@@ -475,6 +476,8 @@ def test_an_epochs_journal_line_and_its_decision_say_what_its_outcome_says():
     record = outcome.record(validates=True, checkpoint=True, plan=EpochPlan(4, 2), seconds=1.25)
     assert record["kind"] == "epoch" and record["train_batches"] == 4 and record["seconds"] == 1.25
     assert EpochOutcome.from_record(json.loads(json.dumps(record))) == outcome
-    decision = outcome.decision(checkpoint=True)
+    go = Go(epoch=2, train_batches=4, valid_batches=2, lr_factor=1.0)
+    decision = outcome.decision(checkpoint=True, go=go)
     assert (decision.epoch, decision.valid_loss, decision.best_epoch) == (1, 1.0, 1)
     assert decision.is_best and decision.checkpoint and not decision.stop
+    assert decision.go == go  # the run goes on: the next epoch's go rides along

@@ -122,16 +122,22 @@ async def test_a_whole_run_with_scripted_losses(ctx):
     coordinator, task = await serve(ctx, epochs=3)
     workers = await join_all(ctx, coordinator, 2)
     valid_sums = [(8.0, 2.0), (3.0, 3.0), (5.0, 5.0)]  # global: 10/4, 6/4, 10/4
+    for w in workers:  # the first epoch is announced on its own; each later one in a report
+        await w.send(EpochReady(epoch=0, train_batches=5, valid_batches=2))
+    for w in workers:
+        go = await w.recv()
+        assert go == Go(epoch=0, train_batches=5, valid_batches=2, lr_factor=1.0)
     for epoch, sums in enumerate(valid_sums):
-        for w in workers:
-            await w.send(EpochReady(epoch=epoch, train_batches=5, valid_batches=2))
-        for w in workers:
-            go = await w.recv()
-            assert go == Go(epoch=epoch, train_batches=5, valid_batches=2, lr_factor=1.0)
+        ready = EpochReady(epoch + 1, 5, 2) if epoch < 2 else None
         for w, s in zip(workers, sums, strict=True):
             await w.send(
                 EpochReport(
-                    epoch=epoch, train_loss_sum=1.0, train_count=1, valid_loss_sum=s, valid_count=2
+                    epoch=epoch,
+                    train_loss_sum=1.0,
+                    train_count=1,
+                    valid_loss_sum=s,
+                    valid_count=2,
+                    ready=ready,
                 )
             )
         for w in workers:
@@ -140,6 +146,8 @@ async def test_a_whole_run_with_scripted_losses(ctx):
             assert decision.valid_loss == pytest.approx(sum(sums) / 4)
             assert decision.is_best == (epoch in (0, 1))
             assert decision.stop == (epoch == 2)
+            go = None if epoch == 2 else Go(epoch + 1, 5, 2, 1.0)
+            assert decision.go == go  # the next epoch's go rides along
     for w in workers:
         finish = await w.recv()
         assert finish == Finish(best_epoch=1, best_loss=1.5, epochs_run=3, restore_best=True)
@@ -327,13 +335,14 @@ async def test_a_finished_runs_summary_carries_the_history_of_its_journal(ctx, t
     await coordinator.start()
     task = asyncio.create_task(coordinator.run())
     workers = await join_all(ctx, coordinator, 2)
+    for w in workers:
+        await w.send(EpochReady(epoch=0, train_batches=1, valid_batches=None))
+    for w in workers:
+        assert isinstance(await w.recv(), Go)
     for epoch in range(2):
+        ready = EpochReady(1, 1, None) if epoch == 0 else None
         for w in workers:
-            await w.send(EpochReady(epoch=epoch, train_batches=1, valid_batches=None))
-        for w in workers:
-            assert isinstance(await w.recv(), Go)
-        for w in workers:
-            await w.send(EpochReport(epoch, 2.0 - epoch, 1, 0.0, 0))
+            await w.send(EpochReport(epoch, 2.0 - epoch, 1, 0.0, 0, ready=ready))
         for w in workers:
             assert isinstance(await w.recv(), Decision)
     for w in workers:

@@ -76,12 +76,16 @@ async def serve(
     return coordinator, asyncio.create_task(coordinator.run())
 
 
-async def run_epochs(workers: list[FakeWorker], epochs: int, *, checkpoint: bool = False) -> None:
+async def run_epochs(
+    workers: list[FakeWorker], epochs: int, *, of: int, checkpoint: bool = False
+) -> None:
+    """Run the first ``epochs`` of a run of ``of`` epochs, as the workers speak them."""
+    for w in workers:
+        await w.send(EpochReady(epoch=0, train_batches=3, valid_batches=1))
+    for w in workers:
+        assert isinstance(await w.recv(), Go)
     for epoch in range(epochs):
-        for w in workers:
-            await w.send(EpochReady(epoch=epoch, train_batches=3, valid_batches=1))
-        for w in workers:
-            assert isinstance(await w.recv(), Go)
+        ready = EpochReady(epoch + 1, 3, 1) if epoch + 1 < of else None
         for w in workers:
             await w.send(
                 EpochReport(
@@ -90,6 +94,7 @@ async def run_epochs(workers: list[FakeWorker], epochs: int, *, checkpoint: bool
                     train_count=1,
                     valid_loss_sum=1.0 / (epoch + 1),
                     valid_count=1,
+                    ready=ready,
                 )
             )
         for w in workers:
@@ -103,7 +108,7 @@ async def test_observers_hear_start_joins_epochs_and_end_in_order_and_nothing_af
     recorder = Recorder()
     coordinator, task = await serve(ctx, recorder, epochs=3, run_dir=tmp_path / "run")
     workers = await join_all(ctx, coordinator, 2)
-    await run_epochs(workers, 3, checkpoint=True)
+    await run_epochs(workers, 3, of=3, checkpoint=True)
     for w in workers:
         assert isinstance(await w.recv(), Finish)
         await w.send(Done())
@@ -209,7 +214,7 @@ async def test_one_set_of_observers_spans_a_restart(ctx, tmp_path):
     config = dict(run_dir=tmp_path / "run", checkpoint_every=1)
     first, task = await serve(ctx, observers, **config)
     workers = await join_all(ctx, first, 2)
-    await run_epochs(workers, 1, checkpoint=True)
+    await run_epochs(workers, 1, of=2, checkpoint=True)
     first.abort("a worker died")
     with pytest.raises(RunAborted):
         await asyncio.wait_for(task, 5)

@@ -56,15 +56,16 @@ async def forge(ctx, endpoint: str, identity: str, *messages) -> None:
 
 
 async def run_two_epochs(workers: list[FakeWorker]) -> None:
+    for w in workers:
+        await w.send(EpochReady(epoch=0, train_batches=2, valid_batches=None))
+    for w in workers:
+        assert isinstance(await w.recv(), Go)
     for epoch in range(2):
+        ready = EpochReady(1, 2, None) if epoch == 0 else None
         for w in workers:
-            await w.send(EpochReady(epoch=epoch, train_batches=2, valid_batches=None))
+            await w.send(EpochReport(epoch, 1.0, 1, 0.0, 0, ready=ready))
         for w in workers:
-            assert isinstance(await w.recv(), Go)
-        for w in workers:
-            await w.send(EpochReport(epoch, 1.0, 1, 0.0, 0))
-        for w in workers:
-            await w.recv()  # the decision
+            await w.recv()  # the decision, with the next epoch's go
     for w in workers:
         assert isinstance(await w.recv(), Finish)
         await w.send(Done())

@@ -93,6 +93,7 @@ EXAMPLES: dict[type, Any] = {
         valid_loss_sum=0.0,
         valid_count=0,
         train_metrics=(Metric(name="accuracy", total=91.0, count=100),),
+        ready=EpochReady(epoch=4, train_batches=48, valid_batches=None),
     ),
     Failed: Failed(reason="ValueError: boom"),
     Done: Done(),
@@ -217,12 +218,36 @@ def statuses(draw: st.DrawFn) -> Status:
 metric_names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,63}", fullmatch=True).filter(
     lambda name: name not in ("loss", "batches")
 )
+
+
+@st.composite
+def epoch_reports(draw: st.DrawFn) -> EpochReport:
+    """A report, with or without the next epoch's counts (``ready``: for ``epoch`` + 1)."""
+    values = {f.name: draw(field_values(f)) for f in fields_of(EpochReport) if f.name != "ready"}
+    epoch = values["epoch"] = draw(st.integers(0, INT64 - 1))
+    ready = draw(st.none() | record_values(EpochReady))
+    if ready is not None:
+        ready = dataclasses.replace(ready, epoch=epoch + 1)
+    return EpochReport(**values, ready=ready)
+
+
+@st.composite
+def decisions(draw: st.DrawFn) -> Decision:
+    """A decision that stops, or one that carries the next epoch's go."""
+    values = {f.name: draw(field_values(f)) for f in fields_of(Decision) if f.name != "go"}
+    epoch = values["epoch"] = draw(st.integers(0, INT64 - 1))
+    go = None if values["stop"] else dataclasses.replace(draw(record_values(Go)), epoch=epoch + 1)
+    return Decision(**values, go=go)
+
+
 WRITTEN_OUT: dict[type, st.SearchStrategy[Any]] = {
     ParamSpec: param_specs,
     Metric: st.builds(Metric, name=metric_names, total=no_nan, count=nonneg),
     Joined: joineds(),
     Welcome: welcomes(),
     Status: statuses(),
+    EpochReport: epoch_reports(),
+    Decision: decisions(),
 }
 
 
@@ -391,6 +416,89 @@ def test_nested_values_decode_as_tuples_and_dataclasses():
     assert hello.fingerprint.params[0].shape == (2, 5)
     assert hello.fingerprint.params[2].shape == ()
     hash(hello)  # frozen and made of tuples: usable as a key
+
+
+GOES_ON = Decision(
+    epoch=3,
+    train_loss=0.5,
+    valid_loss=0.25,
+    smoothed_loss=0.25,
+    best_epoch=3,
+    is_best=True,
+    checkpoint=False,
+    stop=False,
+    go=Go(epoch=4, train_batches=48, valid_batches=6, lr_factor=0.5),
+)
+
+
+def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
+    from epochal.protocol import codec
+
+    report = EXAMPLES[EpochReport]
+    assert frame_of(report)["ready"] == {"epoch": 4, "train_batches": 48, "valid_batches": None}
+    assert frame_of(GOES_ON)["go"] == {
+        "epoch": 4,
+        "train_batches": 48,
+        "valid_batches": 6,
+        "lr_factor": 0.5,
+    }
+    last = dataclasses.replace(report, ready=None)
+    assert frame_of(last)["ready"] is None  # nil, not left out: there is no next epoch
+    for message in (report, last, GOES_ON, EXAMPLES[Decision]):
+        data = encode(message, session="abc")
+        assert decode(data) == message
+        assert codec._whole(data) == codec._by_value(data, len(data)) == (message, "abc")
+    decoded = decode(encode(GOES_ON))
+    assert isinstance(decoded, Decision) and isinstance(decoded.go, Go)
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "changes", "expected"),
+    [
+        (
+            EpochReport,
+            "ready",
+            {"epoch": 9},
+            "epoch_report: ready is for epoch 9, not the next one (4)",
+        ),
+        (
+            EpochReport,
+            "ready",
+            {"train_batches": -1},
+            "epoch_report.ready: train_batches must be >= 0",
+        ),
+        (
+            EpochReport,
+            "ready",
+            {"valid_batches": "3"},
+            "epoch_report.ready.valid_batches: expected int",
+        ),
+        (Decision, "go", {"epoch": 3}, "decision: go is for epoch 3, not the next one (4)"),
+        (Decision, "go", {"train_batches": 0}, "decision.go: train_batches must be >= 1, got 0"),
+        (Decision, "go", {"lr_factor": math.inf}, "decision.go: lr_factor must be finite"),
+    ],
+)
+def test_a_bad_next_epoch_is_refused_naming_its_path(
+    cls: type, field: str, changes: dict[str, Any], expected: str
+):
+    frame = frame_of(EXAMPLES[EpochReport] if cls is EpochReport else GOES_ON)
+    frame[field] |= changes
+    assert expected in refusal(pack(frame))
+    del frame[field]["epoch"]
+    assert f"{TYPE_NAMES[cls]}.{field}: missing epoch" in refusal(pack(frame))
+
+
+def test_a_decision_carries_a_go_exactly_when_the_run_goes_on():
+    assert "go is given exactly when the decision does not stop" in refusal(
+        pack(frame_of(GOES_ON) | {"go": None})
+    )
+    stops = frame_of(EXAMPLES[Decision])
+    assert stops["stop"] and stops["go"] is None
+    assert "go is given exactly when the decision does not stop" in refusal(
+        pack(stops | {"go": frame_of(GOES_ON)["go"] | {"epoch": 3}})
+    )
+    with pytest.raises(ValueError, match="go is given exactly when"):
+        dataclasses.replace(GOES_ON, go=None)
 
 
 def test_an_int_is_accepted_where_a_float_is_expected_and_becomes_a_float():

@@ -1,0 +1,185 @@
+"""The worker's epoch loop (``Session.run_epochs``) against a scripted coordinator: no sockets.
+
+The scripted client answers as the coordinator does: ``go`` to an ``epoch_ready``, and to a loss
+report a ``decision`` that carries the next epoch's ``go`` (planned from the counts the report
+carried) unless the run stops, then ``finish``. The tests check what the worker sends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+
+from epochal.errors import CoordinatorLost
+from epochal.protocol import (
+    Awaiting,
+    Decision,
+    Done,
+    EpochReady,
+    EpochReport,
+    Fingerprint,
+    Finish,
+    Go,
+    Hello,
+    Message,
+    ParamSpec,
+    Phase,
+    Welcome,
+)
+from epochal.worker import session as session_module
+from epochal.worker.rendezvous import StillRunning
+from epochal.worker.results import EpochContext, LossSum
+from epochal.worker.session import Session
+
+FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2,), "float32"),), torch_version="x")
+
+
+class ScriptedClient:
+    """What Session uses of a ControlClient, with the coordinator's answers scripted."""
+
+    def __init__(self, epochs: int, lost_at: int | None = None) -> None:
+        self.epochs = epochs
+        self.lost_at = lost_at  # the epoch whose decision comes only after a lost coordinator
+        self.sent: list[Message] = []
+        self.inbox: deque[Message] = deque()
+        self.waits: list[tuple[Phase, int, Awaiting | None]] = []
+        self.rank: int | None = None
+        self.epoch = 0
+        self.session = "s" * 43
+        self.queued: Message | None = None  # what a stalled coordinator still holds
+
+    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> None:
+        self.waits.append((phase, epoch, awaiting))
+        self.epoch = epoch
+
+    def send(self, message: Message) -> None:
+        self.sent.append(message)
+        if isinstance(message, EpochReady):
+            self.inbox.append(Go(message.epoch, message.train_batches, 0, 1.0))
+        elif isinstance(message, EpochReport):
+            stop = message.epoch + 1 >= self.epochs
+            ready = message.ready
+            go = None if ready is None else Go(ready.epoch, ready.train_batches, 0, 0.5)
+            decision = Decision(message.epoch, 1.0, None, None, None, False, False, stop, go=go)
+            if message.epoch == self.lost_at:
+                self.queued = decision
+            else:
+                self.inbox.append(decision)
+            if stop:
+                self.inbox.append(Finish(None, None, self.epochs, False))
+
+    def receive(self, timeout: float | None = None) -> Message:
+        if not self.inbox:
+            raise CoordinatorLost("the coordinator sent nothing for 3 s")
+        return self.inbox.popleft()
+
+    def watch_coordinator(self) -> None:
+        pass
+
+
+def session(client: ScriptedClient, *, reattach_timeout: float = 0.0) -> Session:
+    welcome = Welcome(
+        rank=0,
+        world_size=1,
+        run_id="r1",
+        backend="gloo",
+        store_host="127.0.0.1",
+        store_port=1,
+        start_epoch=0,
+        epochs=client.epochs,
+        resume_epoch=None,
+        checkpoint_dir="",
+        session=client.session,
+    )
+    hello = Hello("epochal", "", "w0", "host", 1, 0, "cpu", FP)
+    return Session(
+        client,  # type: ignore[arg-type]
+        welcome,
+        torch.device("cpu"),
+        None,  # type: ignore[arg-type]
+        hello=hello,
+        endpoint="tcp://127.0.0.1:1",
+        reattach_timeout=reattach_timeout,
+        store_timeout=1.0,
+    )
+
+
+def trainer(seen: list[tuple[int, int, float]]) -> Any:
+    def train(ctx: EpochContext) -> LossSum:
+        seen.append((ctx.epoch, ctx.train_batches, ctx.lr_factor))
+        return LossSum(1.0, 1)
+
+    return train
+
+
+def test_only_the_first_epoch_is_announced_on_its_own_the_reports_carry_the_next():
+    client = ScriptedClient(epochs=3)
+    asked: list[int] = []
+
+    def batches(epoch: int) -> tuple[int, int | None]:
+        asked.append(epoch)
+        return 10 + epoch, None
+
+    seen: list[tuple[int, int, float]] = []
+    result = session(client).run_epochs(trainer(seen), batches=batches)
+    assert [type(m).__name__ for m in client.sent] == [
+        "EpochReady",
+        "EpochReport",
+        "EpochReport",
+        "EpochReport",
+        "Done",
+    ]
+    assert client.sent[0] == EpochReady(0, 10, None)
+    reports = [m for m in client.sent if isinstance(m, EpochReport)]
+    assert [r.ready for r in reports] == [EpochReady(1, 11, None), EpochReady(2, 12, None), None]
+    assert asked == [0, 1, 2]  # never asked for the counts of an epoch past the last
+    # each epoch ran the go it was given: the first one's own, the others' from the decision
+    assert seen == [(0, 10, 1.0), (1, 11, 0.5), (2, 12, 0.5)]
+    assert [r.lr_factor for r in result.curve] == [1.0, 0.5, 0.5]
+    waits = [(e, a) for p, e, a in client.waits if p is Phase.WAITING]
+    assert waits == [
+        (0, Awaiting.GO),
+        (0, Awaiting.DECISION),
+        (1, Awaiting.DECISION),
+        (2, Awaiting.DECISION),
+    ]
+
+
+def test_a_decision_that_stops_early_needs_no_go(monkeypatch: pytest.MonkeyPatch):
+    client = ScriptedClient(epochs=3)
+    original = client.send
+
+    def stop_after_the_first(message: Message) -> None:
+        original(message)
+        if isinstance(message, EpochReport):  # a stop by patience: no go, finish follows
+            client.inbox.clear()
+            client.inbox.append(Decision(0, 1.0, None, None, None, False, False, True))
+            client.inbox.append(Finish(0, 1.0, 1, False))
+
+    monkeypatch.setattr(client, "send", stop_after_the_first)
+    seen: list[tuple[int, int, float]] = []
+    result = session(client).run_epochs(trainer(seen), batches=(4, None))
+    assert seen == [(0, 4, 1.0)] and result.epochs_run == 1
+    assert isinstance(client.sent[-1], Done)
+
+
+def test_a_stalled_coordinator_s_queued_decision_carries_the_go_the_worker_goes_on_with(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    client = ScriptedClient(epochs=3, lost_at=0)
+
+    def say_hello_again(*args: Any, answers: tuple[type[Any], ...] = (), **kw: Any) -> Any:
+        # the same coordinator, stalled: what it queued is the answer the worker waited for
+        assert answers == (Decision,)
+        assert client.queued is not None
+        raise StillRunning(client.queued)
+
+    monkeypatch.setattr(session_module, "rendezvous", say_hello_again)
+    seen: list[tuple[int, int, float]] = []
+    session(client, reattach_timeout=5.0).run_epochs(trainer(seen), batches=(4, None))
+    assert seen == [(0, 4, 1.0), (1, 4, 0.5), (2, 4, 0.5)]
+    # no second announcement of epoch 1: its go came with the queued decision
+    assert [type(m).__name__ for m in client.sent].count("EpochReady") == 1
