@@ -322,7 +322,7 @@ def test_a_worker_saying_hello_again_mid_epoch_is_welcomed_with_its_own_session(
     # a worker that gave a stalled coordinator up says hello again: the coordinator answers with
     # a welcome carrying the session it holds (so the worker knows it is the same coordinator);
     # the decision it waits for, with its go, is already queued on its connection
-    run = start(epochs=3)
+    run = start(epochs=3, heartbeat_timeout=1.5)  # the joins (t=0) are not crossing retries
     run.all(1.0, ready)
     session = run.sessions[run.peers[1]]
     actions = run.send(2.0, run.peers[1], hello("w1"))
