@@ -145,12 +145,14 @@ class SimWorker:
     def status(self) -> Status:
         return Status(self.phase, self.epoch, self.step, WHERE, self.awaiting)
 
-    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> Iterator[Action]:
+    def at(
+        self, phase: Phase, epoch: int, awaiting: Awaiting | None = None, announce: bool = True
+    ) -> Iterator[Action]:
         """``ControlClient.at``: a change of phase (or of what it awaits) is reported at once
-        with a Status."""
+        with a Status, unless the message sent next says it (``announce`` False)."""
         changed = (phase, awaiting) != (self.phase, self.awaiting)
         self.phase, self.awaiting, self.epoch, self.step = phase, awaiting, epoch, 0
-        if changed:
+        if changed and announce:
             yield Send(self.status())
 
 
@@ -210,7 +212,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
     go: Go | None = None  # the go the last decision carried
     while True:
         if go is None:
-            yield from w.at(Phase.WAITING, epoch, Awaiting.GO)
+            yield from w.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)
             yield Send(EpochReady(epoch, 100, 10))
             answer = yield from expect(Go, Finish)
             if isinstance(answer, Finish):
@@ -221,7 +223,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
         if train_seconds > 0:
             yield Sleep(train_seconds)
         yield from w.at(Phase.VALIDATE, epoch)
-        yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION)
+        yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
         ready = EpochReady(epoch + 1, 100, 10) if epoch + 1 < epochs else None
         yield Send(EpochReport(epoch, 230.0, 100, 23.0, 10, ready=ready))
         w.mark(f"report.{epoch}")
@@ -462,44 +464,48 @@ def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.BACKLOG, backlog or max(100, world_size))
         sock.bind("tcp://127.0.0.1:0")
+        io = zmq.Socket.shadow(sock.underlying)  # reads and sends that never wait, as the service
         print(f"listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
         peers: dict[bytes, int] = {}
         counts = {"epoch_ready": 0, "epoch_report": 0, "done": 0}
         next_beat = time.monotonic() + heartbeat_interval
         store_asked = False
 
-        async def send_all(data: bytes) -> None:
+        def send_all(data: bytes) -> None:
             for peer in peers:
-                await sock.send_multipart([peer, data])
+                io.send_multipart([peer, data], zmq.NOBLOCK)
 
         while counts["done"] < world_size:
             await sock.poll(timeout=int(heartbeat_interval * 1000))
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                peer, data = await sock.recv_multipart()
+            while True:
+                try:
+                    peer, data = io.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
                 kind = msgpack.unpackb(data)["t"]
                 if kind == "hello":
                     peers.setdefault(peer, len(peers))
-                    await sock.send_multipart([peer, joined])
+                    io.send_multipart([peer, joined], zmq.NOBLOCK)
                     if len(peers) == world_size and not store_asked:
                         store_asked = True
-                        await sock.send_multipart([next(iter(peers)), open_store])
+                        io.send_multipart([next(iter(peers)), open_store], zmq.NOBLOCK)
                 elif kind == "store_ready":
                     for p, rank in peers.items():
-                        await sock.send_multipart([p, welcomes[rank]])
+                        io.send_multipart([p, welcomes[rank]], zmq.NOBLOCK)
                 elif kind in counts:
                     counts[kind] += 1
                     n = counts[kind]
                     if kind == "epoch_ready" and n == world_size:  # the first epoch only
-                        await send_all(first_go)
+                        send_all(first_go)
                     elif kind == "epoch_report" and n % world_size == 0:
                         e = n // world_size - 1
-                        await send_all(decisions[e])
+                        send_all(decisions[e])
                         if e == epochs - 1:
-                            await send_all(finish)
+                            send_all(finish)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + heartbeat_interval
-                await send_all(heartbeat)
+                send_all(heartbeat)
         sock.close(linger=2000)
         ctx.term()
 

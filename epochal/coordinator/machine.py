@@ -58,6 +58,7 @@ from epochal.coordinator.strangers import Gate
 from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
     Abort,
+    Awaiting,
     Checkpointed,
     Done,
     EpochReady,
@@ -238,11 +239,13 @@ class RunMachine:
                 self._store = message
                 return self._welcome_all(now)
             case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
+                self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
                 self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
                 if len(self._ready) == self.config.world_size:
                     return self._start_epoch(now)
                 return []
             case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
+                self.watchdog.note_waiting(rank, message.epoch, Awaiting.DECISION, now)
                 if not self._reports:
                     self._round_started = now
                 self._reports[rank] = LossSums(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.protocol import Fingerprint, Hello
@@ -217,6 +217,10 @@ class Rendezvous:
             )
         if ref is None:
             self._reference = member
+        elif hello.fingerprint is not ref.hello.fingerprint:
+            # the same model: keep one copy of its fingerprint, not one per worker (a model of a
+            # few hundred parameters is about 100 KiB decoded; a run may have thousands of ranks)
+            member = Member(peer=peer, hello=replace(hello, fingerprint=ref.hello.fingerprint))
         self.members[peer] = member
         self._by_worker_id[hello.worker_id] = peer
         if hint is not None:

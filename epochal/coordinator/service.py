@@ -65,18 +65,15 @@ LINGER_MS = 2000
 """How long closing the socket may wait to flush the last Abort or Finish."""
 
 
-def _readable(sock: zmq.asyncio.Socket) -> bool:
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
 def new_run_id() -> str:
     """A fresh, short, unique run id."""
     return uuid.uuid4().hex[:12]
 
 
-def _user_id(frame: Any) -> str:
-    """The ZAP user id (under CURVE: the sender's public key) of a received frame; "" without."""
-    if isinstance(frame, bytes):
+def _user_id(frame: Any, secured: bool) -> str:
+    """The ZAP user id (under CURVE: the sender's public key) of a received frame; "" without
+    (``secured`` False: no frame has one, and asking raises, which costs more than the frame)."""
+    if not secured or isinstance(frame, bytes):
         return ""
     try:
         return str(frame.get("User-Id"))
@@ -139,6 +136,11 @@ class Coordinator:
         self.refused_handshakes = RefusedHandshakes()
         # CURVE handshakes the allow-list refused: logged, and named by a rendezvous timeout
         self._socket: zmq.asyncio.Socket | None = None
+        self._io: zmq.Socket[Any] | None = None
+        # the same socket without asyncio's futures, for the reads and sends that never wait: a
+        # ROUTER's send to a peer never blocks (past its high-water mark libzmq drops), and reads
+        # are taken while frames are queued. pyzmq's awaitable calls cost a future and loop
+        # bookkeeping each, about a third of the service's CPU at 4,096 workers (bench/)
         self._state: resume.RunState | None = None
         self._machine: RunMachine | None = None
         self._ended = False
@@ -247,6 +249,7 @@ class Coordinator:
             self._stop_auth()
             raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
         self._socket = sock
+        self._io = zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         machine.watchdog.phase_began(time.monotonic())
         for note in state.notes:
@@ -290,6 +293,7 @@ class Coordinator:
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
         if self._socket is not None:
             self._monitor.close(self._socket)
+            self._io = None  # a shadow: closing the socket closes it
             self._socket.close(linger=LINGER_MS)
             self._socket = None
         self._stop_auth()
@@ -338,8 +342,8 @@ class Coordinator:
                 epochs_run=int(done.get("epochs_run", 0)),
                 history=resume.decided_epochs(self.config.run_dir),
             )
-        sock = self._socket
-        assert sock is not None
+        sock, io = self._socket, self._io
+        assert sock is not None and io is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         self._clock_read = time.monotonic()
         monitor = (
@@ -353,10 +357,15 @@ class Coordinator:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
                     batch_end = time.monotonic() + BATCH_SECONDS
                     for _ in range(BATCH):
-                        if self._outcome is not None or not _readable(sock):
+                        if self._outcome is not None:
                             break
-                        frames = await sock.recv_multipart(copy=False)
-                        await self._apply(self._receive(frames, time.monotonic()))
+                        try:
+                            frames = io.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:  # read all that was queued
+                            break
+                        actions = self._receive(frames, time.monotonic())
+                        if actions:  # most frames (heartbeats) change nothing to carry out or tell
+                            await self._apply(actions)
                         if time.monotonic() > batch_end:
                             break
                 now = await self._read_clock(BATCH_SECONDS)
@@ -393,7 +402,7 @@ class Coordinator:
             return []
         peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
         data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
-        user_id = _user_id(frames[1])
+        user_id = _user_id(frames[1], self._security is not None)
         if not machine.reads(peer):
             return []  # a stranger whose budget is spent: not even read
         size = len(data) if isinstance(data, bytes) else data.nbytes
@@ -432,7 +441,7 @@ class Coordinator:
             or not machine.gate.sessions.same_sender(peer, user_id)
         ):
             return
-        self._retries.admitted(peer, data, size, hello, session)
+        self._retries.admitted(peer, data, size, member.hello, session)  # its shared fingerprint
         self._retries.prune(machine.rendezvous.members, self.config.world_size)
 
     # ------------------------------------------------------------------ applying
@@ -474,9 +483,8 @@ class Coordinator:
                 await self._send(peer, message)
             case Broadcast(peers=peers, message=message):
                 data = encode(message)
-                assert self._socket is not None
                 for peer in peers:
-                    await self._socket.send_multipart([peer, data])
+                    await self._send_frame(peer, data)
                 if isinstance(message, Heartbeat):
                     self._feed.heartbeat_sent()
             case Log(line=line):
@@ -513,8 +521,14 @@ class Coordinator:
             self._feed.end(record, self._machine, self._snapshot)
 
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
-        assert self._socket is not None
-        await self._socket.send_multipart([peer, encode(message)])
+        await self._send_frame(peer, encode(message))
+
+    async def _send_frame(self, peer: bytes, data: bytes) -> None:
+        assert self._socket is not None and self._io is not None
+        try:
+            self._io.send_multipart([peer, data], zmq.NOBLOCK)
+        except zmq.Again:  # not for a ROUTER as configured here; if ever, wait as asyncio would
+            await self._socket.send_multipart([peer, data])
 
     # ------------------------------------------------------------------ the clock
 

@@ -104,6 +104,20 @@ class Watchdog:
             )
             self.newest = now
 
+    def note_waiting(self, rank: int, epoch: int, awaiting: Awaiting, now: float) -> None:
+        """``rank``'s epoch_ready or loss report for ``epoch`` arrived: it now waits for
+        ``awaiting``, as its next heartbeat will say (the worker sends no Status of its own for
+        that change of phase); its line is the heartbeat's to tell."""
+        previous = self.status.get(rank)
+        if previous is None or (
+            previous.phase,
+            previous.epoch,
+            previous.step,
+            previous.awaiting,
+        ) != (WorkerPhase.WAITING, epoch, 0, awaiting):
+            self.status[rank] = RankStatus(WorkerPhase.WAITING, epoch, 0, now, awaiting)
+            self.newest = now
+
     def margin(self) -> float:
         """How long a rank must be heard from while it waits before its message counts as lost:
         several heartbeats, so a slow or starved heartbeat thread never looks like a loss."""

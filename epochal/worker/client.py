@@ -212,13 +212,23 @@ class ControlClient:
             raise RunAborted(item.reason)
         return item
 
-    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> None:
+    def at(
+        self,
+        phase: Phase,
+        epoch: int,
+        awaiting: Awaiting | None = None,
+        *,
+        announce: bool = True,
+    ) -> None:
         """The training code enters ``phase`` of ``epoch`` (reported with the next heartbeat).
 
         ``awaiting``: in :attr:`Phase.WAITING` (and only there), the answer it waits for, so the
         coordinator tells a slow Go from a lost loss report. A change of phase or of what it
         awaits is reported at once, so the coordinator's view is current even if the main thread
-        now blocks for long (in the data plane's connect, say). Raises ValueError for anything but
+        now blocks for long (in the data plane's connect, say); ``announce=False`` when the
+        message the caller sends next says the same (an ``epoch_report`` tells the coordinator
+        that its rank now waits for the decision): one frame per rank fewer for the coordinator
+        to read each epoch, and the heartbeats say it anyway. Raises ValueError for anything but
         a :class:`~epochal.protocol.Phase` (or its value), or an ``awaiting`` given in another
         phase or missing in the waiting one.
         """
@@ -231,7 +241,7 @@ class ControlClient:
         self._doing, self.epoch, self.step = (new, awaiting), epoch, 0
         self._progress_at = time.monotonic()
         loop = self._loop
-        if changed and loop is not None and not loop.is_closed():
+        if changed and announce and loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self._beat)
             except RuntimeError:  # the loop closed meanwhile: nobody to tell

@@ -272,7 +272,7 @@ class Session:
         ``go``: the Go of ``epoch`` the previous decision carried; None (the first epoch of a run
         or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
         if go is None:
-            self.client.at(Phase.WAITING, epoch, Awaiting.GO)
+            self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
             self.client.send(_ready(epoch, batches, valid_epoch))
             answer = self._expect(Go, Finish)
             if isinstance(answer, Finish):
@@ -294,7 +294,8 @@ class Session:
         if valid_epoch is not None and go.valid_batches > 0:
             self.client.at(Phase.VALIDATE, epoch)
             valid = valid_epoch(ctx)
-        self.client.at(Phase.WAITING, epoch, Awaiting.DECISION)
+        # the report says that it waits
+        self.client.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
         self.client.send(
             EpochReport(
                 epoch=epoch,

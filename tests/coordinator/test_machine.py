@@ -318,6 +318,29 @@ def test_a_lost_report_is_named_in_any_epoch_and_a_late_decision_is_not_blamed()
     )
 
 
+def test_a_report_or_a_ready_says_its_rank_now_waits_without_a_status_of_its_own():
+    # the worker sends no Status when it starts waiting: the epoch_ready or the loss report it
+    # sends right then says as much, and the stall table and status.json show it at once
+    run = start(epochs=3)
+    train = Status(phase="train", epoch=0, step=3, where="train.py:9 in step", awaiting=None)
+    run.send(0.5, run.peers[0], train)
+    run.send(1.0, run.peers[0], ready(0))
+    assert run.machine.watchdog.status[0].phase == "waiting"
+    assert run.machine.watchdog.status[0].awaiting == "go"
+    run.all(1.0, ready)
+    run.send(2.0, run.peers[0], report(1.0, 0))
+    row = run.machine.watchdog.status[0]
+    assert (row.phase, row.epoch, row.step, row.awaiting, row.since) == (
+        "waiting",
+        0,
+        0,
+        "decision",
+        2.0,
+    )
+    assert run.machine.watchdog.where[0] == "train.py:9 in step"  # its line: the next heartbeat's
+    assert run.machine.watchdog.status[1].phase == "waiting"  # rank 1 said so with its ready
+
+
 def test_a_worker_saying_hello_again_mid_epoch_is_welcomed_with_its_own_session():
     # a worker that gave a stalled coordinator up says hello again: the coordinator answers with
     # a welcome carrying the session it holds (so the worker knows it is the same coordinator);

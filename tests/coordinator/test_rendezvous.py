@@ -131,6 +131,16 @@ def test_a_member_proves_the_token_again_with_every_hello(token: str):
     assert list(rv.members) == [b"a"]
 
 
+def test_the_members_of_one_model_share_one_fingerprint():
+    rv = rendezvous(world_size=3)
+    for n, peer in enumerate((b"a", b"b", b"c")):
+        copy = dataclasses.replace(MODEL, params=tuple(MODEL.params))  # decoded apart, equal
+        assert rv.offer(peer, hello(f"w{n}", fingerprint=copy)) == Admitted(again=False)
+    first, *others = (m.hello.fingerprint for m in rv.members.values())
+    assert first == MODEL and all(f is first for f in others)
+    assert [m.hello.worker_id for m in rv.members.values()] == ["w0", "w1", "w2"]
+
+
 def test_any_token_is_admitted_when_none_is_required():
     rv = rendezvous(world_size=2, token="")
     assert rv.offer(b"a", hello("w0", token="whatever")) == Admitted(again=False)

@@ -46,13 +46,17 @@ class ScriptedClient:
         self.sent: list[Message] = []
         self.inbox: deque[Message] = deque()
         self.waits: list[tuple[Phase, int, Awaiting | None]] = []
+        self.announced: list[tuple[Phase, bool]] = []
         self.rank: int | None = None
         self.epoch = 0
         self.session = "s" * 43
         self.queued: Message | None = None  # what a stalled coordinator still holds
 
-    def at(self, phase: Phase, epoch: int, awaiting: Awaiting | None = None) -> None:
+    def at(
+        self, phase: Phase, epoch: int, awaiting: Awaiting | None = None, *, announce: bool = True
+    ) -> None:
         self.waits.append((phase, epoch, awaiting))
+        self.announced.append((phase, announce))
         self.epoch = epoch
 
     def send(self, message: Message) -> None:
@@ -146,6 +150,10 @@ def test_only_the_first_epoch_is_announced_on_its_own_the_reports_carry_the_next
         (1, Awaiting.DECISION),
         (2, Awaiting.DECISION),
     ]
+    # a wait is said by the message sent right after it (the ready, the report), not by a Status
+    # of its own; every other change of phase is announced at once
+    assert {phase for phase, announce in client.announced if not announce} == {Phase.WAITING}
+    assert all(announce for phase, announce in client.announced if phase is not Phase.WAITING)
 
 
 def test_a_decision_that_stops_early_needs_no_go(monkeypatch: pytest.MonkeyPatch):
