@@ -17,7 +17,7 @@ every worker and ends the run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from epochal.coordinator import ending, resume
 from epochal.coordinator.actions import (
@@ -388,10 +388,7 @@ class RunMachine:
                 f"data-plane store at {self._store.host}:{self._store.port}"
             )
         )
-        for rank, member in enumerate(self.members):
-            hello = member.hello
-            where = hello.data_address or "?"
-            actions.append(Log(f"rank {rank}: {hello.host}, data plane at {where}"))
+        actions += [Log(line) for line in placement_lines(self.members)]
         self._set_phase(RunPhase.READY, now)
         return actions
 
@@ -544,3 +541,33 @@ class RunMachine:
                 f"--world-size{self._rendezvous_note()}"
             )
         return actions
+
+
+PLACEMENT_LINES = 8
+"""Lines that say where the ranks are, at most: a run of thousands of ranks gets a summary."""
+
+
+def placement_lines(members: Sequence[Member], most: int = PLACEMENT_LINES) -> list[str]:
+    """Where each rank runs: one line per run of consecutive ranks on one host and data-plane
+    address ("ranks 0-7: node1, data plane at 10.0.0.1"), at most ``most`` lines, then how many
+    ranks the rest hold and on how many hosts."""
+    groups: list[tuple[int, int, str, str]] = []  # (first rank, last rank, host, address)
+    for rank, member in enumerate(members):
+        host, where = member.hello.host, member.hello.data_address or "?"
+        if groups and groups[-1][1] == rank - 1 and groups[-1][2:] == (host, where):
+            groups[-1] = (groups[-1][0], rank, host, where)
+        else:
+            groups.append((rank, rank, host, where))
+    lines = [
+        f"{f'rank {a}' if a == b else f'ranks {a}-{b}'}: {host}, data plane at {where}"
+        for a, b, host, where in groups[:most]
+    ]
+    rest = groups[most:]
+    if rest:
+        ranks = sum(b - a + 1 for a, b, _, _ in rest)
+        hosts = len({host for _, _, host, _ in rest})
+        lines.append(
+            f"... and {ranks} more ranks on {hosts} host{'s' if hosts != 1 else ''} "
+            "(`epochal status RUN_DIR` lists every rank)"
+        )
+    return lines

@@ -7,7 +7,7 @@ and just after it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from epochal.coordinator.actions import (
     RunPhase,
     Send,
 )
-from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.rendezvous import JOIN_PROGRESS_SECONDS, NAMED_JOINS
+from epochal.coordinator.machine import RunMachine, placement_lines
+from epochal.coordinator.rendezvous import JOIN_PROGRESS_SECONDS, NAMED_JOINS, Member
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.protocol import (
     Abort,
@@ -655,3 +655,24 @@ def test_monitoring_a_metric_nobody_reports_aborts_at_the_first_report_naming_it
     assert "--monitor f1: the workers report no validation metric of that name" in reason
     assert "(they report loss, accuracy)" in reason
     assert broadcast(actions, Decision) == []
+
+
+def placed(host: str, address: str) -> Member:
+    return Member(peer=host.encode(), hello=replace(hello("w"), host=host, data_address=address))
+
+
+def test_where_the_ranks_are_is_said_per_host_and_summed_up_past_a_few_lines():
+    two = [placed("a", "10.0.0.1"), placed("b", "10.0.0.2")]
+    assert placement_lines(two) == [
+        "rank 0: a, data plane at 10.0.0.1",
+        "rank 1: b, data plane at 10.0.0.2",
+    ]
+    # 8 ranks per host on 512 hosts: one line per host for the first few, then a sum
+    many = [placed(f"node{r // 8}", f"10.1.{r // 8 // 256}.{r // 8 % 256}") for r in range(4096)]
+    lines = placement_lines(many, most=3)
+    assert lines == [
+        "ranks 0-7: node0, data plane at 10.1.0.0",
+        "ranks 8-15: node1, data plane at 10.1.0.1",
+        "ranks 16-23: node2, data plane at 10.1.0.2",
+        "... and 4072 more ranks on 509 hosts (`epochal status RUN_DIR` lists every rank)",
+    ]
