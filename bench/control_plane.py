@@ -409,8 +409,14 @@ def helper_main(
 # ---------------------------------------------------------------------- the floor
 
 
-def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog: int) -> None:
-    """A bare asyncio ROUTER answering the worker sequence with pre-encoded frames."""
+def serve_floor(
+    world_size: int, epochs: int, heartbeat_interval: float, backlog: int, awaited: bool = False
+) -> None:
+    """A bare asyncio ROUTER answering the worker sequence with pre-encoded frames.
+
+    It waits for frames with asyncio and then reads and sends through the socket's synchronous
+    shadow, as the coordinator does; ``awaited``: through pyzmq's awaitable calls instead, a
+    future per frame (the coordinator's way before, ``--floor-io awaited``)."""
     import zmq.asyncio
 
     raise_nofile()
@@ -471,41 +477,55 @@ def serve_floor(world_size: int, epochs: int, heartbeat_interval: float, backlog
         next_beat = time.monotonic() + heartbeat_interval
         store_asked = False
 
-        def send_all(data: bytes) -> None:
-            for peer in peers:
-                io.send_multipart([peer, data], zmq.NOBLOCK)
+        def answer(peer: bytes, data: bytes) -> list[list[bytes]]:
+            """The frames that answer one frame from ``peer``."""
+            nonlocal store_asked
+            kind = msgpack.unpackb(data)["t"]
+            if kind == "hello":
+                peers.setdefault(peer, len(peers))
+                out = [[peer, joined]]
+                if len(peers) == world_size and not store_asked:
+                    store_asked = True
+                    out.append([next(iter(peers)), open_store])
+                return out
+            if kind == "store_ready":
+                return [[p, welcomes[rank]] for p, rank in peers.items()]
+            if kind in counts:
+                counts[kind] += 1
+                n = counts[kind]
+                if kind == "epoch_ready" and n == world_size:  # the first epoch only
+                    return [[p, first_go] for p in peers]
+                if kind == "epoch_report" and n % world_size == 0:
+                    e = n // world_size - 1
+                    out = [[p, decisions[e]] for p in peers]
+                    if e == epochs - 1:
+                        out += [[p, finish] for p in peers]
+                    return out
+            return []
 
         while counts["done"] < world_size:
             await sock.poll(timeout=int(heartbeat_interval * 1000))
-            while True:
-                try:
-                    peer, data = io.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                kind = msgpack.unpackb(data)["t"]
-                if kind == "hello":
-                    peers.setdefault(peer, len(peers))
-                    io.send_multipart([peer, joined], zmq.NOBLOCK)
-                    if len(peers) == world_size and not store_asked:
-                        store_asked = True
-                        io.send_multipart([next(iter(peers)), open_store], zmq.NOBLOCK)
-                elif kind == "store_ready":
-                    for p, rank in peers.items():
-                        io.send_multipart([p, welcomes[rank]], zmq.NOBLOCK)
-                elif kind in counts:
-                    counts[kind] += 1
-                    n = counts[kind]
-                    if kind == "epoch_ready" and n == world_size:  # the first epoch only
-                        send_all(first_go)
-                    elif kind == "epoch_report" and n % world_size == 0:
-                        e = n // world_size - 1
-                        send_all(decisions[e])
-                        if e == epochs - 1:
-                            send_all(finish)
+            if awaited:
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    peer, data = await sock.recv_multipart()
+                    for frames in answer(peer, data):
+                        await sock.send_multipart(frames)
+            else:
+                while True:
+                    try:
+                        peer, data = io.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    for frames in answer(peer, data):
+                        io.send_multipart(frames, zmq.NOBLOCK)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + heartbeat_interval
-                send_all(heartbeat)
+                for peer in peers:
+                    if awaited:
+                        await sock.send_multipart([peer, heartbeat])
+                    else:
+                        io.send_multipart([peer, heartbeat], zmq.NOBLOCK)
         sock.close(linger=2000)
         ctx.term()
 
@@ -590,6 +610,7 @@ def server_command(mode: str, n: int, args: argparse.Namespace, run_dir: Path) -
             str(args.epochs),
             str(args.heartbeat_interval),
             str(args.floor_backlog),
+            args.floor_io,
         ]
     return [
         sys.executable,
@@ -830,11 +851,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="the floor's listen backlog (default: N; libzmq's own default is 100)",
     )
-    parser.add_argument("--serve-floor", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--floor-io",
+        choices=("shadow", "awaited"),
+        default="shadow",
+        help="how the floor reads and sends: through the socket's synchronous shadow, as the "
+        "coordinator does (default), or pyzmq's awaitable calls, a future per frame",
+    )
+    parser.add_argument("--serve-floor", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor:
-        n, epochs, hb, backlog = args.serve_floor
-        serve_floor(int(n), int(epochs), float(hb), int(backlog))
+        n, epochs, hb, backlog, io = args.serve_floor
+        serve_floor(int(n), int(epochs), float(hb), int(backlog), io == "awaited")
         return 0
     soft, hard = raise_nofile()
     print(

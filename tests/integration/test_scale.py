@@ -99,7 +99,9 @@ def test_256_workers_run_to_the_end(spawn: Spawner, tmp_path: Path) -> None:
     assert f"finished after {EPOCHS} epochs" in output, output
     problems = [line for line in output.splitlines() if LOG_PROBLEMS.search(line)]
     assert not problems, "\n".join(problems)
-    placed = sorted(int(m) for m in re.findall(r"^rank (\d+): ", output, re.MULTILINE))
+    # where the ranks are: one line per host's run of ranks ("ranks 0-255: vm, ...")
+    spans = re.findall(r"^ranks? (\d+)(?:-(\d+))?: ", output, re.MULTILINE)
+    placed = sorted(r for a, b in spans for r in range(int(a), int(b or a) + 1))
     assert placed == list(range(WORLD)), output
 
     # every simulated worker: one rank, a welcome, a go and a decision per epoch, one finish
