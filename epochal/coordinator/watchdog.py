@@ -92,30 +92,35 @@ class Watchdog:
         """A heartbeat's status: progress when its (phase, epoch, step) or its line moved."""
         before = self.where.get(rank)
         self.where[rank] = status.where
-        previous = self.status.get(rank)
-        if (
-            previous is None
-            or (previous.phase, previous.epoch, previous.step, previous.awaiting)
-            != (status.phase, status.epoch, status.step, status.awaiting)
-            or liveness.moved(before, status.where)
-        ):
-            self.status[rank] = RankStatus(
-                status.phase, status.epoch, status.step, now, status.awaiting
-            )
-            self.newest = now
+        moved = liveness.moved(before, status.where)
+        self._note(rank, status.phase, status.epoch, status.step, status.awaiting, now, moved)
 
     def note_waiting(self, rank: int, epoch: int, awaiting: Awaiting, now: float) -> None:
         """``rank``'s epoch_ready or loss report for ``epoch`` arrived: it now waits for
         ``awaiting``, as its next heartbeat will say (the worker sends no Status of its own for
         that change of phase); its line is the heartbeat's to tell."""
+        self._note(rank, WorkerPhase.WAITING, epoch, 0, awaiting, now)
+
+    def _note(
+        self,
+        rank: int,
+        phase: str,
+        epoch: int,
+        step: int,
+        awaiting: str | None,
+        now: float,
+        moved: bool = False,
+    ) -> None:
+        """``rank`` is at (phase, epoch, step, awaiting): progress at ``now`` when that differs
+        from what it last said, or when its line ``moved``."""
         previous = self.status.get(rank)
-        if previous is None or (
-            previous.phase,
-            previous.epoch,
-            previous.step,
-            previous.awaiting,
-        ) != (WorkerPhase.WAITING, epoch, 0, awaiting):
-            self.status[rank] = RankStatus(WorkerPhase.WAITING, epoch, 0, now, awaiting)
+        if (
+            previous is None
+            or moved
+            or (previous.phase, previous.epoch, previous.step, previous.awaiting)
+            != (phase, epoch, step, awaiting)
+        ):
+            self.status[rank] = RankStatus(phase, epoch, step, now, awaiting)
             self.newest = now
 
     def margin(self) -> float:
