@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import time
-import timeit
-from collections.abc import Callable
-from typing import Any
+
+from codec import fingerprint, per_call  # bench/codec.py, beside this script
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.coordinator.actions import Send
-from epochal.protocol import Fingerprint, Hello, Joined, ParamSpec, encode
+from epochal.protocol import Hello, Joined, encode
 from epochal.protocol.codec import decode_frame
 
 
 def hello(params: int) -> Hello:
-    specs = tuple(ParamSpec(f"layer{i}.weight", (512, 512, 3, 3), "float32") for i in range(params))
     return Hello(
         job="epochal",
         token="s3cret",
@@ -39,13 +37,8 @@ def hello(params: int) -> Hello:
         pid=4242,
         rank_hint=None,
         device="cuda",
-        fingerprint=Fingerprint(digest="d" * 64, params=specs, torch_version="2.4.0"),
+        fingerprint=fingerprint(params),
     )
-
-
-def per_call(fn: Callable[[], Any], repeat: int) -> float:
-    """Microseconds per call, best of 15 rounds of ``repeat`` calls."""
-    return min(timeit.repeat(fn, number=repeat, repeat=15)) / repeat * 1e6
 
 
 def main() -> None:
