@@ -52,7 +52,6 @@ from epochal.coordinator.rendezvous import (
     Member,
     Refused,
     Rendezvous,
-    printable,
 )
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.watchdog import Watchdog
@@ -77,6 +76,7 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
+from epochal.text import printable
 
 ModelCheck = Callable[[Fingerprint], "str | None"]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.protocol import Fingerprint, Hello
+from epochal.text import printable
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +54,6 @@ class Member:
         h = self.hello
         at = f" at {printable(h.data_address)}" if h.data_address else ""
         return f"worker {printable(h.worker_id)} (host {printable(h.host)}{at}, pid {h.pid})"
-
-
-def printable(text: str, limit: int = 200) -> str:
-    """``text`` safe to print into a log: control characters shown escaped (``\\n``, ``\\x1b``).
-
-    Worker ids and host names come from the network; a newline or a terminal escape in one must
-    not forge a log line or drive the reader's terminal.
-    """
-    if text.isprintable() and len(text) <= limit:
-        return text
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return shown + ("..." if len(text) > limit else "")
 
 
 def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:

@@ -14,9 +14,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from epochal.coordinator.actions import Action, Log, Send
-from epochal.coordinator.rendezvous import Member, printable
+from epochal.coordinator.rendezvous import Member
 from epochal.coordinator.sessions import Sessions
 from epochal.protocol import Heartbeat, Hello, Message, Reject, Status, clip
+from epochal.text import printable
 
 REFUSALS_LOGGED = 20
 """Refused hellos logged per minute; the rest are counted."""

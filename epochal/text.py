@@ -1,0 +1,24 @@
+"""Text from outside the process made safe to print: one function, used wherever a string that
+a peer, a file or another user wrote reaches a log line or a terminal.
+
+A worker id, a host name, a failure reason or a field of ``status.json`` may hold a newline (a
+forged log line), a terminal escape (that drives the reader's terminal) or 60,000 characters;
+:func:`printable` shows control characters escaped and cuts the text to a bound. Standard library
+only: the coordinator, the workers and the observers all use it.
+"""
+
+from __future__ import annotations
+
+PRINTABLE_CHARS = 200
+"""Longest text :func:`printable` shows by default; longer text is cut and marked."""
+
+
+def printable(text: object, limit: int = PRINTABLE_CHARS) -> str:
+    """``text`` safe to print into a log: control characters shown escaped (``\\n``, ``\\x1b``),
+    at most ``limit`` characters, a cut marked with ``...``. A non-string is shown as its str."""
+    if not isinstance(text, str):
+        text = str(text)
+    if len(text) <= limit and text.isprintable():
+        return text
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("..." if len(text) > limit else "")
