@@ -2,7 +2,11 @@
 
 ``epochal coordinator --address-file PATH`` binds (port 0 is fine), then writes the address other
 machines connect to, ``tcp://HOST:PORT``, to PATH atomically (temp file, fsync, rename), so a
-reader sees either nothing or the whole line. A worker started with
+reader sees either nothing or the whole line. PATH's directory may be shared by design (a job's
+directory on a shared file system), so it is not required to be private; but the file is written
+as every file of a run is, never through a link (:func:`epochal.files.write_atomic`), and read
+only when it is a regular file of at most :data:`ADDRESS_LIMIT` bytes, so a link or a FIFO
+planted there neither redirects the write nor hangs a worker. A worker started with
 ``EPOCHAL_COORDINATOR=file:PATH`` waits for the file and reads it. This is what a batch job uses on
 a shared file system, where no port can be fixed in advance.
 
@@ -26,11 +30,15 @@ from urllib.parse import urlsplit
 
 from epochal.environment import HOST_ENV
 from epochal.errors import ConfigError, CoordinatorUnreachable
+from epochal.files import NotRegular, read_regular, write_atomic
 
 FILE_SCHEME = "file:"
 """``EPOCHAL_COORDINATOR=file:PATH``: read the coordinator's address from PATH."""
 
 POLL_INTERVAL = 0.1
+
+ADDRESS_LIMIT = 4096
+"""The largest address file read: one endpoint and a newline."""
 """Seconds between looks at an address file that does not exist yet."""
 
 _SIOCGIFADDR = 0x8915
@@ -128,32 +136,19 @@ def connectable(endpoint: str, env: Mapping[str, str] | None = None) -> str:
 
 
 def write(path: Path, endpoint: str) -> None:
-    """Write ``endpoint`` and a newline to ``path`` atomically: temp file, fsync, rename."""
-    path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temp, "w", encoding="utf-8") as handle:
-            handle.write(endpoint + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable, as the journal does
-        directory = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Write ``endpoint`` and a newline to ``path`` atomically: a new file (exclusively created,
+    mode 0600, never through a link), fsync, rename, fsync of the directory."""
+    write_atomic(Path(path), endpoint + "\n")
+
+
+def _read(path: Path) -> str:
+    return read_regular(path, ADDRESS_LIMIT).decode("utf-8", errors="replace").strip()
 
 
 def remove_if_ours(path: Path, endpoint: str) -> None:
     """Remove the address file if it still holds ``endpoint`` (a successor may have replaced it)."""
     try:
-        if Path(path).read_text(encoding="utf-8").strip() == endpoint:
+        if _read(Path(path)) == endpoint:
             Path(path).unlink()
     except OSError:
         pass
@@ -187,9 +182,15 @@ def wait_for(
     told = False
     while True:
         try:
-            text = Path(path).read_text(encoding="utf-8").strip()
+            text = _read(Path(path))
         except FileNotFoundError:
             text = ""
+        except NotRegular as exc:
+            raise ConfigError(
+                f"the coordinator's address file is unusable: {exc}; the coordinator writes a "
+                "regular file there: remove what is there and start it again, or give another "
+                "--address-file"
+            ) from None
         except OSError as exc:
             raise ConfigError(f"cannot read the coordinator's address file {path}: {exc}") from None
         if text:

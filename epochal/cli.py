@@ -35,6 +35,7 @@ from epochal.environment import (
     VERBOSE_ENV,
 )
 from epochal.errors import ConfigError, RunAborted
+from epochal.files import private_dir
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER
 from epochal.observe import RunObserver
@@ -48,6 +49,10 @@ from epochal.security.cli import (
 )
 from epochal.security.curve import ServerSecurity
 from epochal.settings import CHECKPOINTS, FAILURES, Option, add_options, field_options, grouped
+
+DEFAULT_RUNS = Path("runs")
+"""Where a run without --run-dir keeps its run directory, RUNS/RUN_ID (under the working
+directory)."""
 
 EXIT_USAGE = 2
 EXIT_CRASH = 70
@@ -90,7 +95,9 @@ def _config(
 ) -> CoordinatorConfig:
     given = {option.dest: getattr(args, option.dest) for option in field_options(CoordinatorConfig)}
     if given["run_dir"] is None:
-        given["run_dir"] = Path("runs") / run_id
+        # runs/ is epochal's too: another user who could write in it could swap the run
+        # directory for a link between the check and the writes
+        given["run_dir"] = private_dir(DEFAULT_RUNS, kind="directory of runs") / run_id
     return CoordinatorConfig(world_size=world_size, token=token, **given)
 
 

@@ -14,11 +14,14 @@ its ``events`` (see :mod:`epochal.observe.statusfile`); without it, the latest r
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from epochal.errors import ConfigError
+from epochal.files import private_dir, write_atomic
 from epochal.log import COORDINATOR
 from epochal.observe.runfiles import (
     CURVE_FILE,
@@ -28,8 +31,13 @@ from epochal.observe.runfiles import (
     read_run,
     read_status,
 )
+from epochal.text import printable
 
 EXTRA_HINT = "pip install 'epochal[plot]'"
+
+MAX_METRICS = 16
+"""Most further metrics drawn (the first by name): a journal with thousands of numeric fields
+draws a bounded plot."""
 
 _KNOWN = {
     "epoch",
@@ -118,16 +126,33 @@ def _matplotlib() -> Any:
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Draw the learning curve of the run in ``run_dir`` to ``out`` (PNG; default
-    RUN_DIR/curve.png) and return where. ConfigError when there is nothing to draw."""
+    RUN_DIR/curve.png) and return where. ConfigError when there is nothing to draw, or when a
+    file of ``run_dir`` is not one a run writes (a link, a FIFO, too large).
+
+    The PNG is written as every file of a run is: to a new file under an unguessable name, then
+    renamed into place, mode 0600, so a link planted at ``out`` or beside it is never followed.
+    Text from the files (the run id, metric names) is drawn as text (no mathtext), escaped."""
     run_dir = Path(run_dir)
     out = run_dir / CURVE_FILE if out is None else Path(out)
     records = epoch_records(read_records(run_dir))
     if not records:
         raise ConfigError(f"{run_dir} has no epoch in its journal (epochs.jsonl) to draw yet")
     plt = _matplotlib()
+    with plt.rc_context({"text.parse_math": False}):
+        png = _draw(plt, run_dir, records)
+    if not os.path.lexists(out.parent):
+        private_dir(out.parent, kind="directory for the plot")
+    write_atomic(out, png, durable=False)
+    return out
+
+
+def _draw(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> bytes:
+    """The learning curve as PNG bytes."""
     from matplotlib.ticker import MaxNLocator
 
     extra = further_metrics(records)
+    if len(extra) > MAX_METRICS:
+        extra = dict(sorted(extra.items())[:MAX_METRICS])
     rows = 2 if extra else 1
     fig, axes = plt.subplots(
         rows,
@@ -168,20 +193,23 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         if extra:
             mx = axes[1][0]
             for name, points in sorted(extra.items()):
-                mx.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=name)
+                mx.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker=".",
+                    label=printable(name, 60),
+                )
             mx.set_ylabel("metrics")
             mx.legend(loc="best", fontsize=8)
             mx.grid(alpha=0.3)
         axes[-1][0].set_xlabel("epoch")
         axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        fig.savefig(tmp, dpi=110, format="png")
-        tmp.replace(out)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=110, format="png")
     finally:
         plt.close(fig)
-    return out
+    return buffer.getvalue()
 
 
 def _draw_losses(ax: Any, records: list[dict[str, Any]]) -> None:
@@ -238,7 +266,7 @@ def _title(run_dir: Path, records: list[dict[str, Any]]) -> str:
     last = records[-1]
     best = last.get("best_epoch")
     best_text = "" if best is None else f", best epoch {best}"
-    return f"run {run_id}: {status}, {len(records)} epochs{best_text}"
+    return printable(f"run {run_id}: {status}, {len(records)} epochs{best_text}")
 
 
 def write_curve(run_dir: Path | None) -> Path | None:
@@ -251,9 +279,9 @@ def write_curve(run_dir: Path | None) -> Path | None:
     except ImportError:
         COORDINATOR.debug(f"no learning curve drawn: matplotlib is not installed ({EXTRA_HINT})")
         return None
-    if not epoch_records(read_records(Path(run_dir))):
-        return None
     try:
+        if not epoch_records(read_records(Path(run_dir))):
+            return None
         return plot_run(Path(run_dir))
     except Exception as exc:
         COORDINATOR.warning(

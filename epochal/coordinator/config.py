@@ -192,7 +192,8 @@ class CoordinatorConfig:
     checkpoint_dir: Path | None = field(
         default=None,
         metadata=setting(
-            help="where workers write checkpoints; every rank must see it",
+            help="where workers write checkpoints; every rank must see it; yours alone (a "
+            "directory another user could write in is refused)",
             flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="RUN_DIR/checkpoints"),
         ),
     )
@@ -208,7 +209,8 @@ class CoordinatorConfig:
         default=None,
         metadata=setting(
             help="directory for run.json, epochs.jsonl, result.json, model.json and checkpoints; a "
-            "directory that holds an unfinished run resumes it",
+            "directory that holds an unfinished run resumes it; created 0700, and refused if "
+            "another user could write in it",
             on_resume="may_change",
             flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="runs/RUN_ID"),
         ),
@@ -294,7 +296,7 @@ class CoordinatorConfig:
         default=None,
         metadata=setting(
             help="write every journaled scalar per epoch as TensorBoard events to DIR/RUN_NAME "
-            "(needs the tensorboard extra: pip install 'epochal[tensorboard]')",
+            "(created 0700; needs the tensorboard extra: pip install 'epochal[tensorboard]')",
             on_resume="may_change",
             flag=Flag(WATCHING, metavar="DIR", type=Path, shown="none"),
         ),

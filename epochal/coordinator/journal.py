@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from epochal.files import open_append, private_dir, write_atomic
+
 RUN_FILE = "run.json"
 EPOCHS_FILE = "epochs.jsonl"
 RESULT_FILE = "result.json"
@@ -38,57 +40,44 @@ def _writing(path: Path) -> Iterator[None]:
         raise JournalError(exc.errno, f"cannot write {path}: {exc.strerror or exc}{hint}") from None
 
 
-FILE_MODE = 0o600
-"""Mode of every file the journal writes: run.json names the endpoint and run id, and nobody
-but the run's owner needs to read any of them."""
+JOURNAL_LIMIT = 64 << 20
+"""The largest ``epochs.jsonl`` a reader takes (about 150,000 epochs): a file that big is not one
+a run wrote, and reading it whole must not exhaust the reader's memory."""
+
+RECORD_FILE_LIMIT = 16 << 20
+"""The largest ``run.json`` or ``result.json`` a reader takes."""
 
 
-def _open_private(path: Path, mode: str) -> Any:
-    """Open ``path`` for writing with mode 0600 (also when it already existed with another)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
-    fd = os.open(path, flags, FILE_MODE)
-    try:
-        os.fchmod(fd, FILE_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return open(fd, mode, encoding="utf-8")
-
-
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with _writing(path), _open_private(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    with _writing(path):
-        os.replace(tmp, path)
+def _dump(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 class Journal:
-    """Appends a run's records to its run directory (created if missing)."""
+    """Appends a run's records to its run directory (created 0700 if missing, refused if another
+    user could write in it).
+
+    Every file is written without following a link: ``run.json`` and ``result.json`` through a
+    temporary file made exclusively under an unguessable name and renamed into place,
+    ``epochs.jsonl`` appended only when it is a regular file of this user's (see
+    :mod:`epochal.files`); each is mode 0600, since run.json names the endpoint and the run id.
+    """
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._epochs = _open_private(run_dir / EPOCHS_FILE, "a")
+        self.run_dir = private_dir(run_dir, kind="run directory")
+        with _writing(run_dir / EPOCHS_FILE):
+            self._epochs = open_append(run_dir / EPOCHS_FILE)
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Replace the epoch journal with ``records`` (on resume: drop what was not committed)."""
         self._epochs.close()
         path = self.run_dir / EPOCHS_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with _open_private(tmp, "w") as f:
-            for record in records:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self._epochs = _open_private(path, "a")
+        with _writing(path):
+            write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+            self._epochs = open_append(path)
 
     def start(self, info: dict[str, Any]) -> None:
-        _write_atomic(self.run_dir / RUN_FILE, info)
+        with _writing(self.run_dir / RUN_FILE):
+            write_atomic(self.run_dir / RUN_FILE, _dump(info))
 
     def epoch(self, record: dict[str, Any]) -> None:
         """Append one record (``kind`` epoch or checkpoint) and make it durable."""
@@ -98,7 +87,8 @@ class Journal:
             os.fsync(self._epochs.fileno())
 
     def result(self, info: dict[str, Any]) -> None:
-        _write_atomic(self.run_dir / RESULT_FILE, info)
+        with _writing(self.run_dir / RESULT_FILE):
+            write_atomic(self.run_dir / RESULT_FILE, _dump(info))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a failed flush was reported when it failed

@@ -12,6 +12,7 @@ manifest's SHA-256 sums, not loaded.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -19,13 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, check_record
+from epochal.coordinator.journal import (
+    EPOCHS_FILE,
+    JOURNAL_LIMIT,
+    RECORD_FILE_LIMIT,
+    RESULT_FILE,
+    RUN_FILE,
+    check_record,
+)
 from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
+from epochal.files import NotRegular, check_private_dir, private_dir, read_regular
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
 from epochal.settings import flag_name, settings
+from epochal.text import printable
 
 MODEL_FILE = "model.json"
 
@@ -124,10 +134,37 @@ def new_loop(config: CoordinatorConfig) -> LoopState:
     )
 
 
+def check_directories(run_dir: Path | None, checkpoint_dir: Path | None) -> None:
+    """Create the run directory (mode 0700) or refuse it, and refuse a checkpoint directory seen
+    from here, when another user could write in it: before anything there is read, deleted
+    (``--fresh``) or written, and before any worker starts. A checkpoint directory this machine
+    does not see (another machine's disk) is checked by the workers that write it."""
+    if run_dir is not None:
+        private_dir(run_dir, kind="run directory")
+    if checkpoint_dir is not None and os.path.lexists(checkpoint_dir):
+        check_private_dir(checkpoint_dir, kind="checkpoint directory")
+
+
+def _read(path: Path, limit: int, what: str) -> bytes | None:
+    """The bytes of the run directory's file ``path``; None when it is missing; ConfigError
+    naming it when it is a link, not a regular file or over ``limit`` bytes."""
+    try:
+        return read_regular(path, limit)
+    except FileNotFoundError:
+        return None
+    except NotRegular as exc:
+        raise ConfigError(
+            f"{what} {path} cannot be read: {exc}. A run writes only regular files there; "
+            "remove it (or start over with --fresh), or use another --run-dir"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
 def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    if not path.exists():
+    raw = _read(path, JOURNAL_LIMIT, "the journal")
+    if raw is None:
         return []
-    raw = path.read_bytes()
     lines = raw.split(b"\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -137,7 +174,7 @@ def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
             check_record(record)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             if last:
                 notes.append(
                     f"ignored a half-written last line in {path} (the run was killed "
@@ -145,8 +182,8 @@ def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
                 )
                 break
             raise ConfigError(
-                f"the journal {path} is corrupt at line {number} ({exc}): restore it from a "
-                "backup, or start the run over with --fresh"
+                f"the journal {path} is corrupt at line {number} ({printable(exc)}): restore it "
+                "from a backup, or start the run over with --fresh"
             ) from None
         records.append(record)
     return records
@@ -155,7 +192,8 @@ def _read_journal(path: Path, notes: list[str]) -> list[dict[str, Any]]:
 def _refuse_orphan_journal(run_dir: Path) -> None:
     """A journal without its run.json: never start over on top of it (that would wipe it)."""
     journal = run_dir / EPOCHS_FILE
-    if journal.exists() and journal.stat().st_size > 0:
+    raw = _read(journal, JOURNAL_LIMIT, "the journal")
+    if raw:
         raise ConfigError(
             f"{run_dir / RUN_FILE} is missing, but {journal} holds the epochs of a run: restore "
             "run.json to resume that run, use another --run-dir, or pass --fresh to start over "
@@ -163,24 +201,49 @@ def _refuse_orphan_journal(run_dir: Path) -> None:
         )
 
 
+def _stored_config(run_dir: Path) -> dict[str, Any] | None:
+    """The configuration run.json holds; None when there is no run.json."""
+    path = run_dir / RUN_FILE
+    raw = _read(path, RECORD_FILE_LIMIT, "the run's settings")
+    if raw is None:
+        return None
+    try:
+        stored = json.loads(raw)["config"]
+        if not isinstance(stored, dict):
+            raise TypeError(f"its config is a {type(stored).__name__}, not an object")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ConfigError(
+            f"{path} is unreadable ({printable(exc)}): it is not an epochal run directory, or "
+            "it is damaged; use another --run-dir or start over with --fresh"
+        ) from None
+    return stored
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    """result.json of a run that finished; None otherwise (no result, or an abort's)."""
+    raw = _read(run_dir / RESULT_FILE, RECORD_FILE_LIMIT, "the run's result")
+    try:
+        result = {} if raw is None else json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(result, dict) and result.get("status") == "finished":
+        return result
+    return None
+
+
 def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
-    """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot."""
+    """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot.
+
+    Every file is read only when it is a regular file within its size bound (never through a
+    link, never blocking on a FIFO): a refusal names the file."""
     run_dir = config.run_dir
     loop = new_loop(config)
     if run_dir is None:
         return RunState(loop=loop)
-    if not (run_dir / RUN_FILE).exists():
+    stored = _stored_config(run_dir)
+    if stored is None:
         _refuse_orphan_journal(run_dir)
         return RunState(loop=loop)
-    try:
-        stored = json.loads((run_dir / RUN_FILE).read_text())["config"]
-        if not isinstance(stored, dict):
-            raise TypeError(f"its config is a {type(stored).__name__}, not an object")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"{run_dir / RUN_FILE} is unreadable ({exc}): it is not an epochal run directory, or "
-            "it is damaged; use another --run-dir or start over with --fresh"
-        ) from None
     diff = differences(stored, config_record(config))
     if diff:
         raise ConfigError(
@@ -188,14 +251,9 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             "Pass the same options to resume it, or --fresh to start it over"
         )
     notes: list[str] = []
-    result_path = run_dir / RESULT_FILE
-    if result_path.exists():
-        try:
-            result = json.loads(result_path.read_text())
-        except ValueError:
-            result = {}
-        if isinstance(result, dict) and result.get("status") == "finished":
-            return RunState(loop=loop, finished=result)
+    result = _finished(run_dir)
+    if result is not None:
+        return RunState(loop=loop, finished=result)
     records = _read_journal(run_dir / EPOCHS_FILE, notes)
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
     resume: int | None = None
@@ -260,13 +318,18 @@ def _fingerprint_from(data: dict[str, Any]) -> Fingerprint:
 
 
 def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:
-    """Forget what the run directory holds (journal, result, checkpoints) so the run starts over."""
+    """Forget what the run directory holds (journal, result, checkpoints) so the run starts over.
+
+    Only in directories :func:`check_directories` accepts (checked here again), and never
+    through a link: a link at one of the names is removed, not followed, and ``rmtree`` does not
+    descend into links."""
     run_dir = config.run_dir
     if run_dir is None:
         return
+    check_directories(run_dir, checkpoint_dir)
     for name in (RUN_FILE, EPOCHS_FILE, RESULT_FILE, MODEL_FILE):
         (run_dir / name).unlink(missing_ok=True)
-    if checkpoint_dir is not None and checkpoint_dir.exists():
+    if checkpoint_dir is not None and os.path.lexists(checkpoint_dir):
         shutil.rmtree(checkpoint_dir)
 
 
@@ -274,15 +337,16 @@ def decided_epochs(run_dir: Path) -> list[EpochOutcome]:
     """The decided epochs a finished run's journal holds (lines that do not read are skipped:
     the run is over, and its result.json says how it ended)."""
     try:
-        lines = (run_dir / EPOCHS_FILE).read_text(encoding="utf-8").splitlines()
+        raw = read_regular(run_dir / EPOCHS_FILE, JOURNAL_LIMIT)
     except OSError:
         return []
     history = []
+    lines = raw.splitlines()
     for line in lines:
         try:
             record = json.loads(line)
             if record["kind"] == "epoch":
                 history.append(EpochOutcome.from_record(record))
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             continue
     return history

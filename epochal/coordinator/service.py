@@ -189,10 +189,12 @@ class Coordinator:
     # ------------------------------------------------------------------ lifecycle
 
     def _load(self) -> None:
-        """Read (after --fresh: first empty) the run directory; once per coordinator."""
+        """Check the run directory (and the checkpoint directory, if seen from here) is the
+        user's alone, then read it (after --fresh: first empty it); once per coordinator."""
         if self._state is not None:
             return
         checkpoint_dir = self.config.checkpoint_path
+        resume.check_directories(self.config.run_dir, checkpoint_dir)
         if self._fresh:
             resume.start_fresh(self.config, checkpoint_dir)
         self._state = resume.inspect(self.config, checkpoint_dir)

@@ -1,7 +1,12 @@
-"""Reading a run directory as an onlooker: tolerant of a run that is still writing it.
+"""Reading a run directory as an onlooker: tolerant of a run that is still writing it, wary of
+one another user may have prepared.
 
 The coordinator appends to ``epochs.jsonl`` while a reader looks, so a half-written last line is
-skipped rather than an error; a missing file reads as nothing.
+skipped rather than an error; a missing file reads as nothing. A file that is not a regular file
+(a link, a FIFO, a device) or is larger than a run ever writes is refused with
+:class:`UnreadableRunFile`, which names it: ``epochal status`` and ``epochal plot`` are neither
+hung nor flooded by a directory they are pointed at. Strings read here are still untrusted: show
+them through :func:`epochal.text.printable`.
 """
 
 from __future__ import annotations
@@ -11,34 +16,70 @@ import os
 from pathlib import Path
 from typing import Any
 
-from epochal.coordinator.journal import EPOCHS_FILE, FILE_MODE, RESULT_FILE, RUN_FILE
+from epochal.coordinator.journal import (
+    EPOCHS_FILE,
+    JOURNAL_LIMIT,
+    RECORD_FILE_LIMIT,
+    RESULT_FILE,
+    RUN_FILE,
+)
+from epochal.errors import ConfigError
+from epochal.files import NotRegular, read_regular, write_atomic
 
 STATUS_FILE = "status.json"
 CURVE_FILE = "curve.png"
 
+STATUS_LIMIT = 64 << 20
+"""The largest ``status.json`` a reader takes (one row per rank: a few MiB at 10,000 ranks)."""
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """The object in ``path``; None when it is missing, unreadable or not an object."""
+
+MAX_EPOCH = (1 << 31) - 1
+"""The largest epoch number a record may carry to be read (a larger one is not a run's, and
+would not fit a plot's axis)."""
+
+
+class UnreadableRunFile(ConfigError):
+    """A file of a run directory that is not a regular file, or is too large, to read."""
+
+
+def _read(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path``; None when it is missing or cannot be opened."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_regular(path, limit)
+    except NotRegular as exc:
+        raise UnreadableRunFile(
+            f"{exc}: not a file a run writes; remove it, and check who else may write in "
+            f"{path.parent}"
+        ) from None
+    except OSError:
+        return None
+
+
+def read_json(path: Path, limit: int = RECORD_FILE_LIMIT) -> dict[str, Any] | None:
+    """The object in ``path``; None when it is missing, unreadable or not an object."""
+    raw = _read(path, limit)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     return data if isinstance(data, dict) else None
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every readable record of the run's journal, in order (unreadable lines skipped)."""
-    try:
-        raw = (run_dir / EPOCHS_FILE).read_text(encoding="utf-8")
-    except OSError:
+    raw = _read(run_dir / EPOCHS_FILE, JOURNAL_LIMIT)
+    if raw is None:
         return []
     records = []
     for line in raw.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("epoch"), int):
+        epoch = record.get("epoch") if isinstance(record, dict) else None
+        if type(epoch) is int and 0 <= epoch <= MAX_EPOCH:
             records.append(record)
     return records
 
@@ -61,24 +102,17 @@ def read_result(run_dir: Path) -> dict[str, Any] | None:
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
-    return read_json(run_dir / STATUS_FILE)
+    return read_json(run_dir / STATUS_FILE, STATUS_LIMIT)
 
 
 def is_run_dir(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in (RUN_FILE, EPOCHS_FILE, STATUS_FILE))
+    """Whether ``run_dir`` holds any of a run's files (a link there counts: reading it is then
+    refused, naming it)."""
+    return any(os.path.lexists(run_dir / name) for name in (RUN_FILE, EPOCHS_FILE, STATUS_FILE))
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one.
-
-    Mode 0600, as the journal's files: status.json names the endpoint, hosts and pids."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Replace ``path`` with ``data`` in one step, never through a link: a reader sees the old
+    file or the new one. Mode 0600, as the journal's files: status.json names the endpoint,
+    hosts and pids. Not fsynced: a snapshot, rewritten every few seconds."""
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable=False)

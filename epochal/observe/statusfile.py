@@ -16,9 +16,11 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from epochal.coordinator.journal import RESULT_FILE
+from epochal.errors import ConfigError
+from epochal.files import private_dir
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
 from epochal.observe.runfiles import (
     STATUS_FILE,
@@ -29,6 +31,7 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
+from epochal.text import PRINTABLE_CHARS, printable
 
 INTERVAL = 2.0
 """Seconds between two rewrites of status.json for heartbeat snapshots alone (an epoch, a join,
@@ -51,6 +54,8 @@ class StatusFile(RunObserver):
         self._interval = interval
         self._clock = clock
         self._written = -float("inf")
+        self._checked = False
+        # the run directory was checked to be this user's alone (once: it does not change hands)
         self._ended = False
         # after on_end, a late snapshot (the coordinator still in its last phase) must not turn
         # the final state back into a running one
@@ -65,7 +70,9 @@ class StatusFile(RunObserver):
 
     def _write(self) -> None:
         self._data["updated"] = time.time()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._checked:
+            private_dir(self.path.parent, kind="run directory")
+            self._checked = True
         write_json_atomic(self.path, self._data)
         self._written = self._clock()
 
@@ -73,7 +80,10 @@ class StatusFile(RunObserver):
         self._ended = False
         events: list[dict[str, Any]] = self._data["events"]
         if not events and start.resumed_from is not None:
-            previous = read_status(self.path.parent) or {}
+            try:
+                previous = read_status(self.path.parent) or {}
+            except ConfigError:  # not a file a run wrote: nothing to carry over, it is replaced
+                previous = {}
             carried = previous.get("events")
             if isinstance(carried, list):
                 events.extend(e for e in carried if isinstance(e, dict))
@@ -162,10 +172,34 @@ class StatusFile(RunObserver):
 
 
 # ---------------------------------------------------------------------- reading it back
+#
+# Everything below reads files another user may have written (a run directory in a shared place,
+# or one copied from elsewhere): every value shown goes through printable(), every container is
+# checked for its type before use, and a number is shown as a number only when it is one.
+
+REASON_CHARS = 1000
+"""Longest abort reason shown (a reason naming many ranks is longer than a field)."""
+
+
+def _t(value: Any, limit: int = PRINTABLE_CHARS) -> str:
+    """A value read from the files, safe to print."""
+    return printable(value, limit)
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _is_number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _loss(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+    return f"{value:.4f}" if _is_number(value) else "-"
 
 
 def _ago(seconds: float) -> str:
@@ -178,7 +212,7 @@ def _ago(seconds: float) -> str:
 
 def _alive(pid: Any, host: Any) -> bool | None:
     """Whether the process ``pid`` runs, when it is on this host; None: cannot tell."""
-    if not isinstance(pid, int) or host != socket.gethostname():
+    if type(pid) is not int or pid <= 0 or host != socket.gethostname():
         return None
     try:
         os.kill(pid, 0)
@@ -186,6 +220,8 @@ def _alive(pid: Any, host: Any) -> bool | None:
         return False
     except PermissionError:
         return True
+    except (OverflowError, OSError):
+        return None
     return True
 
 
@@ -193,15 +229,15 @@ def _epoch_line(record: Mapping[str, Any]) -> str:
     lr = record.get("lr_factor")
     seconds = record.get("seconds")
     return (
-        f"last epoch {record.get('epoch')}: train {_loss(record.get('train_loss'))}  "
+        f"last epoch {_t(record.get('epoch'))}: train {_loss(record.get('train_loss'))}  "
         f"valid {_loss(record.get('valid_loss'))}  smoothed {_loss(record.get('smoothed_loss'))}"
         + "".join(
-            f"  {key.replace('_', ' ', 1)} {_loss(record.get(key))}"
-            for key in record.get("metrics") or ()
+            f"  {_t(key.replace('_', ' ', 1))} {_loss(record.get(key))}"
+            for key in _list(record.get("metrics"))
             if isinstance(key, str)
         )
-        + (f"  lr x{lr:g}" if isinstance(lr, int | float) else "")
-        + (f"  {seconds:.2f}s" if isinstance(seconds, int | float) else "")
+        + (f"  lr x{lr:g}" if _is_number(lr) else "")
+        + (f"  {seconds:.2f}s" if _is_number(seconds) else "")
     )
 
 
@@ -213,14 +249,14 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
         idle, heard = r.get("idle"), r.get("last_heard")
         body.append(
             (
-                str(r.get("rank", "?")),
-                str(r.get("host", "")),
-                str(r.get("phase", "?")),
-                str(r.get("epoch", "")),
-                str(r.get("step", "")),
-                f"{idle:.1f} s" if isinstance(idle, int | float) else "-",
-                f"{heard:.1f} s ago" if isinstance(heard, int | float) else "-",
-                str(r.get("where", "")),
+                _t(r.get("rank", "?")),
+                _t(r.get("host", "")),
+                _t(r.get("phase", "?")),
+                _t(r.get("epoch", "")),
+                _t(r.get("step", "")),
+                f"{idle:.1f} s" if _is_number(idle) else "-",
+                f"{heard:.1f} s ago" if _is_number(heard) else "-",
+                _t(r.get("where", "")),
             )
         )
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=False)]
@@ -232,40 +268,42 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
 
 def describe(run_dir: Path, *, now: float | None = None) -> str:
     """The run in ``run_dir`` at a glance: live from status.json; once it ended (or without
-    status.json), from result.json and the journal."""
+    status.json), from result.json and the journal. Raises
+    :class:`~epochal.observe.runfiles.UnreadableRunFile` naming a file that is not a run's."""
     now = time.time() if now is None else now
     status = read_status(run_dir)
     result = current_result(run_dir, status)
     run = read_run(run_dir) or {}
     records = epoch_records(read_records(run_dir))
-    run_id = (result or {}).get("run_id") or (status or {}).get("run_id") or run.get("run_id")
-    epochs = (status or {}).get("epochs") or (run.get("config") or {}).get("epochs")
+    live = status or {}
+    run_id = (result or {}).get("run_id") or live.get("run_id") or run.get("run_id")
+    epochs = live.get("epochs") or _obj(run.get("config")).get("epochs")
     lines = []
-    head = f"run {run_id or '?'} in {run_dir}: "
+    head = f"run {_t(run_id or '?')} in {_t(run_dir)}: "
     if result is not None and result.get("status") == "finished":
         lines.append(
-            head + f"finished after {result.get('epochs_run')} epochs, best epoch "
-            f"{result.get('best_epoch')} (smoothed loss {_loss(result.get('best_loss'))})"
+            head + f"finished after {_t(result.get('epochs_run'))} epochs, best epoch "
+            f"{_t(result.get('best_epoch'))} (smoothed loss {_loss(result.get('best_loss'))})"
         )
     elif result is not None and result.get("status") == "aborted":
-        lines.append(head + f"aborted: {result.get('reason', '?')}")
+        lines.append(head + f"aborted: {_t(result.get('reason', '?'), REASON_CHARS)}")
     elif status is not None:
-        state = status.get("state", "?")
-        of = f" of {epochs}" if epochs else ""
+        of = f" of {_t(epochs)}" if epochs else ""
         lines.append(
-            head + f"{state}, epoch {status.get('epoch', '?')}{of}, "
-            f"{status.get('joined', '?')}/{status.get('world_size', '?')} workers joined"
+            head + f"{_t(status.get('state', '?'))}, epoch {_t(status.get('epoch', '?'))}{of}, "
+            f"{_t(status.get('joined', '?'))}/{_t(status.get('world_size', '?'))} workers joined"
         )
         alive = _alive(status.get("pid"), status.get("host"))
         updated = status.get("updated")
-        seen = f"updated {_ago(now - updated)}" if isinstance(updated, int | float) else "updated"
+        seen = f"updated {_ago(now - updated)}" if _is_number(updated) else "updated"
         if alive is False:
             lines.append(
-                f"{seen} by pid {status.get('pid')}, which is no longer running: the coordinator "
-                "stopped without a result (killed?); the same command again resumes the run"
+                f"{seen} by pid {_t(status.get('pid'))}, which is no longer running: the "
+                "coordinator stopped without a result (killed?); the same command again resumes "
+                "the run"
             )
         else:
-            lines.append(f"{seen} by pid {status.get('pid')} on {status.get('host')}")
+            lines.append(f"{seen} by pid {_t(status.get('pid'))} on {_t(status.get('host'))}")
     elif records:
         lines.append(
             head + f"{len(records)} epochs journaled, no result and no status.json (a "
@@ -278,20 +316,20 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         at = next((r for r in records if r["epoch"] == best), None)
         if result is None and best is not None:
             lines.append(
-                f"best so far: epoch {best} (smoothed loss "
+                f"best so far: epoch {_t(best)} (smoothed loss "
                 f"{_loss(None if at is None else at.get('best_loss'))})"
             )
         lines.append(_epoch_line(records[-1]))
-    elif status is not None and isinstance(status.get("last"), dict):
-        lines.append(_epoch_line(status["last"]))
+    elif isinstance(live.get("last"), dict):
+        lines.append(_epoch_line(live["last"]))
     if status is not None:
-        events = [e for e in status.get("events") or [] if isinstance(e, dict)]
+        events = [e for e in _list(status.get("events")) if isinstance(e, dict)]
         again = [e for e in events if e.get("kind") in ("restart", "resume")]
         if again:
-            said = ", ".join(f"{e.get('kind')} at epoch {e.get('start_epoch')}" for e in again)
-            lines.append(f"restarts: {status.get('restarts', 0)} ({said})")
-        ranks = status.get("ranks")
-        if result is None and isinstance(ranks, list) and ranks:
+            said = ", ".join(f"{e['kind']} at epoch {_t(e.get('start_epoch'))}" for e in again)
+            lines.append(f"restarts: {_t(status.get('restarts', 0))} ({said})")
+        ranks = _list(status.get("ranks"))
+        if result is None and ranks:
             lines.append(rank_table([r for r in ranks if isinstance(r, dict)]))
     return "\n".join(lines)
 
@@ -304,10 +342,10 @@ def current_result(run_dir: Path, status: Mapping[str, Any] | None) -> dict[str,
         return result
     updated = status.get("updated")
     try:
-        written = (run_dir / RESULT_FILE).stat().st_mtime
+        written = os.lstat(run_dir / RESULT_FILE).st_mtime
     except OSError:
         return result
-    if isinstance(updated, int | float) and updated > written:
+    if _is_number(updated) and updated > written:
         return None
     return result
 

@@ -6,6 +6,10 @@ Written with the ``tensorboard`` package's own event writer and protocol buffers
 runs side by side and a resumed run continues its own curves. Each start of the coordinator writes
 TensorBoard's restart marker (a ``SessionLog.START`` event at the epoch it starts from), with which
 TensorBoard drops the epochs a resume trains again instead of drawing them twice.
+
+DIR and DIR/NAME are created with mode 0700 and refused when another user could write in them
+(:func:`epochal.files.private_dir`): TensorBoard's writer follows links, so nobody else may plant
+one where it writes. DIR is checked when the observer is made, before the run starts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.errors import ConfigError
+from epochal.files import private_dir
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot
 
 EXTRA_HINT = "pip install 'epochal[tensorboard]'"
@@ -68,15 +73,14 @@ class TensorBoard(RunObserver):
         self._event_pb2: Any = event_pb2
         self._summary_pb2: Any = summary_pb2
         self._writer_class: Any = EventFileWriter
-        self.logdir = Path(logdir)
+        self.logdir = private_dir(logdir, kind="TensorBoard directory (--tensorboard)")
         self.directory: Path | None = None
         self._writer: Any = None
 
     def on_start(self, start: RunStart) -> None:
         if self._writer is None:
             name = start.run_dir.name if start.run_dir is not None else start.run_id
-            self.directory = self.logdir / name
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory = private_dir(self.logdir / name, kind="TensorBoard directory")
             self._writer = self._writer_class(str(self.directory), flush_secs=10)
         log = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
         self._writer.add_event(

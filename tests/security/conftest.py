@@ -1,8 +1,10 @@
-"""Fixtures for the CURVE tests: a key directory, and ZeroMQ sockets that are always cleaned up.
+"""Fixtures for the security tests: a key directory, ZeroMQ sockets that are always cleaned up,
+and the integration tests' ``spawn`` for real runs.
 
 Every socket a test opens through ``net`` is closed with ``linger=0`` and every authenticator
 stopped at teardown, even when the test failed; a context that then will not terminate within
-a deadline fails the test instead of hanging the run.
+a deadline fails the test instead of hanging the run. Every process started through ``spawn``
+has a deadline and is killed, with its children, at teardown.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from epochal.security import KeyDirectory, generate
+from tests.integration.conftest import spawn  # noqa: F401  (the fixture, shared)
 
 TERM_DEADLINE = 5.0
 
