@@ -6,23 +6,27 @@ workers heard of it) and, once the run ended, ``result.json``. Resuming replays 
 up to the newest committed checkpoint that verifies against its manifest through
 :class:`~epochal.coordinator.policy.LoopState`, which rebuilds the smoothing state, best epoch,
 learning-rate factor and patience exactly. No torch here: checkpoints are checked by their
-manifest's SHA-256 sums, not loaded.
+manifest (its MAC under the user's checkpoint key, then every file's SHA-256), not loaded; a
+checkpoint directory another user could write is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import EPOCHS_FILE, RESULT_FILE, RUN_FILE, check_record
 from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
+from epochal.files import check_private_dir
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
 from epochal.settings import flag_name, settings
@@ -167,6 +171,8 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot."""
     run_dir = config.run_dir
     loop = new_loop(config)
+    if checkpoint_dir is not None and os.path.lexists(checkpoint_dir):
+        check_private_dir(checkpoint_dir, kind="checkpoint directory")
     if run_dir is None:
         return RunState(loop=loop)
     if not (run_dir / RUN_FILE).exists():
@@ -199,6 +205,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     records = _read_journal(run_dir / EPOCHS_FILE, notes)
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
     resume: int | None = None
+    key: CheckpointKey | None = None
     for epoch in reversed(committed):
         if checkpoint_dir is None:
             break
@@ -206,7 +213,8 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         if not path.exists() and not checkpoint_dir.exists():
             resume = epoch  # not visible from here (another machine's disk): trust the journal
             break
-        problem = verify_checkpoint(path)
+        key = key or load_key()
+        problem = verify_checkpoint(path, key, epoch=epoch)
         if problem is None:
             resume = epoch
             break
