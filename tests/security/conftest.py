@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from epochal.security import KeyDirectory, generate
+from tests.integration.conftest import spawn as spawn  # real runs, as tests/integration starts them
 
 TERM_DEADLINE = 5.0
 
