@@ -72,8 +72,16 @@ def default_key_path(environ: Mapping[str, str] | None = None) -> Path:
     (a relative ``XDG_CONFIG_HOME`` is ignored, as the XDG specification says)."""
     env = os.environ if environ is None else environ
     config = env.get("XDG_CONFIG_HOME", "")
-    base = Path(config) if config and os.path.isabs(config) else Path.home() / ".config"
-    return base / "epochal" / KEY_FILE_NAME
+    if config and os.path.isabs(config):
+        return Path(config) / "epochal" / KEY_FILE_NAME
+    try:
+        home = Path.home()
+    except RuntimeError:  # no HOME, and no passwd entry (a container's arbitrary uid)
+        raise ConfigError(
+            f"this process has no home directory for its checkpoint key: set "
+            f"{CHECKPOINT_KEY_FILE_ENV} to a key file. Make one: {_MAKE_ONE}"
+        ) from None
+    return home / ".config" / "epochal" / KEY_FILE_NAME
 
 
 def key_file_problem(st: os.stat_result, euid: int) -> str | None:
