@@ -20,6 +20,12 @@ CURVE_KEY_ENV = "EPOCHAL_CURVE_KEY"
 CURVE_SERVER_KEY_ENV = "EPOCHAL_CURVE_SERVER_KEY"
 """The coordinator's CURVE public key file (``coordinator.key``), given to every worker."""
 
+CHECKPOINT_KEY_FILE_ENV = "EPOCHAL_CHECKPOINT_KEY_FILE"
+"""The key file that signs checkpoint manifests (64 hex digits, mode 0600), for the workers and the
+coordinator alike; it must exist. Default: ``$XDG_CONFIG_HOME/epochal/checkpoint.key`` (else
+``~/.config/epochal/checkpoint.key``), made on first use. Every process of a run must read the same
+key: a shared home does that, else point this at a copy of one key on every machine."""
+
 WORKER_ID_ENV = "EPOCHAL_WORKER_ID"
 """Unique id of this worker process (default: ``HOST/PID``)."""
 

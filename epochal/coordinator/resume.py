@@ -6,7 +6,8 @@ workers heard of it) and, once the run ended, ``result.json``. Resuming replays 
 up to the newest committed checkpoint that verifies against its manifest through
 :class:`~epochal.coordinator.policy.LoopState`, which rebuilds the smoothing state, best epoch,
 learning-rate factor and patience exactly. No torch here: checkpoints are checked by their
-manifest's SHA-256 sums, not loaded.
+manifest (its MAC under the user's checkpoint key, then every file's SHA-256), not loaded; a
+checkpoint directory another user could write is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import (
     EPOCHS_FILE,
@@ -238,6 +240,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     link, never blocking on a FIFO): a refusal names the file."""
     run_dir = config.run_dir
     loop = new_loop(config)
+    check_directories(None, checkpoint_dir)
     if run_dir is None:
         return RunState(loop=loop)
     stored = _stored_config(run_dir)
@@ -257,6 +260,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     records = _read_journal(run_dir / EPOCHS_FILE, notes)
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
     resume: int | None = None
+    key: CheckpointKey | None = None
     for epoch in reversed(committed):
         if checkpoint_dir is None:
             break
@@ -264,7 +268,8 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         if not path.exists() and not checkpoint_dir.exists():
             resume = epoch  # not visible from here (another machine's disk): trust the journal
             break
-        problem = verify_checkpoint(path)
+        key = key or load_key()
+        problem = verify_checkpoint(path, key, epoch=epoch)
         if problem is None:
             resume = epoch
             break

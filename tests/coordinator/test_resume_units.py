@@ -5,7 +5,8 @@ Each test writes what a run leaves behind, the way the service and the worker wr
 (``Coordinator._decide``: ``kind`` "epoch", the EpochOutcome's fields, ``validates``,
 ``checkpoint``, batch counts, timings) and per committed checkpoint (``kind`` "checkpoint"),
 ``result.json`` (``Coordinator._end``), and checkpoints ``epoch-NNNNNN/`` holding ``MANIFEST.json``
-``{"epoch", "files": {name: sha256}}`` (``epochal.worker.checkpoint.Checkpointer.save``). The
+``{"format", "epoch", "files": {name: sha256}, "key_id", "hmac_sha256"}`` signed with the session's
+checkpoint key (``epochal.manifest.write_manifest``, as ``Checkpointer.save`` writes it). The
 expected loop state is a LoopState fed the same losses by hand.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.resume import (
@@ -33,7 +35,7 @@ from epochal.coordinator.resume import (
 )
 from epochal.coordinator.schedule import parse_schedule
 from epochal.errors import ConfigError
-from epochal.manifest import checkpoint_path, verify_checkpoint
+from epochal.manifest import checkpoint_path, signed, verify_checkpoint, write_manifest
 
 SCHEDULE = "plateau:patience=0,factor=0.5,threshold=0"
 
@@ -91,11 +93,12 @@ def write_checkpoint(checkpoint_dir: Path, epoch: int) -> Path:
     path.mkdir(parents=True)
     for name, data in CHECKPOINT_FILES.items():
         (path / name).write_bytes(data)
-    files = {name: hashlib.sha256(data).hexdigest() for name, data in CHECKPOINT_FILES.items()}
-    (path / "MANIFEST.json").write_text(
-        json.dumps({"epoch": epoch, "files": files}, indent=1, sort_keys=True)
-    )
+    write_manifest(path, epoch, load_key())
     return path
+
+
+def verify(path: Path, epoch: int) -> str | None:
+    return verify_checkpoint(path, load_key(), epoch=epoch)
 
 
 def write_run(
@@ -625,12 +628,12 @@ def damage_newest(path: Path, how: str) -> None:
 
 
 DAMAGE = {
-    "flipped": "__0_0.distcp does not match its manifest (corrupt or truncated)",
-    "truncated": "__0_0.distcp does not match its manifest (corrupt or truncated)",
+    "flipped": "__0_0.distcp does not match its manifest (corrupt, truncated or replaced)",
+    "truncated": "__0_0.distcp does not match its manifest (corrupt, truncated or replaced)",
     "file missing": "rank00001.pt is unreadable",
     "manifest missing": "MANIFEST.json is missing",
     "manifest unreadable": "MANIFEST.json is unreadable",
-    "manifest without files": "MANIFEST.json is unreadable",
+    "manifest without files": "MANIFEST.json has no MAC",
     "directory missing": "MANIFEST.json is missing",
 }
 
@@ -643,7 +646,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_note(
     records = write_run(config, epochs_done=5, checkpoints=[1, 3])
     newest = checkpoint_path(config.checkpoint_path, 3)
     damage_newest(newest, how)
-    assert verify_checkpoint(newest) is not None
+    assert verify(newest, 3) is not None
     state = look(config)
     assert (state.resume_epoch, state.start_epoch) == (1, 2)
     assert state.records == [r for r in records if r["epoch"] <= 1]
@@ -653,6 +656,103 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_note(
     assert note.startswith("the checkpoint of epoch 3 is unusable: ")
     assert DAMAGE[how] in note
     assert note.endswith("falling back to the previous one")
+
+
+# ----------------------------------------------------------------------------- forged checkpoints
+
+
+def forge(path: Path, manifest: dict[str, Any]) -> None:
+    """Swap a file and recompute its sum in the manifest, as someone without the key can."""
+    (path / "rank00001.pt").write_bytes(b"a pickle that runs a command")
+    manifest["files"]["rank00001.pt"] = hashlib.sha256(b"a pickle that runs a command").hexdigest()
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_a_forged_checkpoint_with_a_recomputed_manifest_falls_back_naming_the_manifest(
+    tmp_path: Path,
+):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    newest = checkpoint_path(config.checkpoint_path, 3)
+    forge(newest, json.loads((newest / "MANIFEST.json").read_text()))
+    state = look(config)
+    assert state.resume_epoch == 1
+    (note,) = state.notes
+    assert f"{newest / 'MANIFEST.json'} does not verify under the checkpoint key id " in note
+    assert note.endswith("falling back to the previous one")
+
+
+def test_a_checkpoint_signed_with_another_key_falls_back_naming_both_keys(tmp_path: Path):
+    # a checkpoint copied from another user's run: signed, but not with this user's key
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    newest = checkpoint_path(config.checkpoint_path, 3)
+    theirs = CheckpointKey(secret=bytes(range(32)), path=tmp_path / "their.key")
+    (newest / "MANIFEST.json").unlink()
+    write_manifest(newest, 3, theirs)
+    state = look(config)
+    assert state.resume_epoch == 1
+    (note,) = state.notes
+    assert f"signed with another checkpoint key (id '{theirs.key_id}')" in note
+    assert load_key().describe() in note
+
+
+def test_a_checkpoint_from_before_authentication_is_refused_saying_so(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    for epoch in (1, 3):  # the unsigned manifest epochal wrote before
+        path = checkpoint_path(config.checkpoint_path, epoch)
+        files = json.loads((path / "MANIFEST.json").read_text())["files"]
+        (path / "MANIFEST.json").write_text(json.dumps({"epoch": epoch, "files": files}))
+    state = look(config)
+    assert state.resume_epoch is None
+    assert all("predates authenticated checkpoints" in n for n in state.notes[:2])
+    assert state.notes[2] == "no usable checkpoint: the run starts again from epoch 0"
+
+
+def test_a_checkpoint_copied_from_another_epoch_is_refused(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    newest, older = (checkpoint_path(config.checkpoint_path, e) for e in (3, 1))
+    for f in older.iterdir():
+        (newest / f.name).write_bytes(f.read_bytes())
+    state = look(config)
+    assert state.resume_epoch == 1
+    assert "belongs to epoch 1, not 3: the checkpoint was moved or copied" in state.notes[0]
+
+
+def test_no_key_is_needed_for_checkpoints_this_machine_cannot_see(tmp_path: Path, monkeypatch):
+    config = make_config(tmp_path, checkpoint_dir=tmp_path / "elsewhere")
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    for path in sorted(config.checkpoint_path.iterdir()):
+        for f in path.iterdir():
+            f.unlink()
+        path.rmdir()
+    config.checkpoint_path.rmdir()
+    monkeypatch.setenv("EPOCHAL_CHECKPOINT_KEY_FILE", str(tmp_path / "no-such.key"))
+    assert look(config).resume_epoch == 3
+
+
+def test_a_missing_key_file_named_by_the_variable_stops_the_resume_with_one_line(
+    tmp_path: Path, monkeypatch
+):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    monkeypatch.setenv("EPOCHAL_CHECKPOINT_KEY_FILE", str(tmp_path / "no-such.key"))
+    message = refusal(config)
+    assert f"EPOCHAL_CHECKPOINT_KEY_FILE={tmp_path / 'no-such.key'} does not exist" in message
+    assert "\n" not in message
+
+
+def test_a_checkpoint_directory_others_may_write_is_refused(tmp_path: Path):
+    config = make_config(tmp_path)
+    write_run(config, epochs_done=5, checkpoints=[1, 3])
+    config.checkpoint_path.chmod(0o777)
+    message = refusal(config)
+    assert f"refusing the checkpoint directory: {config.checkpoint_path} is writable by others" in (
+        message
+    )
+    assert "\n" not in message
 
 
 def test_no_usable_checkpoint_starts_from_zero_with_a_note(tmp_path: Path):
@@ -680,26 +780,27 @@ def test_a_journal_without_any_checkpoint_starts_from_zero_with_a_note(tmp_path:
 
 
 def test_verify_accepts_a_checkpoint_that_matches_its_manifest(tmp_path: Path):
-    assert verify_checkpoint(write_checkpoint(tmp_path, 7)) is None
+    assert verify(write_checkpoint(tmp_path, 7), 7) is None
 
 
 def test_verify_accepts_files_in_subdirectories(tmp_path: Path):
     path = tmp_path / "epoch-000002"
     (path / "sub").mkdir(parents=True)
     (path / "sub" / "shard").write_bytes(b"abc")
-    files = {"sub/shard": hashlib.sha256(b"abc").hexdigest()}
-    (path / "MANIFEST.json").write_text(json.dumps({"epoch": 2, "files": files}))
-    assert verify_checkpoint(path) is None
+    write_manifest(path, 2, load_key())
+    assert verify(path, 2) is None
     (path / "sub" / "shard").write_bytes(b"abd")
-    assert "does not match its manifest" in (verify_checkpoint(path) or "")
+    assert "does not match its manifest" in (verify(path, 2) or "")
 
 
-# A manifest whose "files" is not an object is a problem to report, and to fall back from.
-@pytest.mark.parametrize("files", ["[]", "null", '"MANIFEST.json"'])
+# A manifest whose "files" is not an object is a problem to report, and to fall back from, even
+# when it is signed.
+@pytest.mark.parametrize("files", ["[]", "null", '"MANIFEST.json"', '{"../run.json": "00"}'])
 def test_a_manifest_whose_files_is_not_an_object_is_reported_not_raised(tmp_path: Path, files: str):
     path = write_checkpoint(tmp_path, 3)
-    (path / "MANIFEST.json").write_text('{"epoch": 3, "files": ' + files + "}")
-    problem = verify_checkpoint(path)
+    body = {"format": 2, "epoch": 3, "files": json.loads(files), "key_id": load_key().key_id}
+    (path / "MANIFEST.json").write_text(json.dumps(signed(body, load_key())))
+    problem = verify(path, 3)
     assert problem is not None and "MANIFEST.json" in problem
 
 

@@ -9,6 +9,7 @@ pods as processes on three network-namespace hosts. The digits job must finish.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,10 +18,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from secrets import token_hex
 from typing import Any
 
 import pytest
 
+from epochal.checkpointkey import CheckpointKey
 from tests.multihost import netns
 
 yaml = pytest.importorskip("yaml", reason="pip install pyyaml (.ci/run installs it)")
@@ -146,6 +149,15 @@ def test_the_manifests_agree_with_each_other() -> None:
     for resource in (coordinator, job):
         secrets = [v["secret"] for v in pod_spec(resource)["volumes"] if "secret" in v]
         assert secrets and all(s["defaultMode"] == 0o400 for s in secrets)
+    # one checkpoint key, the same Secret in every pod, where the variable says it is
+    for resource in (coordinator, job):
+        volumes = {v["name"]: v for v in pod_spec(resource)["volumes"]}
+        assert volumes["checkpoint-key"]["secret"]["secretName"] == "epochal-checkpoint-key"
+        mounts = container(resource)["volumeMounts"]
+        (mounted,) = [m["mountPath"] for m in mounts if m["name"] == "checkpoint-key"]
+        assert env_of(container(resource))["EPOCHAL_CHECKPOINT_KEY_FILE"] == (
+            f"{mounted}/checkpoint.key"
+        )
     # one ReadWriteMany volume holding the run directory, at the same path in every pod
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     mounts = [
@@ -284,7 +296,8 @@ class Pod:
 
 
 def generate_keys(directory: Path) -> dict[str, dict[str, bytes]]:
-    """The two Secrets, made from `epochal keys generate` as the README's commands make them."""
+    """The three Secrets, made as the README's commands make them: the CURVE keys from
+    `epochal keys generate`, the checkpoint key from 32 random bytes in hex."""
     subprocess.run(
         [sys.executable, "-m", "epochal", "keys", "generate", "--name", "worker", str(directory)],
         check=True,
@@ -299,6 +312,7 @@ def generate_keys(directory: Path) -> dict[str, dict[str, bytes]]:
             "coordinator.key": (directory / "coordinator.key").read_bytes(),
             "worker.key_secret": (directory / "workers" / "worker.key_secret").read_bytes(),
         },
+        "epochal-checkpoint-key": {"checkpoint.key": (token_hex(32) + "\n").encode()},
     }
 
 
@@ -387,5 +401,12 @@ def test_the_manifests_run_as_pods_on_three_hosts_and_train_digits(tmp_path: Pat
         ).removeprefix("runs/")
         assert (run_dir / "result.json").exists()
         assert list((run_dir / "checkpoints").iterdir()), "checkpoints on the shared volume"
+        # signed with the mounted key, not with one made in a home directory
+        key = CheckpointKey(
+            secret=bytes.fromhex(secrets["epochal-checkpoint-key"]["checkpoint.key"].decode()),
+            path=Path("checkpoint.key"),
+        )
+        for manifest in (run_dir / "checkpoints").glob("epoch-*/MANIFEST.json"):
+            assert json.loads(manifest.read_text())["key_id"] == key.key_id
         net.close()
         assert not net.leftover()

@@ -1,13 +1,25 @@
-"""Checkpoints in one process: every load checks the manifest; the curve travels along."""
+"""Checkpoints in one process: every load checks the signed manifest first; the curve travels
+along; the files are the user's alone; a forged file is refused before any byte of it is read."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import stat
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from torch import nn
 
+from epochal.checkpointkey import CheckpointKey
+from epochal.errors import EpochalError
+from epochal.files import UnsafePath
 from epochal.manifest import checkpoint_path
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 
@@ -31,6 +43,14 @@ def saved(tmp_path: Path) -> tuple[Checkpointer, nn.Module]:
     model = nn.Linear(64, 64)
     ckpt = Checkpointer(tmp_path, rank=0, run_id="r")
     ckpt.save(3, State(model), history=[{"epoch": 3, "train_loss": 1.5}])
+    return ckpt, model
+
+
+def saved_now(tmp_path: Path) -> tuple[Checkpointer, nn.Module]:
+    """A checkpoint of epoch 3 taken with the generators as they are."""
+    model = nn.Linear(8, 8)
+    ckpt = Checkpointer(tmp_path, rank=0, run_id="r")
+    ckpt.save(3, State(model))
     return ckpt, model
 
 
@@ -61,3 +81,130 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_loaded(
         with pytest.raises(CheckpointCorrupt, match=f"epoch 3 is unusable: .*{path.name}"):
             ckpt.load(3, State(fresh), rng=rng)
     assert torch.equal(fresh.weight, before)  # untouched
+
+
+# ----------------------------------------------------------------------------- files of our own
+
+
+def test_a_checkpoint_is_0700_with_0600_files_whatever_the_umask(tmp_path: Path):
+    old = os.umask(0)  # DCP writes with the umask: the modes must not depend on it
+    try:
+        saved(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    path = checkpoint_path(tmp_path / "ckpt", 3)
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    names = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in path.iterdir()}
+    assert {".metadata", "rank00000.pt", "MANIFEST.json"} <= set(names)
+    assert set(names.values()) == {0o600}, names
+    assert not [n for n in names if n.startswith(".key-")]  # the ranks' key marks are gone
+
+
+@pytest.mark.parametrize("when", ["save", "load"])
+def test_a_checkpoint_directory_others_may_write_is_refused(tmp_path: Path, when: str):
+    if when == "load":
+        ckpt, _ = saved(tmp_path)
+    else:
+        ckpt = Checkpointer(tmp_path, rank=0, run_id="r")
+    tmp_path.chmod(0o777)
+    with pytest.raises(UnsafePath, match=f"{tmp_path} is writable by others"):
+        if when == "save":
+            ckpt.save(4, State(nn.Linear(64, 64)))
+        else:
+            ckpt.load(3, State(nn.Linear(64, 64)))
+
+
+def test_the_rank_file_loads_with_weights_only_and_restores_every_generator(tmp_path: Path):
+    random.seed(5)
+    numpy.random.seed(6)
+    torch.manual_seed(7)
+    random.gauss(0, 1)  # a cached Gaussian in Python's state
+    numpy.random.standard_normal()  # and in NumPy's
+    ckpt, _ = saved_now(tmp_path)
+    expected = (random.random(), numpy.random.random(), torch.rand(3))
+    numpy.random.seed(0)
+    random.seed(0)
+    torch.manual_seed(0)
+    path = checkpoint_path(tmp_path, 3)
+    extra = torch.load(path / "rank00000.pt", weights_only=True)  # no pickle beyond the safe set
+    assert extra["epoch"] == 3
+    ckpt.load(3, State(nn.Linear(8, 8)))
+    again = (random.random(), numpy.random.random(), torch.rand(3))
+    assert again[:2] == expected[:2]
+    assert torch.equal(again[2], expected[2])
+
+
+# ----------------------------------------------------------------------------- forgeries
+
+
+class RunsCode:
+    """A pickle that creates ``marker`` when it is loaded: what a forger plants."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def forge(path: Path, name: str, marker: Path) -> None:
+    """Swap ``name`` for a pickle that runs code and recompute its sum in the manifest, as a
+    user without the key can."""
+    if name == ".metadata":
+        data = pickle.dumps(RunsCode(marker))
+    else:
+        buffer = io.BytesIO()
+        torch.save(RunsCode(marker), buffer)
+        data = buffer.getvalue()
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["rank00000.pt", ".metadata"])
+def test_a_forged_file_with_a_recomputed_manifest_is_refused_unread(tmp_path: Path, name: str):
+    ckpt, _ = saved(tmp_path / "ckpt")
+    path = checkpoint_path(tmp_path / "ckpt", 3)
+    marker = tmp_path / "ran"
+    forge(path, name, marker)
+    fresh = nn.Linear(64, 64)
+    before = fresh.weight.detach().clone()
+    for rng in (True, False):
+        with pytest.raises(CheckpointCorrupt) as info:
+            ckpt.load(3, State(fresh), rng=rng)
+        assert f"{path / 'MANIFEST.json'} does not verify under the checkpoint key" in str(
+            info.value
+        )
+    assert not marker.exists()
+    assert torch.equal(fresh.weight, before)
+
+
+def test_a_checkpoint_signed_with_another_key_is_refused(tmp_path: Path):
+    theirs = CheckpointKey(secret=bytes(32), path=tmp_path / "their.key")
+    Checkpointer(tmp_path / "ckpt", rank=0, run_id="r", key=theirs).save(3, State(nn.Linear(4, 4)))
+    mine = Checkpointer(tmp_path / "ckpt", rank=0, run_id="r")
+    with pytest.raises(CheckpointCorrupt, match=f"another checkpoint key \\(id '{theirs.key_id}'"):
+        mine.load(3, State(nn.Linear(4, 4)))
+
+
+def test_a_checkpoint_from_before_authentication_is_refused_saying_so(tmp_path: Path):
+    ckpt, _ = saved(tmp_path)
+    manifest = checkpoint_path(tmp_path, 3) / "MANIFEST.json"
+    files = json.loads(manifest.read_text())["files"]
+    manifest.write_text(json.dumps({"epoch": 3, "files": files}))  # the old, unsigned manifest
+    with pytest.raises(CheckpointCorrupt, match="predates authenticated checkpoints"):
+        ckpt.load(3, State(nn.Linear(64, 64)))
+
+
+def test_ranks_with_different_keys_stop_the_run_at_its_first_checkpoint(tmp_path: Path):
+    # rank 1 (on another machine, another home) marked the temporary directory with its key
+    ckpt = Checkpointer(tmp_path, rank=0, run_id="r")
+    tmp = tmp_path / "epoch-000000.tmp-r"
+    tmp.mkdir(mode=0o700)
+    (tmp / ".key-00001-0123456789abcdef").touch()
+    with pytest.raises(EpochalError, match="rank\\(s\\) 1 use key id 0123456789abcdef") as info:
+        ckpt.save(0, State(nn.Linear(4, 4)))
+    assert "EPOCHAL_CHECKPOINT_KEY_FILE" in str(info.value)
+    assert not checkpoint_path(tmp_path, 0).exists()  # nothing committed
