@@ -1,4 +1,5 @@
-"""Fixtures for the CURVE tests: a key directory, and ZeroMQ sockets that are always cleaned up.
+"""Fixtures for the security tests: a key directory, ZeroMQ sockets that are always cleaned up,
+and (from the integration tests) ``spawn`` for real runs.
 
 Every socket a test opens through ``net`` is closed with ``linger=0`` and every authenticator
 stopped at teardown, even when the test failed; a context that then will not terminate within
@@ -17,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from epochal.security import KeyDirectory, generate
+from tests.integration.conftest import spawn  # noqa: F401  (the real runs here use it)
 
 TERM_DEADLINE = 5.0
 
