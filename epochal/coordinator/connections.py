@@ -176,6 +176,8 @@ class Connections:
         # order they were shut down
         self._capped = False
         self._short_said = False
+        self._held_short = 0
+        # connections of peers that had not joined when descriptors last ran out
         self.dropped: dict[Why, int] = {"timeout": 0, "cap": 0, "files": 0}
 
     @property
@@ -229,6 +231,7 @@ class Connections:
         if not self.failures.note(errno_value):
             line = self.failures.other_line(errno_value)
             return NOTHING if line is None else Verdict(lines=(line,))
+        self._held_short = self.held
         lines: tuple[str, ...] = ()
         if not self._short_said:
             self._short_said = True
@@ -289,6 +292,11 @@ class Connections:
     def _by_files(self) -> bool:
         limits = self.limits
         return limits.by_files is not None and limits.cap == max(limits.by_files, limits.workers)
+
+    def rendezvous_note(self) -> str:
+        """What a rendezvous timeout adds about accepts that failed, and who held the
+        descriptors then."""
+        return self.failures.rendezvous_note(held=self._held_short)
 
     def summary(self) -> str | None:
         """The line that counts the connections dropped, said as the run ends; None if none."""
@@ -441,6 +449,9 @@ class ConnectionGuard:
 
     def summary(self) -> str | None:
         return self.connections.summary()
+
+    def rendezvous_note(self) -> str:
+        return self.connections.rendezvous_note()
 
     def _carry_out(self, verdict: Verdict) -> None:
         for line in verdict.lines:

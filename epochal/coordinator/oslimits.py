@@ -192,15 +192,22 @@ class AcceptFailures:
         name = errno.errorcode.get(value, str(value))
         return f"cannot accept a connection: {name} ({os.strerror(value)})"
 
-    def rendezvous_note(self) -> str:
-        """What a rendezvous timeout adds when connections could not be accepted: the cause."""
+    def rendezvous_note(self, held: int = 0) -> str:
+        """What a rendezvous timeout adds when connections could not be accepted: the cause.
+        ``held``: connections of peers that had not joined when descriptors ran out; the advice
+        to raise the limit is given only when the workers need more than it."""
         if self.too_many_files:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            needed = files_needed(self.workers)
+            strangers = (
+                f"; {held} of them were held by peers that had not joined the run" if held else ""
+            )
+            short = soft != resource.RLIM_INFINITY and soft < needed
             return (
                 f"; the coordinator could not accept connections {self.too_many_files} times for "
-                f"want of file descriptors (soft limit {_limit(soft)}): the missing workers are "
-                "probably waiting to connect, not missing. "
-                + _how_to_raise(files_needed(self.workers))
+                f"want of file descriptors (soft limit {_limit(soft)}{strangers}): the missing "
+                "workers are probably waiting to connect, not missing"
+                + (f". {_how_to_raise(needed)}" if short or not held else "")
             )
         if self.total:
             return f"; {self.total} connections could not be accepted (see the log above)"

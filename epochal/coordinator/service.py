@@ -224,7 +224,12 @@ class Coordinator:
 
     def _rendezvous_note(self) -> str:
         """Why a rendezvous may fall short besides missing workers."""
-        return self.refused_handshakes.rendezvous_note() + self._accept_failures.rendezvous_note()
+        accepts = (  # the guard knows who held the descriptors
+            self._accept_failures.rendezvous_note()
+            if self._guard is None
+            else self._guard.rendezvous_note()
+        )
+        return self.refused_handshakes.rendezvous_note() + accepts
 
     async def start(self) -> str:
         """Bind the ROUTER socket and return the endpoint it listens on."""

@@ -285,3 +285,15 @@ def test_libzmq_closes_a_connection_shut_through_its_descriptor():
         monitor.close(linger=0)
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_rendezvous_timeout_names_the_strangers_that_held_the_descriptors(monkeypatch):
+    monkeypatch.setattr(oslimits.resource, "getrlimit", lambda which: (1024, 1024))
+    t = table()
+    assert t.rendezvous_note() == ""
+    for fd in range(3):
+        t.accepted(0.0, fd, inode=fd)
+    t.accept_failed(0.0, errno.EMFILE)
+    note = t.rendezvous_note()
+    assert "3 of them were held by peers that had not joined the run" in note
+    assert "ulimit" not in note

@@ -169,6 +169,19 @@ def test_accept_failures_are_counted_and_other_causes_named_once(monkeypatch):
     assert "not missing" in note
 
 
+def test_the_rendezvous_note_blames_strangers_when_they_held_the_descriptors(monkeypatch):
+    fake = _FakeLimits(1024, 1024)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    failures = AcceptFailures(workers=2)
+    failures.note(errno.EMFILE)
+    note = failures.rendezvous_note(held=958)
+    assert "958 of them were held by peers that had not joined the run" in note
+    assert "ulimit" not in note  # 2 workers fit in 1,024 files
+    big = AcceptFailures(workers=2000)
+    big.note(errno.EMFILE)
+    assert "ulimit -n 2064" in big.rendezvous_note(held=10)
+
+
 @pytest.mark.parametrize(
     ("workers", "held", "says", "advice"),
     [
