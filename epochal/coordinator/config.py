@@ -242,7 +242,8 @@ class CoordinatorConfig:
     heartbeat_timeout: float = field(
         default=15.0,
         metadata=setting(
-            help="silence after which a worker is declared lost and the run aborted",
+            help="silence after which a worker is declared lost and the run aborted; also how "
+            "long a connection may stay open without joining the run before it is closed",
             on_resume="may_change",
             flag=Flag(TIMEOUTS, metavar="S", type=seconds),
         ),

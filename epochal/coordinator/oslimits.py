@@ -6,10 +6,12 @@ the way long before ZeroMQ does:
 
 - the soft ``RLIMIT_NOFILE`` (``ulimit -n``), often 1,024: the coordinator raises it to the hard
   limit at startup (:func:`raise_nofile_limit`), which any process may do. When a connection still
-  cannot be accepted, libzmq reports ``EMFILE`` only as a socket-monitor event and leaves the
-  connection waiting in the listen queue; the worker then looks merely missing.
-  :class:`AcceptFailures` turns those events into one line that names the limit, and a note for
-  the rendezvous timeout;
+  cannot be accepted, libzmq reports ``EMFILE`` only as a socket-monitor event, leaves the
+  connection waiting in the listen queue and retries it at every turn of its I/O thread; the
+  worker then looks merely missing. :class:`AcceptFailures` counts those events (a note for the
+  rendezvous timeout), :func:`files_shortage_message` names the limit and who holds the
+  descriptors, and :class:`AcceptMonitor` reads the monitor in batches so that the flood never
+  keeps the service from its clock (:mod:`.connections` decides what to drop);
 - the listen backlog: libzmq listens with a backlog of 100 unless ``ZMQ_BACKLOG`` says otherwise,
   so when thousands of workers connect at once the kernel drops the surplus SYNs and those workers
   connect again only after TCP's retransmission timeout (1 s, then 3 s, 7 s, ...).
@@ -21,6 +23,7 @@ Nothing here logs: the functions return the lines, and the service says them.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import resource
@@ -156,16 +159,15 @@ def is_too_many_files(exc: BaseException) -> bool:
 
 
 class AcceptFailures:
-    """The ROUTER's failed accepts (socket-monitor events), said once and counted.
+    """The ROUTER's failed accepts (socket-monitor events), counted, and named once per cause.
 
-    libzmq retries a connection it could not accept at every turn of its I/O thread, so one worker
-    beyond the limit makes a flood of ``EVENT_ACCEPT_FAILED``: :meth:`note` returns the line for
-    the first failure of each cause (too many files, or another errno) and counts the rest;
-    :meth:`rendezvous_note` is what a rendezvous timeout adds, so that it names the limit instead
-    of "missing workers". Monitor the socket with :data:`EVENTS`.
+    libzmq retries a connection it could not accept at every turn of its I/O thread, so one
+    connection beyond the limit makes a flood of ``EVENT_ACCEPT_FAILED``: :meth:`note` counts each
+    and says whether it was for want of descriptors; :meth:`other_line` names each other cause
+    once; :meth:`rendezvous_note` is what a rendezvous timeout adds, so that it names the limit
+    instead of "missing workers". The line for a shortage of descriptors depends on who holds
+    them: :func:`files_shortage_message`.
     """
-
-    EVENTS = zmq.EVENT_ACCEPT_FAILED
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -173,59 +175,104 @@ class AcceptFailures:
         self.too_many_files = 0
         self._said: set[int] = set()
 
-    def note(self, event: int, value: int) -> str | None:
-        """Record one monitor event (``event``, its errno ``value``); the line to log, or None."""
-        if not event & zmq.EVENT_ACCEPT_FAILED:
-            return None
+    def note(self, value: int) -> bool:
+        """Count one failed accept with errno ``value``; whether it was for want of descriptors."""
         self.total += 1
         if value in TOO_MANY_FILES:
             self.too_many_files += 1
-        cause = errno.EMFILE if value in TOO_MANY_FILES else value
-        if cause in self._said:
-            return None
-        self._said.add(cause)
-        if cause == errno.EMFILE:
-            return (
-                "cannot accept a worker's connection: "
-                + too_many_files_message(self.workers)
-                + "; the worker waits in the listen queue until a descriptor is free"
-            )
-        name = errno.errorcode.get(value, str(value))
-        return f"cannot accept a worker's connection: {name} ({os.strerror(value)})"
+            return True
+        return False
 
-    def rendezvous_note(self) -> str:
-        """What a rendezvous timeout adds when connections could not be accepted: the cause."""
+    def other_line(self, value: int) -> str | None:
+        """The line for an accept that failed with errno ``value`` (not for want of descriptors),
+        the first time that cause is seen; None after that."""
+        if value in self._said:
+            return None
+        self._said.add(value)
+        name = errno.errorcode.get(value, str(value))
+        return f"cannot accept a connection: {name} ({os.strerror(value)})"
+
+    def rendezvous_note(self, held: int = 0) -> str:
+        """What a rendezvous timeout adds when connections could not be accepted: the cause.
+        ``held``: connections of peers that had not joined when descriptors ran out; the advice
+        to raise the limit is given only when the workers need more than it."""
         if self.too_many_files:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            needed = files_needed(self.workers)
+            strangers = (
+                f"; {held} of them were held by peers that had not joined the run" if held else ""
+            )
+            short = soft != resource.RLIM_INFINITY and soft < needed
             return (
                 f"; the coordinator could not accept connections {self.too_many_files} times for "
-                f"want of file descriptors (soft limit {_limit(soft)}): the missing workers are "
-                "probably waiting to connect, not missing. "
-                + _how_to_raise(files_needed(self.workers))
+                f"want of file descriptors (soft limit {_limit(soft)}{strangers}): the missing "
+                "workers are probably waiting to connect, not missing"
+                + (f". {_how_to_raise(needed)}" if short or not held else "")
             )
         if self.total:
             return f"; {self.total} connections could not be accepted (see the log above)"
         return ""
 
 
-class AcceptMonitor:
-    """A ROUTER's socket monitor, read for :class:`AcceptFailures`.
+def files_shortage_message(workers: int, *, held: int) -> str:
+    """The line for a connection not accepted for want of descriptors, naming who holds them:
+    ``held`` connections of peers that have not joined the run, or the ``workers`` themselves.
 
-    :meth:`watch` before the socket binds; :meth:`read` as a task for as long as the socket lives
-    (it drains the monitor until cancelled: a full monitor pipe would block closing the socket);
-    :meth:`close` before the socket closes.
+    The advice to raise the limit for the workers is given only when they need more than it.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = files_needed(workers)
+    workers_fit = soft == resource.RLIM_INFINITY or soft >= needed
+    head = (
+        f"cannot accept a connection: too many open files (the open-files limit is {_limit(soft)}, "
+        f"RLIMIT_NOFILE; the hard limit is {_limit(hard)})"
+    )
+    if held and workers_fit:
+        return (
+            f"{head}: {held} connections are held by peers that have not joined the run (the "
+            f"{workers} workers need about {needed}); the oldest of them are dropped to make room"
+        )
+    if held:
+        return (
+            f"{head}: {held} connections are held by peers that have not joined the run, and the "
+            f"{workers} workers need about {needed} by themselves. {_how_to_raise(needed)}"
+        )
+    if not workers_fit:
+        return (
+            f"{head} and {workers} workers need about {needed}. {_how_to_raise(needed)}; a worker "
+            "waits in the listen queue until a descriptor is free"
+        )
+    return (
+        f"{head}, though the {workers} workers need about {needed} and no peer that has not "
+        "joined holds one: this process holds its descriptors elsewhere (see /proc/PID/fd). "
+        + _how_to_raise(None)
+    )
+
+
+MONITOR_BATCH = 256
+"""Monitor events handled in one turn of the event loop before the monitor task yields."""
+
+
+class AcceptMonitor:
+    """A ROUTER's socket monitor, read in bounded batches.
+
+    :meth:`watch` before the socket binds; :meth:`read` as a task for as long as the socket lives;
+    :meth:`close` before the socket closes. libzmq's I/O thread blocks on a full monitor pipe, so
+    the task drains it until cancelled; and since an accept that fails for want of descriptors
+    fails again at every turn of that thread, events can come without end: the task yields to the
+    event loop after every :data:`MONITOR_BATCH` events, so the service's clock, heartbeats and
+    timeouts keep running.
     """
 
-    def __init__(self, failures: AcceptFailures) -> None:
-        self.failures = failures
+    def __init__(self) -> None:
         self._monitor: zmq.asyncio.Socket | None = None
 
     @property
     def watching(self) -> bool:
         return self._monitor is not None
 
-    def watch(self, sock: zmq.asyncio.Socket) -> None:
-        self._monitor = sock.get_monitor_socket(AcceptFailures.EVENTS)
+    def watch(self, sock: zmq.asyncio.Socket, events: int) -> None:
+        self._monitor = sock.get_monitor_socket(events)
 
     def close(self, sock: zmq.asyncio.Socket) -> None:
         """Stop monitoring ``sock`` (before it closes)."""
@@ -234,13 +281,18 @@ class AcceptMonitor:
             self._monitor.close(linger=0)
             self._monitor = None
 
-    async def read(self, log: Callable[[str], None]) -> None:
-        """Log the first connection the ROUTER could not accept for each cause (and count the
-        rest: libzmq retries at every turn, so the events come in floods)."""
+    async def read(self, handle: Callable[[int, int], None]) -> None:
+        """Hand every event (its type and value: a descriptor, or an errno) to ``handle``, at
+        most :data:`MONITOR_BATCH` a turn."""
         monitor = self._monitor
         assert monitor is not None
+        events: zmq.Socket[Any] = zmq.Socket.shadow(monitor.underlying)  # reads that never wait
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            line = self.failures.note(int(event["event"]), int(event["value"]))
-            if line is not None:
-                log(line)
+            await monitor.poll()
+            for _ in range(MONITOR_BATCH):
+                try:
+                    event = parse_monitor_message(events.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                handle(int(event["event"]), int(event["value"]))
+            await asyncio.sleep(0)  # an awaited poll that is already ready does not yield

@@ -37,6 +37,13 @@ from epochal.coordinator.actions import (
     Send,
 )
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.connections import (
+    EVENTS,
+    ConnectionGuard,
+    Connections,
+    connection_limits,
+    open_files,
+)
 from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
@@ -46,7 +53,14 @@ from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
-from epochal.protocol import MAX_FRAME_BYTES, CoordinatorMessage, Heartbeat, Hello, encode
+from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    CoordinatorMessage,
+    Heartbeat,
+    Hello,
+    Message,
+    encode,
+)
 from epochal.protocol.codec import decode_frame
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
@@ -117,8 +131,10 @@ class Coordinator:
         self._feed = ObserverFeed(self._observers)
         self._attempt = attempt
         self._accept_failures = oslimits.AcceptFailures(config.world_size)
-        self._monitor = oslimits.AcceptMonitor(self._accept_failures)
-        # the ROUTER's monitor (connections it could not accept, e.g. out of file descriptors)
+        self._monitor = oslimits.AcceptMonitor()
+        # the ROUTER's monitor: connections accepted, closed, or not accepted (out of descriptors)
+        self._guard: ConnectionGuard | None = None
+        # which connections are members', and the drops of those that are not (after start())
         self.bind_address = bind
         self.endpoint: str | None = None
         self.run_id = run_id or new_run_id()
@@ -210,7 +226,12 @@ class Coordinator:
 
     def _rendezvous_note(self) -> str:
         """Why a rendezvous may fall short besides missing workers."""
-        return self.refused_handshakes.rendezvous_note() + self._accept_failures.rendezvous_note()
+        accepts = (  # the guard knows who held the descriptors
+            self._accept_failures.rendezvous_note()
+            if self._guard is None
+            else self._guard.rendezvous_note()
+        )
+        return self.refused_handshakes.rendezvous_note() + accepts
 
     async def start(self) -> str:
         """Bind the ROUTER socket and return the endpoint it listens on."""
@@ -222,13 +243,21 @@ class Coordinator:
         for note in (oslimits.nofile_note(workers), oslimits.backlog_note(workers)):
             if note is not None:
                 self._log(note)
+        limits = connection_limits(
+            workers=workers,
+            timeout=self.config.heartbeat_timeout,
+            frame_bytes=MAX_FRAME_BYTES,
+            files=open_files(),
+        )
+        guard = self._guard = ConnectionGuard(Connections(limits, self._accept_failures), self._log)
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         oslimits.configure_router(sock, workers)  # before bind: libzmq applies it at listen()
-        self._monitor.watch(sock)
+        guard.configure(sock)
+        self._monitor.watch(sock, EVENTS)
         if self._security is not None:
             try:  # the authenticator runs before the socket binds: nobody slips in unchecked
                 self._auth = secure_server(
@@ -253,6 +282,7 @@ class Coordinator:
         self._socket = sock
         self._io = zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        guard.bound(self.endpoint)
         machine.watchdog.phase_began(time.monotonic())
         for note in state.notes:
             self._log(note)
@@ -298,6 +328,8 @@ class Coordinator:
             self._io = None  # a shadow: closing the socket closes it
             self._socket.close(linger=LINGER_MS)
             self._socket = None
+        if self._guard is not None:
+            self._guard.close()
         self._stop_auth()
         if self._own_context:
             self._context.term()
@@ -344,12 +376,14 @@ class Coordinator:
                 epochs_run=int(done.get("epochs_run", 0)),
                 history=resume.decided_epochs(self.config.run_dir),
             )
-        sock, io = self._socket, self._io
-        assert sock is not None and io is not None
+        sock, io, guard = self._socket, self._io, self._guard
+        assert sock is not None and io is not None and guard is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
         self._clock_read = time.monotonic()
         monitor = (
-            asyncio.create_task(self._monitor.read(self._log)) if self._monitor.watching else None
+            asyncio.create_task(self._monitor.read(guard.on_event))
+            if self._monitor.watching
+            else None
         )
         try:
             while self._outcome is None:
@@ -371,6 +405,7 @@ class Coordinator:
                         if time.monotonic() > batch_end:
                             break
                 now = await self._read_clock(BATCH_SECONDS)
+                guard.tick(now)  # after the queued frames: a hello read in time is in time
                 if self._outcome is not None:
                     break
                 if self._requested_abort is not None:
@@ -381,9 +416,9 @@ class Coordinator:
             if monitor is not None:
                 monitor.cancel()  # no await before the monitor is disabled: it drains till then
             self._ended = True
-            dropped = machine.gate.summary()
-            if dropped is not None:
-                self._log(dropped)
+            for dropped in (machine.gate.summary(), guard.summary()):
+                if dropped is not None:
+                    self._log(dropped)
             if self._journal is not None:
                 self._journal.close()
             self._close()
@@ -412,7 +447,9 @@ class Coordinator:
         retried = self._retries.match(peer, data, size) if peer in members else None
         if retried is not None:  # the same bytes decode to the same hello: act on that one
             hello, session = retried
-            return machine.on_message(now, peer, hello, session=session, user_id=user_id)
+            actions = machine.on_message(now, peer, hello, session=session, user_id=user_id)
+            self._from_member(frames[1], peer, hello, session, user_id)
+            return actions
         try:
             message, session = decode_frame(data)
         except ProtocolVersionMismatch as exc:
@@ -420,9 +457,28 @@ class Coordinator:
         except MalformedMessage as exc:
             return machine.on_unreadable(now, peer, str(exc), version=False, user_id=user_id)
         actions = machine.on_message(now, peer, message, session=session, user_id=user_id)
+        self._from_member(frames[1], peer, message, session, user_id)
         if isinstance(message, Hello):
             self._remember(peer, data, size, message, session, user_id)
         return actions
+
+    def _from_member(
+        self, frame: Any, peer: bytes, message: Message, session: str, user_id: str
+    ) -> None:
+        """Tell the guard when a frame the run acted on as a member's (an admitted hello, or one
+        with the member's session) came on a connection it does not know yet: that connection
+        is then never dropped."""
+        fd = None if self._guard is None else self._guard.unknown(frame)
+        if fd is None:  # a known member's connection: nothing to check
+            return
+        sessions = self.machine.gate.sessions
+        if peer in sessions and (
+            sessions.same_sender(peer, user_id)
+            if isinstance(message, Hello)
+            else sessions.check(peer, session, user_id)
+        ):
+            assert self._guard is not None
+            self._guard.admit(fd)
 
     def _remember(
         self,
@@ -540,5 +596,7 @@ class Coordinator:
         lost = clock.lost_time(self._clock_read, now, step)
         self._clock_read = now
         if lost > 0:
+            if self._guard is not None:
+                self._guard.forgive(lost)
             await self._apply(self.machine.lost_time(now, lost))
         return now

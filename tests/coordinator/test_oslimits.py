@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import resource
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from epochal.coordinator import oslimits
 from epochal.coordinator.oslimits import (
     FILES_RESERVED,
     MIN_BACKLOG,
+    MONITOR_BATCH,
     AcceptFailures,
+    AcceptMonitor,
     backlog_for,
     backlog_note,
     configure_router,
     files_needed,
+    files_shortage_message,
     is_too_many_files,
     nofile_note,
     raise_nofile_limit,
@@ -145,45 +152,136 @@ def test_emfile_and_enfile_are_too_many_files():
     assert not is_too_many_files(ValueError("EMFILE"))
 
 
-def test_accept_failures_are_said_once_per_cause_and_counted(monkeypatch):
+def test_accept_failures_are_counted_and_other_causes_named_once(monkeypatch):
     fake = _FakeLimits(1024, 1024)
     monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
     failures = AcceptFailures(workers=1024)
     assert failures.rendezvous_note() == ""
-    assert failures.note(zmq.EVENT_ACCEPTED, 0) is None
-    first = failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
-    assert first is not None
-    assert "too many open files: the soft limit is 1024" in first
-    assert all(failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE) is None for _ in range(500))
-    assert failures.note(zmq.EVENT_ACCEPT_FAILED, errno.ENFILE) is None  # the same cause
-    other = failures.note(zmq.EVENT_ACCEPT_FAILED, errno.ENOBUFS)
+    assert all(failures.note(errno.EMFILE) for _ in range(501))
+    assert failures.note(errno.ENFILE)  # the system's limit: the same cause
+    assert not failures.note(errno.ENOBUFS)
+    other = failures.other_line(errno.ENOBUFS)
     assert other is not None and "ENOBUFS" in other
+    assert failures.other_line(errno.ENOBUFS) is None
     assert failures.total == 503 and failures.too_many_files == 502
     note = failures.rendezvous_note()
     assert "502 times for want of file descriptors (soft limit 1024)" in note
     assert "not missing" in note
 
 
+def test_the_rendezvous_note_blames_strangers_when_they_held_the_descriptors(monkeypatch):
+    fake = _FakeLimits(1024, 1024)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    failures = AcceptFailures(workers=2)
+    failures.note(errno.EMFILE)
+    note = failures.rendezvous_note(held=958)
+    assert "958 of them were held by peers that had not joined the run" in note
+    assert "ulimit" not in note  # 2 workers fit in 1,024 files
+    big = AcceptFailures(workers=2000)
+    big.note(errno.EMFILE)
+    assert "ulimit -n 2064" in big.rendezvous_note(held=10)
+
+
+@pytest.mark.parametrize(
+    ("workers", "held", "says", "advice"),
+    [
+        # strangers hold the descriptors: they are named, the workers are not blamed
+        (2, 958, "958 connections are held by peers that have not joined the run", None),
+        # the workers need more than the limit by themselves: the advice, with their need
+        (2000, 0, "2000 workers need about 2064", "ulimit -n 2064"),
+        (2000, 10, "and the 2000 workers need about 2064 by themselves", "ulimit -n 2064"),
+        # neither: the descriptors are held elsewhere in the process
+        (2, 0, "no peer that has not joined holds one", "ulimit -n N"),
+    ],
+)
+def test_a_shortage_of_descriptors_names_who_holds_them(monkeypatch, workers, held, says, advice):
+    fake = _FakeLimits(1024, 4096)
+    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    line = files_shortage_message(workers, held=held)
+    assert "the open-files limit is 1024, RLIMIT_NOFILE; the hard limit is 4096" in line
+    assert says in line
+    if advice is None:
+        assert "ulimit" not in line
+    else:
+        assert advice in line
+
+
+async def test_the_monitor_is_read_in_batches_that_let_the_loop_run():
+    """libzmq retries an accept that failed for want of descriptors at every turn of its I/O
+    thread, so the monitor pipe never empties: reading it must still let the event loop run the
+    service's clock, heartbeats and timeouts (another task gets a turn every batch)."""
+    ctx = zmq.asyncio.Context()
+    pipe = ctx.socket(zmq.PAIR)  # the monitor's end of the pipe
+    pipe.bind("inproc://monitor")
+    stop = threading.Event()
+
+    def io_thread() -> None:  # stands in for libzmq's: an event whenever there is room
+        events: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+        events.connect("inproc://monitor")
+        failed = struct.pack("=hi", zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
+        while not stop.is_set():
+            try:
+                events.send_multipart([failed, b"tcp://127.0.0.1:1"], zmq.NOBLOCK)
+            except zmq.Again:
+                stop.wait(0.0001)
+        events.close(linger=0)
+
+    feeder = threading.Thread(target=io_thread)
+    feeder.start()
+    monitor = AcceptMonitor()
+    monitor._monitor = pipe
+    wanted = 20 * MONITOR_BATCH
+    turns = 0
+    turns_seen: list[int] = []
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    def handle(event: int, value: int) -> None:
+        assert (event, value) == (zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
+        turns_seen.append(turns)
+
+    ticker = asyncio.create_task(other())
+    reader = asyncio.create_task(monitor.read(handle))
+    try:
+        while len(turns_seen) < wanted:
+            await asyncio.sleep(0)
+    finally:
+        reader.cancel()
+        ticker.cancel()
+        await asyncio.gather(reader, ticker, return_exceptions=True)
+        stop.set()
+        feeder.join()
+        pipe.close(linger=0)
+        ctx.term()
+    during = turns_seen[wanted - 1] - turns_seen[0]
+    assert during >= wanted // MONITOR_BATCH - 1, f"{during} turns in {wanted} events"
+
+
 _EMFILE_SERVER = textwrap.dedent(
     """
-    import os, resource, zmq
+    import os, resource, sys, zmq
     from zmq.utils.monitor import parse_monitor_message
     from epochal.coordinator.oslimits import AcceptFailures, configure_router
+    from epochal.coordinator.oslimits import files_shortage_message
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     configure_router(sock, 200)
-    monitor = sock.get_monitor_socket(AcceptFailures.EVENTS)
+    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPT_FAILED)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     failures = AcceptFailures(workers=200)
     while True:
         event = parse_monitor_message(monitor.recv_multipart())
-        line = failures.note(event["event"], event["value"])
-        if line is not None:
-            print(line, flush=True)
+        if failures.note(event["value"]):
+            print(files_shortage_message(200, held=0), flush=True)
             break
+    sys.stdin.read()  # until the test has made all its connections
     # libzmq queued far more failures than the monitor holds; closing would wait on that queue
     os._exit(0)
     """
@@ -193,10 +291,13 @@ _EMFILE_SERVER = textwrap.dedent(
 def test_libzmq_reports_an_accept_that_ran_out_of_files_and_the_line_names_the_limit():
     """Connections beyond the open-files limit: libzmq says EMFILE only to a socket monitor."""
     server = subprocess.Popen(
-        [sys.executable, "-c", _EMFILE_SERVER], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _EMFILE_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     clients: list[socket.socket] = []
-    assert server.stdout is not None
+    assert server.stdout is not None and server.stdin is not None
     try:
         endpoint = server.stdout.readline().strip()
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -207,8 +308,9 @@ def test_libzmq_reports_an_accept_that_ran_out_of_files_and_the_line_names_the_l
         # while they wait in the listen queue, libzmq retries them at every turn of its I/O thread
         for client in clients:
             client.close()
+        server.stdin.close()
         assert server.wait(timeout=30) == 0
         server.stdout.close()
-    assert "cannot accept a worker's connection: too many open files" in line
-    assert "the soft limit is 48" in line
+    assert "cannot accept a connection: too many open files" in line
+    assert "the open-files limit is 48" in line
     assert f"ulimit -n {files_needed(200)}" in line

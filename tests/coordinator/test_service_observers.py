@@ -240,8 +240,9 @@ async def test_the_router_is_sized_and_monitored_for_the_run(ctx):
     await coordinator.start()
     assert coordinator._socket is not None
     assert coordinator._socket.getsockopt(zmq.BACKLOG) == backlog_for(300)
-    line = coordinator._accept_failures.note(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
-    assert line is not None and "too many open files" in line
+    assert coordinator._guard is not None
+    coordinator._guard.on_event(zmq.EVENT_ACCEPT_FAILED, errno.EMFILE)
+    assert any("too many open files" in line for line in lines), lines
     with pytest.raises(RunAborted) as aborted:
         await asyncio.wait_for(coordinator.run(), 5 + cfg.rendezvous_timeout)
     assert "only 0 of 300 workers joined" in aborted.value.reason
