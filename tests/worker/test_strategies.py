@@ -172,7 +172,9 @@ def bare_strategy(mode: str, rank: int) -> dict[str, Any]:
                 loss.backward()  # type: ignore[no-untyped-call]
         strategy.step()
     n_params = sum(1 for _ in model.parameters())
+    layout = strategy.layout
     return {
+        "layout": (layout.rank, layout.world_size, layout.root, layout.device),
         "weights": full_state(strategy.model),
         "state_bytes": strategy.optimizer_state_bytes(),
         "n_params": n_params,
@@ -298,6 +300,12 @@ def test_fully_sharded_leaves_the_whole_model_in_plain_tensors(ranks):
         torch.testing.assert_close(
             fully["output_without_group"], ranks[0]["fully_sharded"]["output_without_group"]
         )
+
+
+def test_every_mode_is_built_from_its_rank_s_place_in_the_world(ranks):
+    for i, rank in enumerate(ranks):
+        for mode in MODES:
+            assert rank[mode]["layout"] == (i, len(ranks), 0, torch.device("cpu")), mode
 
 
 def test_optimizer_state_per_rank(ranks):
