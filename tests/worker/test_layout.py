@@ -87,7 +87,7 @@ def spy_on_builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Layout]]:
 def test_every_mode_is_built_from_the_layout_wrap_reads_and_keeps_it(one_rank, monkeypatch):
     seen = spy_on_builds(monkeypatch)
     whole = Layout(device=CPU, group=None, rank=0, world_size=1, root=0, placed=False)
-    built = {}
+    built: dict[str, Strategy] = {}
     for mode in MODES:
         model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
         built[mode] = wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, mode=mode)
