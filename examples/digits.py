@@ -82,8 +82,9 @@ def main() -> None:
     if result.rank != 0:
         return
     net.eval()
+    device = next(net.parameters()).device  # train() leaves the model on the worker's device
     with torch.no_grad():
-        x, y = test_set.tensors
+        x, y = (t.to(device) for t in test_set.tensors)
         test_accuracy = (net(x).argmax(dim=1) == y).float().mean().item()
     best = result.best
     assert best is not None

@@ -1,4 +1,6 @@
-"""Spawned gloo ranks for the worker's multi-process tests: start them, bound them, clean up."""
+"""Spawned ranks for the worker's multi-process tests: start them (gloo on CPU, or NCCL with one
+GPU each), bound them, clean up; and :class:`LocalSession`, what ``fit`` needs of a session
+without a coordinator."""
 
 from __future__ import annotations
 
@@ -7,25 +9,41 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+
+from epochal.worker.checkpoint import Checkpointer
+from epochal.worker.initialization import is_dtensor
+from epochal.worker.results import LossSum
+from epochal.worker.session import EpochContext, RunResult
 
 
-def start_rank(rank: int, world: int, store: str, deadline: float) -> None:
-    """In a spawned rank: one thread, a stack dump before ``deadline``, a gloo process group."""
+def start_rank(
+    rank: int, world: int, store: str, deadline: float, backend: str = "gloo"
+) -> torch.device:
+    """In a spawned rank: one thread, a stack dump before ``deadline``, a process group; the
+    rank's device: the CPU for gloo, GPU ``rank`` (modulo the GPUs there are) for NCCL."""
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(deadline - 10, exit=True)  # a hang dumps its stacks
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         store=dist.FileStore(store, world),
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=60),
+        device_id=device if device.type == "cuda" else None,
     )
+    return device
 
 
 def run_ranks(fn: Callable[..., None], world: int, tmp: Path, *args: Any, deadline: float) -> None:
@@ -51,3 +69,76 @@ def run_ranks(fn: Callable[..., None], world: int, tmp: Path, *args: Any, deadli
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole parameters and buffers, on the CPU (collective for a fully sharded model)."""
+    return {
+        k: (v.full_tensor() if is_dtensor(v) else v).detach().to("cpu", copy=True)  # type: ignore[attr-defined]
+        for k, v in model.state_dict().items()
+    }
+
+
+class LocalSession:
+    """What fit needs of a Session, without a coordinator: ``epochs`` epochs (learning-rate
+    factor 0.5 per epoch), epoch 0 declared best, a checkpoint after each epoch (real
+    Checkpointer), resume from ``resume_epoch``; on ``device``."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        directory: Path,
+        resume_epoch: int | None,
+        model: list[Any],
+        *,
+        device: torch.device | None = None,
+        epochs: int = 2,
+    ) -> None:
+        self.rank, self.world_size, self.resume_epoch = rank, world, resume_epoch
+        self.device = torch.device("cpu") if device is None else device
+        self.epochs = epochs
+        self.client = SimpleNamespace(check=lambda: None)
+        self.checkpointer = Checkpointer(directory, rank=rank, run_id="t")
+        self.model = model  # [the model fit trains], to read its weights at the end
+        self.last: dict[str, torch.Tensor] = {}
+        self.train_sums: list[LossSum] = []
+        # what each epoch's training returned on this rank (the coordinator would sum them)
+
+    def run_epochs(
+        self, train_epoch: Any, valid_epoch: Any, *, batches: Any, on_best: Any, state: Any
+    ) -> RunResult:
+        start = 0
+        if self.resume_epoch is not None:
+            self.checkpointer.load(self.resume_epoch, state)
+            start = self.resume_epoch + 1
+        for epoch in range(start, self.epochs):
+            ctx = EpochContext(
+                epoch=epoch,
+                train_batches=batches(epoch)[0],
+                valid_batches=0,
+                lr_factor=0.5**epoch,
+                rank=self.rank,
+                world_size=self.world_size,
+                session=self,  # type: ignore[arg-type]
+            )
+            self.train_sums.append(train_epoch(ctx))
+            if epoch == 0:
+                on_best(0)
+            self.checkpointer.save(epoch, state)
+        self.last = full_state(self.model[0])
+        return RunResult(
+            best_epoch=0,
+            best_loss=0.0,
+            epochs_run=self.epochs,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def load_checkpoint(self, epoch: int, state: Any) -> None:
+        self.checkpointer.load(epoch, state, rng=False)
+
+    def restore_best(self, result: RunResult, state: Any) -> RunResult:
+        assert result.best_epoch is not None
+        self.load_checkpoint(result.best_epoch, state)
+        return result

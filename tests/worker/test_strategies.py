@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,12 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.checkpoint import Checkpointer
 from epochal.worker.initialization import is_dtensor
-from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.strategies import MODES, ModeOptions, mode_options, wrap
 from epochal.worker.train import fit
-from tests.worker.ranks import run_ranks, start_rank
+from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6
@@ -65,63 +62,6 @@ def make_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [
         (torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(BATCHES)
     ]
-
-
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Whole parameters and buffers (collective for a fully sharded model)."""
-    return {
-        k: (v.full_tensor() if is_dtensor(v) else v).detach().to("cpu", copy=True)  # type: ignore[attr-defined]
-        for k, v in model.state_dict().items()
-    }
-
-
-class LocalSession:
-    """What fit needs of a Session, without a coordinator: two epochs, epoch 0 declared best,
-    a checkpoint after each epoch (real Checkpointer), resume from ``resume_epoch``."""
-
-    def __init__(
-        self, rank: int, world: int, directory: Path, resume_epoch: int | None, model: list[Any]
-    ) -> None:
-        self.rank, self.world_size, self.resume_epoch = rank, world, resume_epoch
-        self.device = torch.device("cpu")
-        self.client = SimpleNamespace(check=lambda: None)
-        self.checkpointer = Checkpointer(directory, rank=rank, run_id="t")
-        self.model = model  # [the model fit trains], to read its weights at the end
-        self.last: dict[str, torch.Tensor] = {}
-
-    def run_epochs(
-        self, train_epoch: Any, valid_epoch: Any, *, batches: Any, on_best: Any, state: Any
-    ) -> RunResult:
-        start = 0
-        if self.resume_epoch is not None:
-            self.checkpointer.load(self.resume_epoch, state)
-            start = self.resume_epoch + 1
-        for epoch in range(start, 2):
-            ctx = EpochContext(
-                epoch=epoch,
-                train_batches=batches(epoch)[0],
-                valid_batches=0,
-                lr_factor=0.5**epoch,
-                rank=self.rank,
-                world_size=self.world_size,
-                session=self,  # type: ignore[arg-type]
-            )
-            train_epoch(ctx)
-            if epoch == 0:
-                on_best(0)
-            self.checkpointer.save(epoch, state)
-        self.last = full_state(self.model[0])
-        return RunResult(
-            best_epoch=0, best_loss=0.0, epochs_run=2, rank=self.rank, world_size=self.world_size
-        )
-
-    def load_checkpoint(self, epoch: int, state: Any) -> None:
-        self.checkpointer.load(epoch, state, rng=False)
-
-    def restore_best(self, result: RunResult, state: Any) -> RunResult:
-        assert result.best_epoch is not None
-        self.load_checkpoint(result.best_epoch, state)
-        return result
 
 
 def fit_twice(
@@ -172,7 +112,9 @@ def bare_strategy(mode: str, rank: int) -> dict[str, Any]:
                 loss.backward()  # type: ignore[no-untyped-call]
         strategy.step()
     n_params = sum(1 for _ in model.parameters())
+    layout = strategy.layout
     return {
+        "layout": (layout.rank, layout.world_size, layout.root, layout.device),
         "weights": full_state(strategy.model),
         "state_bytes": strategy.optimizer_state_bytes(),
         "n_params": n_params,
@@ -298,6 +240,12 @@ def test_fully_sharded_leaves_the_whole_model_in_plain_tensors(ranks):
         torch.testing.assert_close(
             fully["output_without_group"], ranks[0]["fully_sharded"]["output_without_group"]
         )
+
+
+def test_every_mode_is_built_from_its_rank_s_place_in_the_world(ranks):
+    for i, rank in enumerate(ranks):
+        for mode in MODES:
+            assert rank[mode]["layout"] == (i, len(ranks), 0, torch.device("cpu")), mode
 
 
 def test_optimizer_state_per_rank(ranks):

@@ -36,8 +36,10 @@ format of DCP's ``get_state_dict``.
 
 The package has one module per mode (:mod:`.replicated`, :mod:`.main`, :mod:`.sharded`,
 :mod:`.fully_sharded`), the interface they implement (:mod:`.base`: :class:`Strategy`,
-:class:`Mode`), the DDP modes' shared part (:mod:`.ddp`), the options (:mod:`.options`) and the
-list of modes with :func:`wrap` (:mod:`.registry`). The checkpoint adapters the modes hand out live
+:class:`Mode`), the DDP modes' shared part (:mod:`.ddp`), where and among whom the model trains
+(:mod:`.layout`: :class:`Layout`, the device, process group, rank and world size every mode is
+built from and reads them from), the options (:mod:`.options`) and the list of modes with
+:func:`wrap` (:mod:`.registry`). The checkpoint adapters the modes hand out live
 in :mod:`epochal.worker.state`.
 
 The optimizer passed in is the one that steps in ``replicated`` and ``main``. ``sharded`` and
@@ -49,6 +51,7 @@ passed optimizer is left without state: use ``Strategy.optimizer``.
 from epochal.worker.state import ModelState, Stateful
 from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.strategies.fully_sharded import FullySharded
+from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.main import Main
 from epochal.worker.strategies.options import ModeOptions, mode_options
 from epochal.worker.strategies.registry import MODES, STRATEGIES, strategy_class, to_device, wrap
@@ -59,6 +62,7 @@ __all__ = [
     "MODES",
     "STRATEGIES",
     "FullySharded",
+    "Layout",
     "Main",
     "Mode",
     "ModeOptions",

@@ -3,7 +3,9 @@
 A mode is a subclass of :class:`Strategy` in its own module (``replicated``, ``main``,
 ``sharded``, ``fully_sharded``) that declares, as class attributes, its name (:class:`Mode`),
 the :class:`~epochal.worker.strategies.options.ModeOptions` fields it has a use for and whether
-it uses DistributedDataParallel, and builds itself in :meth:`Strategy.build`.
+it uses DistributedDataParallel, and builds itself in :meth:`Strategy.build` from the model, the
+optimizer, its options and a :class:`~epochal.worker.strategies.layout.Layout` (device, process
+group, rank, world size), which it keeps and reads those from, never from ``torch.distributed``.
 :mod:`epochal.worker.strategies.registry` lists the modes and checks a call against those
 declarations; nothing else names a mode.
 """
@@ -11,13 +13,12 @@ declarations; nothing else names a mode.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,6 +26,7 @@ from epochal.errors import ConfigError
 from epochal.worker.initialization import is_dtensor
 from epochal.worker.precision import StepPolicy
 from epochal.worker.state import ModelState, Stateful, TrainState
+from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 
 
@@ -55,8 +57,12 @@ class Strategy:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         module: nn.Module,
+        layout: Layout,
         ddp: DistributedDataParallel | None = None,
     ) -> None:
+        self.layout = layout
+        # where and among whom it trains: the one place the strategy reads its device, process
+        # group, rank and world size from (a strategy for another group is built anew)
         self.model = model
         # the model itself (its BatchNorms synchronised or its parameters sharded as the mode
         # asks); validation and the weights the run returns use it
@@ -82,17 +88,13 @@ class Strategy:
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        device: torch.device,
+        layout: Layout,
         opts: ModeOptions,
-        ddp_options: dict[str, Any],
-        group: dist.ProcessGroup | None,
-        *,
-        placed: bool,
+        ddp_options: Mapping[str, Any],
     ) -> Strategy:
-        """This mode over ``model`` (already on ``device``, its options checked). Collective.
-
-        ``placed``: the model is a LayeredModel, which stays on the devices it was placed on.
-        """
+        """This mode over ``model`` (already on ``layout.device``, unless ``layout.placed``),
+        among the ranks of ``layout.group``; ``opts`` and ``ddp_options`` already checked against
+        the mode's declarations. Collective over the layout's group."""
         raise NotImplementedError(f"{cls.__name__} does not say how to build itself")
 
     def begin_epoch(self) -> None:

@@ -7,18 +7,18 @@ sharded parameters; the checkpoint is :class:`~epochal.worker.state.TrainState` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
 from epochal.worker.initialization import broadcast_module, broadcast_tensors, is_dtensor
 from epochal.worker.placement import LayeredModel
 from epochal.worker.strategies.base import Mode, Strategy, constructor_kwargs, groups_by_name
+from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 
 
@@ -54,21 +54,20 @@ class FullySharded(Strategy):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        device: torch.device,
+        layout: Layout,
         opts: ModeOptions,
-        group: dist.ProcessGroup | None,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         groups = groups_by_name(model, optimizer)
-        root = 0 if group is None else dist.get_global_rank(group, 0)
-        broadcast_module(model, src=root, group=group)  # start where DDP starts: rank 0's weights
-        world = dist.get_world_size(group)
+        # start where DDP starts: rank 0's weights
+        broadcast_module(model, src=layout.root, group=layout.group)
+        kind = layout.device.type
         mesh = (
-            init_device_mesh(device.type, (world,))
-            if group is None
-            else DeviceMesh.from_group(group, device.type)
+            init_device_mesh(kind, (layout.world_size,))
+            if layout.group is None
+            else DeviceMesh.from_group(layout.group, kind)
         )
         units = list(
             opts.shard_units(model) if opts.shard_units is not None else _default_units(model)
@@ -85,8 +84,7 @@ class FullySharded(Strategy):
             raise ConfigError(
                 f"cannot rebuild {type(optimizer).__name__} over the sharded parameters: {exc}"
             ) from None
-        super().__init__(model, rebuilt, model)
-        self._root, self._group = root, group
+        super().__init__(model, rebuilt, model, layout)
         self._buffers = list(model.buffers())  # FSDP2 leaves buffers whole and unsynchronised
 
     @classmethod
@@ -102,21 +100,18 @@ class FullySharded(Strategy):
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        device: torch.device,
+        layout: Layout,
         opts: ModeOptions,
-        ddp_options: dict[str, Any],
-        group: dist.ProcessGroup | None,
-        *,
-        placed: bool,
+        ddp_options: Mapping[str, Any],
     ) -> Strategy:
-        return cls(model, optimizer, device, opts, group)
+        return cls(model, optimizer, layout, opts)
 
     def step(self) -> None:
         # the gradients are DTensor shards: clip_grad_norm_ reduces their norm across ranks, and
         # the scaler's inf check is reduced too, so every rank clips and skips alike
         self.policy.step(self.optimizer)
         # DDP broadcasts rank 0's buffers (BatchNorm statistics); so does every mode here
-        broadcast_tensors(self._buffers, src=self._root, group=self._group)
+        broadcast_tensors(self._buffers, src=self.layout.root, group=self.layout.group)
 
     @contextmanager
     def _no_sync(self) -> Iterator[None]:

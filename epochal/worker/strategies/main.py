@@ -7,6 +7,7 @@ the step comes, and the new parameters are broadcast back; the checkpoint is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from epochal.worker.initialization import (
 )
 from epochal.worker.state import MainState, Stateful
 from epochal.worker.strategies.base import Mode, Strategy, state_bytes
+from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 
 
@@ -38,49 +40,50 @@ class Main(Strategy):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        layout: Layout,
         *,
         bucket_bytes: int,
         find_unused_parameters: bool,
-        group: dist.ProcessGroup | None,
     ) -> None:
-        super().__init__(model, optimizer, model)
-        self._group = group
-        self._root = 0 if group is None else dist.get_global_rank(group, 0)
-        self.is_root = dist.get_rank() == self._root
-        self._world = dist.get_world_size(group)
+        super().__init__(model, optimizer, model, layout)
         self._find_unused = find_unused_parameters
         self._bucket_bytes = bucket_bytes
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = buckets(self._params, bucket_bytes)
         self._tensors = module_tensors(model)
-        broadcast_tensors(self._tensors, src=self._root, group=group, cap_bytes=bucket_bytes)
+        broadcast_tensors(
+            self._tensors, src=layout.root, group=layout.group, cap_bytes=bucket_bytes
+        )
 
     @classmethod
     def build(
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        device: torch.device,
+        layout: Layout,
         opts: ModeOptions,
-        ddp_options: dict[str, Any],
-        group: dist.ProcessGroup | None,
-        *,
-        placed: bool,
+        ddp_options: Mapping[str, Any],
     ) -> Strategy:
         cap = opts.bucket_cap_mb
         return cls(
             model,
             optimizer,
+            layout,
             bucket_bytes=DEFAULT_BUCKET_BYTES if cap is None else int(cap * 1024 * 1024),
             find_unused_parameters=opts.find_unused_parameters,
-            group=group,
         )
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this rank holds the optimizer and steps (the layout's rank 0)."""
+        return self.layout.is_root
 
     @property
     def mode_state(self) -> Stateful:
         return MainState(self.model, self.optimizer, self.is_root)
 
     def step(self) -> None:
+        layout = self.layout
         used: dict[int, bool] | None = None
         if self._find_unused:
             mask = torch.tensor(
@@ -88,7 +91,7 @@ class Main(Strategy):
                 dtype=torch.int32,
                 device=self._params[0].device if self._params else None,
             )
-            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=layout.group)
             used = {id(p): bool(m) for p, m in zip(self._params, mask.tolist(), strict=True)}
         with torch.no_grad():
             for bucket in self._buckets:
@@ -98,8 +101,8 @@ class Main(Strategy):
                         for p in bucket
                     ]
                 )
-                flat.div_(self._world)  # DDP's order: divide, then sum
-                dist.reduce(flat, dst=self._root, op=dist.ReduceOp.SUM, group=self._group)
+                flat.div_(layout.world_size)  # DDP's order: divide, then sum
+                dist.reduce(flat, dst=layout.root, op=dist.ReduceOp.SUM, group=layout.group)
                 if not self.is_root:
                     continue
                 offset = 0
@@ -115,10 +118,10 @@ class Main(Strategy):
         if self.is_root:  # rank 0 alone holds the averaged gradients: it unscales and clips
             self.policy.step(self.optimizer)
         broadcast_tensors(
-            self._tensors, src=self._root, group=self._group, cap_bytes=self._bucket_bytes
+            self._tensors, src=layout.root, group=layout.group, cap_bytes=self._bucket_bytes
         )
         if self._tensors:  # fp16: rank 0 alone saw whether the step overflowed
-            self.policy.share_scale(self._root, self._group, self._tensors[0].device)
+            self.policy.share_scale(layout.root, layout.group, self._tensors[0].device)
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self.optimizer) if self.is_root else 0

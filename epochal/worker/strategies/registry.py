@@ -20,6 +20,7 @@ from epochal.worker.placement import LayeredModel
 from epochal.worker.precision import Precision, StepPolicy
 from epochal.worker.strategies.base import Mode, Strategy, groups_by_name
 from epochal.worker.strategies.fully_sharded import FullySharded
+from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.main import Main
 from epochal.worker.strategies.options import ModeOptions, mode_options, option_names
 from epochal.worker.strategies.replicated import Replicated
@@ -62,17 +63,15 @@ def _check_applies(cls: type[Strategy], opts: ModeOptions, ddp_options: Mapping[
         )
 
 
-def _sync_batchnorm(
-    model: nn.Module, device: torch.device, group: dist.ProcessGroup | None
-) -> nn.Module:
-    if device.type == "cpu" or any(p.device.type == "cpu" for p in model.parameters()):
+def _sync_batchnorm(model: nn.Module, layout: Layout) -> nn.Module:
+    if layout.device.type == "cpu" or any(p.device.type == "cpu" for p in model.parameters()):
         raise ConfigError(
             "sync_batchnorm needs CUDA devices: torch's SyncBatchNorm raises 'SyncBatchNorm "
             "expected input tensor to be on GPU' when it trains on CPU; drop the option (each "
             "rank then normalises with its own batch statistics) or train on GPUs"
         )
     converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(  # type: ignore[no-untyped-call]
-        model, process_group=group
+        model, process_group=layout.group
     )
     return converted
 
@@ -101,7 +100,9 @@ def wrap(
     it was placed) and gives every rank rank 0's parameters and buffers. ``options`` are
     :class:`ModeOptions` (or a mapping of them); ``ddp_options`` are further keyword arguments of
     ``DistributedDataParallel`` (replicated, sharded). ``group`` is the process group of the data
-    parallelism (default: every rank). ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``) and
+    parallelism (default: every rank); with ``device`` it makes the strategy's
+    :class:`~epochal.worker.strategies.layout.Layout` (``Strategy.layout``), read once from
+    ``torch.distributed``. ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``) and
     ``clip_grad_norm`` (a float > 0 or None) make the strategy's
     :class:`~epochal.worker.precision.StepPolicy` (``Strategy.policy``): the loop's forward runs
     under ``policy.autocast()``, its backward through ``policy.backward(loss)``, and
@@ -112,15 +113,13 @@ def wrap(
     opts = mode_options(options)
     extra = dict(ddp_options or {})
     _check_applies(cls, opts, extra)
-    placed = isinstance(model, LayeredModel)
     cls.check_model(model)
-    if not dist.is_initialized():
-        raise ConfigError("wrap needs a process group: join the run first (epochal.join)")
+    layout = Layout.from_group(device, group, placed=isinstance(model, LayeredModel))
     to_device(model, device)
     if cls.optimizer_of_model_only:
         groups_by_name(model, optimizer)  # refuses an optimizer over other parameters
     if opts.sync_batchnorm:
-        model = _sync_batchnorm(model, device, group)
-    strategy = cls.build(model, optimizer, device, opts, extra, group, placed=placed)
+        model = _sync_batchnorm(model, layout)
+    strategy = cls.build(model, optimizer, layout, opts, extra)
     strategy.policy = policy
     return strategy

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.worker.state import BuffersFromRoot, Stateful
 from epochal.worker.strategies.base import Mode
 from epochal.worker.strategies.ddp import DdpStrategy
+from epochal.worker.strategies.layout import Layout
 
 
 class Replicated(DdpStrategy):
@@ -25,10 +25,10 @@ class Replicated(DdpStrategy):
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        layout: Layout,
         ddp: DistributedDataParallel,
-        group: dist.ProcessGroup | None,
     ) -> Replicated:
-        return cls(model, optimizer, ddp, ddp)
+        return cls(model, optimizer, ddp, layout, ddp)
 
     @property
     def mode_state(self) -> Stateful:

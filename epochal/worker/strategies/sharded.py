@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,6 +17,7 @@ from epochal.errors import ConfigError
 from epochal.worker.state import BuffersFromRoot, ShardedState, Stateful
 from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
 from epochal.worker.strategies.ddp import DdpStrategy
+from epochal.worker.strategies.layout import Layout
 
 
 class Sharded(DdpStrategy):
@@ -30,8 +30,8 @@ class Sharded(DdpStrategy):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        layout: Layout,
         ddp: DistributedDataParallel,
-        group: dist.ProcessGroup | None,
     ) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -40,7 +40,7 @@ class Sharded(DdpStrategy):
             zero = ZeroRedundancyOptimizer(
                 groups,
                 optimizer_class=type(optimizer),
-                process_group=group,
+                process_group=layout.group,
                 **constructor_kwargs(optimizer),
             )
         except TypeError as exc:
@@ -48,7 +48,7 @@ class Sharded(DdpStrategy):
                 f"cannot build a sharded {type(optimizer).__name__}: {exc}; mode 'sharded' builds "
                 "the optimizer again from its class and defaults"
             ) from None
-        super().__init__(model, zero, ddp, ddp)
+        super().__init__(model, zero, ddp, layout, ddp)
         self.zero = zero
 
     @classmethod
@@ -56,10 +56,10 @@ class Sharded(DdpStrategy):
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        layout: Layout,
         ddp: DistributedDataParallel,
-        group: dist.ProcessGroup | None,
     ) -> Sharded:
-        return cls(model, optimizer, ddp, group)
+        return cls(model, optimizer, layout, ddp)
 
     @property
     def mode_state(self) -> Stateful:
