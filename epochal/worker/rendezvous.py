@@ -29,6 +29,7 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
+from epochal.text import REASON_CHARS, printable
 from epochal.worker.client import ControlClient
 from epochal.worker.options import advertised_host
 from epochal.worker.store import connect_store, new_key, open_store
@@ -102,7 +103,8 @@ def rendezvous(
             case Reject(code="not_member"):
                 pass  # the answer to a message queued before this hello: not about the hello
             case Reject(reason=reason):
-                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
+                shown = printable(reason, REASON_CHARS)
+                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {shown}")
             case OpenStore():
                 if store is None:
                     client.at(Phase.CONNECT, 0)
