@@ -1,11 +1,13 @@
 """What the data-plane store's protection costs: rendezvous time, ours against plain TCPStore.
 
 Epochal's store (:mod:`epochal.worker.store`) is a TCPStore listening only on the advertised
-address, with every key under a per-run secret (a PrefixStore). This measures the part of a
-rendezvous that goes through the store, with N ranks as threads that use the store API alone (no
-training, no process group): each rank connects, publishes its address under its rank, then reads
-every other rank's. Plain: ``TCPStore(host, 0, is_master=True)`` as torch opens it (every
-interface, bare keys). Both in the same run, alternating; the median of the repeats and the ratio.
+address, served by a process of its own whose memory is capped, with every key under a per-run
+secret (a PrefixStore). This measures the part of a rendezvous that goes through the store, with
+N ranks as threads that use the store API alone (no training, no process group): each rank
+connects, publishes its address under its rank, then reads every other rank's; and, apart, the
+time to open the store (for epochal's, starting its server process). Plain:
+``TCPStore(host, 0, is_master=True)`` as torch opens it (every interface, bare keys, in this
+process). Both in the same run, alternating; the median of the repeats and the ratio.
 
     python bench/store_rendezvous.py [--ranks 2 8 64] [--repeats 5]
 """
@@ -54,17 +56,23 @@ def rendezvous(ranks: int, server: Any, view: Callable[[Any], Any], port: int) -
     return time.perf_counter() - began
 
 
-def plain(ranks: int) -> float:
+def plain(ranks: int) -> tuple[float, float]:
+    """(seconds to open the store, seconds of the rendezvous)."""
+    began = time.perf_counter()
     server = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT)
     )
-    return rendezvous(ranks, server, lambda s: s, server.port)
+    opened = time.perf_counter() - began
+    return opened, rendezvous(ranks, server, lambda s: s, server.port)
 
 
-def ours(ranks: int) -> float:
+def ours(ranks: int) -> tuple[float, float]:
+    """(seconds to open the store, its server process included; seconds of the rendezvous)."""
+    began = time.perf_counter()
     server = open_store("127.0.0.1", TIMEOUT)
+    opened = time.perf_counter() - began
     key = new_key()
-    return rendezvous(ranks, server, lambda s: scoped(s, "bench", key), server.port)
+    return opened, rendezvous(ranks, server, lambda s: scoped(s, "bench", key), server.port)
 
 
 def span(values: list[float]) -> str:
@@ -79,13 +87,18 @@ def main() -> int:
     args = parser.parse_args()
     print("median (min-max) over the repeats; ratio of the medians, epochal / plain")
     print(f"{'ranks':>5}  {'plain TCPStore':>24}  {'epochal store':>24}  {'ratio':>6}")
+    opening: tuple[list[float], list[float]] = ([], [])
     for n in args.ranks:
         base, mine = [], []
         for _ in range(args.repeats):
-            base.append(plain(n))
-            mine.append(ours(n))
+            for times, opens, measure in ((base, opening[0], plain), (mine, opening[1], ours)):
+                opened, took = measure(n)
+                opens.append(opened)
+                times.append(took)
         b, m = statistics.median(base), statistics.median(mine)
         print(f"{n:>5}  {span(base):>24}  {span(mine):>24}  {m / b:>6.2f}", flush=True)
+    b, m = statistics.median(opening[0]), statistics.median(opening[1])
+    print(f"{'open':>5}  {span(opening[0]):>24}  {span(opening[1]):>24}  {m / b:>6.0f}")
     return 0
 
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 PRINTABLE_CHARS = 200
 """Longest text :func:`printable` shows by default; longer text is cut and marked."""
 
+REASON_CHARS = 1000
+"""Longest failure reason from a peer shown in a log line (a worker's ``Failed``, a codec error
+about its frame): long enough for an exception's message, short of a flood."""
+
 
 def printable(text: object, limit: int = PRINTABLE_CHARS) -> str:
     """``text`` safe to print into a log: control characters shown escaped (``\\n``, ``\\x1b``),

@@ -16,6 +16,7 @@ from epochal.coordinator.actions import RunPhase
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.policy import LoopState
 from epochal.observe import RankStatus, RunObserver, StatusSnapshot, World
+from epochal.text import printable
 
 
 def snapshot(
@@ -79,7 +80,7 @@ class ObserverFeed:
         joined = (len(machine.rendezvous.members), len(machine.members))
         if joined != self._joined:
             self._joined = joined
-            hosts = tuple(m.hello.host for m in machine.members)
+            hosts = tuple(printable(m.hello.host) for m in machine.members)
             self.observers.on_join(World(joined[0], machine.config.world_size, hosts))
         if not (records or beat) or not self.observers:
             return

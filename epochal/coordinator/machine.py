@@ -76,7 +76,7 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
-from epochal.text import printable
+from epochal.text import REASON_CHARS, printable
 
 ModelCheck = Callable[[Fingerprint], "str | None"]
 
@@ -147,7 +147,9 @@ class RunMachine:
             return self.gate.reject(peer, problem, "version")
         rank = self._ranks.get(peer)
         if rank is not None and self.gate.sessions.same_sender(peer, user_id):
-            return self.abort(f"rank {rank} sent a malformed message: {problem}")
+            return self.abort(
+                f"rank {rank} sent a malformed message: {printable(problem, REASON_CHARS)}"
+            )
         return self.gate.reject(peer, f"malformed message: {problem}", "malformed")
 
     def on_message(
@@ -270,7 +272,8 @@ class RunMachine:
                     return self._end()
                 return []
             case Failed():
-                line = f"rank {rank} ({self.members[rank].describe()}) failed: {message.reason}"
+                reason = printable(message.reason, REASON_CHARS)
+                line = f"rank {rank} ({self.members[rank].describe()}) failed: {reason}"
                 self.report_failure(now, self.watchdog.after_lost_time(now, line))
                 return []
             case _:
@@ -289,7 +292,8 @@ class RunMachine:
             self.rendezvous.leave(peer)
             self.gate.sessions.forget(peer)
             self.watchdog.drop(peer)
-            return [Log(f"{joined.describe()} failed before the run started: {message.reason}")]
+            reason = printable(message.reason, REASON_CHARS)
+            return [Log(f"{joined.describe()} failed before the run started: {reason}")]
         reason = "not a member of this run: send hello first"
         return [Send(peer, Reject(reason=reason, code="not_member"))]
 
@@ -385,7 +389,7 @@ class RunMachine:
         actions.append(
             Log(
                 f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
-                f"data-plane store at {self._store.host}:{self._store.port}"
+                f"data-plane store at {printable(self._store.host)}:{self._store.port}"
             )
         )
         actions += [Log(line) for line in placement_lines(self.members)]
@@ -553,7 +557,8 @@ def placement_lines(members: Sequence[Member], most: int = PLACEMENT_LINES) -> l
     ranks the rest hold and on how many hosts."""
     groups: list[tuple[int, int, str, str]] = []  # (first rank, last rank, host, address)
     for rank, member in enumerate(members):
-        host, where = member.hello.host, member.hello.data_address or "?"
+        host = printable(member.hello.host)
+        where = printable(member.hello.data_address) if member.hello.data_address else "?"
         if groups and groups[-1][1] == rank - 1 and groups[-1][2:] == (host, where):
             groups[-1] = (groups[-1][0], rank, host, where)
         else:

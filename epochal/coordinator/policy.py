@@ -26,6 +26,11 @@ from epochal.protocol.messages import Metric
 MetricSums = dict[str, tuple[float, int]]
 """Named metrics of one split as ``name -> (sum over samples, sample count)``."""
 
+WIRE_INT_MAX = 2**64 - 1
+"""The largest integer a message carries (msgpack's unsigned 64 bits). Every count the coordinator
+adds up is checked against it: each rank's count fits, but their sum may not, and a sum that
+cannot be sent would crash the encoder of the decision instead of aborting the run."""
+
 SPLITS = ("train", "valid")
 
 
@@ -144,7 +149,8 @@ def plan_epoch(counts: Mapping[int, BatchCounts], policy: BatchPolicy) -> EpochP
 def aggregate(reports: Mapping[int, LossSums]) -> tuple[float, float | None]:
     """Sample-weighted global (train, validation) loss; validation None when no rank validated.
 
-    Raises PolicyViolation for a non-finite loss or a train loss over zero samples.
+    Raises PolicyViolation for a non-finite loss, a train loss over zero samples, or sample counts
+    that add up past what a message carries.
     """
     for rank, r in reports.items():
         if not (math.isfinite(r.train_sum) and math.isfinite(r.valid_sum)):
@@ -152,13 +158,17 @@ def aggregate(reports: Mapping[int, LossSums]) -> tuple[float, float | None]:
                 f"rank {rank} reported a non-finite loss (train sum {r.train_sum}, validation sum "
                 f"{r.valid_sum}): training diverged; lower the learning rate or check the data"
             )
-    train_count = sum(r.train_count for r in reports.values())
+    train_count = count_total(
+        {rank: r.train_count for rank, r in reports.items()}, "training sample"
+    )
     if train_count == 0:
         raise PolicyViolation(
             "the ranks reported 0 training samples in total: a loss needs at least one sample"
         )
     train = _total(reports, "train") / train_count
-    valid_count = sum(r.valid_count for r in reports.values())
+    valid_count = count_total(
+        {rank: r.valid_count for rank, r in reports.items()}, "validation sample"
+    )
     if valid_count == 0:
         return train, None
     return train, _total(reports, "valid") / valid_count
@@ -186,13 +196,39 @@ def _total(reports: Mapping[int, LossSums], which: str) -> float:
     )
 
 
+def count_total(counts: Mapping[int, int], what: str) -> int:
+    """The sum of every rank's ``counts``; PolicyViolation when it is past :data:`WIRE_INT_MAX`.
+
+    The ranks named are the fewest whose counts alone overflow, the largest first: the ones
+    reporting counts no training code produces.
+    """
+    total = sum(counts.values())
+    if total <= WIRE_INT_MAX:
+        return total
+    culprits: list[int] = []
+    running = 0
+    for rank in sorted(counts, key=lambda r: (-counts[r], r)):
+        culprits.append(rank)
+        running += counts[rank]
+        if running > WIRE_INT_MAX:
+            break
+    shown = ", ".join(f"rank {rank} {counts[rank]}" for rank in sorted(culprits)[:4])
+    more = ", ..." if len(culprits) > 4 else ""
+    raise PolicyViolation(
+        f"the {what} counts of {format_ranks(culprits)} ({shown}{more}) add up to more than a "
+        f"message can carry ({WIRE_INT_MAX}): the workers report counts no training produces; "
+        "check the counts the training code returns"
+    )
+
+
 def aggregate_metrics(reports: Mapping[int, LossSums]) -> dict[str, MetricSums]:
     """Every named metric summed over the ranks: ``{"train": {name: (sum, count)}, "valid": ...}``.
 
     Sample-weighted by construction: the global value of a metric is the sum of every rank's sum
     over the sum of every rank's count, never a mean of the ranks' means. Raises PolicyViolation
-    when a sum is not finite, or when the ranks do not report the same metric names (a mean over
-    some ranks only would silently leave the others' samples out).
+    when a sum is not finite, when the counts add up past what a message carries, or when the
+    ranks do not report the same metric names (a mean over some ranks only would silently leave
+    the others' samples out).
     """
     out: dict[str, MetricSums] = {}
     for split in SPLITS:
@@ -226,7 +262,8 @@ def aggregate_metrics(reports: Mapping[int, LossSums]) -> dict[str, MetricSums]:
                     f"the {what} metric {name!r} of {format_ranks(culprits)} is not finite "
                     f"({', '.join(f'{sums[r]:.3g}' for r in culprits)}): check the metric function"
                 )
-            totals[name] = (total, sum(int(m[name][1]) for m in reporting.values()))
+            counts = {rank: int(m[name][1]) for rank, m in reporting.items()}
+            totals[name] = (total, count_total(counts, f"{what} metric {name!r} sample"))
         out[split] = totals
     return out
 

@@ -59,23 +59,30 @@ class Member:
 def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:
     """Name the first thing that differs between two model fingerprints, torch version included."""
     if a.torch_version != b.torch_version:
-        return f"{a_name} has torch {a.torch_version}, {b_name} has torch {b.torch_version}"
+        return (
+            f"{a_name} has torch {printable(a.torch_version)}, "
+            f"{b_name} has torch {printable(b.torch_version)}"
+        )
     in_a = {p.name: p for p in a.params}
     in_b = {p.name: p for p in b.params}
     for name, p in in_a.items():
         q = in_b.get(name)
+        shown = printable(name)
         if q is None:
-            return f"parameter {name!r} exists in {a_name} but not in {b_name}"
+            return f"parameter '{shown}' exists in {a_name} but not in {b_name}"
         if q.shape != p.shape:
             return (
-                f"parameter {name!r} has shape {tuple(p.shape)} in {a_name} and "
+                f"parameter '{shown}' has shape {tuple(p.shape)} in {a_name} and "
                 f"{tuple(q.shape)} in {b_name}"
             )
         if q.dtype != p.dtype:
-            return f"parameter {name!r} has dtype {p.dtype} in {a_name} and {q.dtype} in {b_name}"
+            return (
+                f"parameter '{shown}' has dtype {printable(p.dtype)} in {a_name} and "
+                f"{printable(q.dtype)} in {b_name}"
+            )
     for name in in_b:
         if name not in in_a:
-            return f"parameter {name!r} exists in {b_name} but not in {a_name}"
+            return f"parameter '{printable(name)}' exists in {b_name} but not in {a_name}"
     if [p.name for p in a.params] != [p.name for p in b.params]:
         return f"the parameters are registered in a different order in {a_name} and {b_name}"
     return "the fingerprints' digests differ"
@@ -157,7 +164,8 @@ class Rendezvous:
         # again each time it says hello (its routing id is the only other thing that binds it)
         if hello.job != cfg.job:
             return Refused(
-                f"this coordinator runs job {cfg.job!r}, the worker asked for job {hello.job!r}: "
+                f"this coordinator runs job {cfg.job!r}, the worker asked for job "
+                f"'{printable(hello.job)}': "
                 "point the worker at its own coordinator or set the same job name"
                 " (--job / EPOCHAL_JOB)"
             )
@@ -170,11 +178,13 @@ class Rendezvous:
         if known is not None:
             if known.hello.worker_id == hello.worker_id:
                 return Admitted(again=True)
-            return Refused(f"connection already joined as worker {known.hello.worker_id}")
+            return Refused(
+                f"connection already joined as worker {printable(known.hello.worker_id)}"
+            )
         if hello.worker_id in self._by_worker_id:
             return Refused(
-                f"a worker with id {hello.worker_id!r} has already joined: give every worker a "
-                "distinct id (EPOCHAL_WORKER_ID), or stop the duplicate process"
+                f"a worker with id '{printable(hello.worker_id)}' has already joined: give every "
+                "worker a distinct id (EPOCHAL_WORKER_ID), or stop the duplicate process"
             )
         if self.complete:
             return Refused(

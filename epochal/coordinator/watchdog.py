@@ -21,6 +21,7 @@ from epochal.coordinator.rendezvous import Member
 from epochal.protocol import Awaiting, Status
 from epochal.protocol.messages import Phase as WorkerPhase
 from epochal.protocol.messages import check_phase
+from epochal.text import printable
 
 _ANSWER = {RunPhase.READY: Awaiting.GO, RunPhase.RUNNING: Awaiting.DECISION}
 """The answer a rank waits for while the run's phase collects its message (the batch counts of an
@@ -33,6 +34,10 @@ _SAID = {Awaiting.GO: ("Go", "batch counts"), Awaiting.DECISION: ("decision", "l
 
 FAILURE_SETTLE = 0.25
 """Seconds between the first failure report and the abort, so the cause can arrive too."""
+
+FAILURES_KEPT = 4
+"""Failures an abort names, causes first; the others reported in the settle window are counted
+(a rank may send many, and each is a line of up to a thousand characters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +61,8 @@ class Watchdog:
         # least recently heard first: the values grow from first to last
         self.status: dict[int, RankStatus] = {}
         self.where: dict[int, str] = {}
-        # rank -> the line its training code was at in its last heartbeat
+        # rank -> the line its training code was at in its last heartbeat, escaped and bounded
+        # (it is shown in the stall table and status.json)
         self.newest: float | None = None
         # when any rank last made progress (the newest RankStatus.since)
         self.phase_started = now
@@ -64,8 +70,9 @@ class Watchdog:
         self._suspects: set[int] = set()
         # ranks that may be waiting for a message of theirs that was lost (checked on the clock)
         self._failures: list[tuple[int, str]] = []
-        # (priority, what) reported in the settle window before an abort; a process exit (0)
-        # is the cause, a rank's error after it (1) usually its consequence
+        # (priority, what) reported in the settle window before an abort, at most FAILURES_KEPT;
+        # a process exit (0) is the cause, a rank's error after it (1) usually its consequence
+        self._failures_dropped = 0
         self.failure_deadline: float | None = None
         self.stall: tuple[float, float] | None = None
         # the latest time this coordinator was not running: (seconds lost, when it ran again)
@@ -91,8 +98,9 @@ class Watchdog:
     def note_status(self, rank: int, status: Status, now: float) -> None:
         """A heartbeat's status: progress when its (phase, epoch, step) or its line moved."""
         before = self.where.get(rank)
-        self.where[rank] = status.where
-        moved = liveness.moved(before, status.where)
+        where = printable(status.where)
+        self.where[rank] = where
+        moved = liveness.moved(before, where)
         self._note(rank, status.phase, status.epoch, status.step, status.awaiting, now, moved)
 
     def note_waiting(self, rank: int, epoch: int, awaiting: Awaiting, now: float) -> None:
@@ -299,13 +307,18 @@ class Watchdog:
         for rank, member in enumerate(members):
             s = self.status.get(rank, default)
             where = self.where.get(rank, "")
-            rows.append((rank, member.hello.host, s.phase, s.epoch, s.step, now - s.since, where))
+            host = printable(member.hello.host)
+            rows.append((rank, host, s.phase, s.epoch, s.step, now - s.since, where))
         return rows
 
     # ------------------------------------------------------------------ failures
 
     def report_failure(self, now: float, what: str, *, cause: bool = False) -> None:
         self._failures.append((0 if cause else 1, what))
+        if len(self._failures) > FAILURES_KEPT:  # keep the causes, then the first consequences
+            self._failures.sort(key=lambda f: f[0])
+            self._failures.pop()
+            self._failures_dropped += 1
         if self.failure_deadline is None:
             self.failure_deadline = now + FAILURE_SETTLE
 
@@ -313,7 +326,11 @@ class Watchdog:
         """Once the settle window is over: every failure reported, causes first."""
         if self.failure_deadline is None or now < self.failure_deadline:
             return None
-        return "; then ".join(what for _, what in sorted(self._failures, key=lambda f: f[0]))
+        said = "; then ".join(what for _, what in sorted(self._failures, key=lambda f: f[0]))
+        dropped = self._failures_dropped
+        if dropped:
+            said += f"; and {dropped} more failure{'s' if dropped != 1 else ''} reported"
+        return said
 
     def after_lost_time(self, now: float, line: str) -> str:
         """How a rank's failure line reads soon after this coordinator was not running (said once,

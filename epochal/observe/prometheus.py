@@ -1,9 +1,12 @@
 """``--metrics-address HOST:PORT``: the run's metrics at ``http://HOST:PORT/metrics``.
 
-Served by prometheus-client from a registry of its own (not the process-wide default, so
-nothing else a process registers leaks in, and two coordinators in one process do not collide),
-on loopback unless a host is given. No metric has per-rank labels: a run of 1,000 ranks is as
-many series as a run of two.
+The metrics live in a prometheus-client registry of its own (not the process-wide default, so
+nothing else a process registers leaks in, and two coordinators in one process do not collide)
+and are rendered by its ``generate_latest``; they are served on loopback unless a host is given,
+by :class:`~epochal.observe.metricsserver.MetricsServer` rather than prometheus-client's own
+``start_http_server``, which starts a thread per connection with no limit and no timeout and
+answers every path (see that module for the bounds). No metric has per-rank labels: a run of
+1,000 ranks is as many series as a run of two.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from epochal.errors import ConfigError
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
+from epochal.observe.metricsserver import MetricsServer
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -49,11 +53,12 @@ class Prometheus(RunObserver):
 
     def __init__(self, address: str) -> None:
         from prometheus_client import (
+            CONTENT_TYPE_LATEST,
             CollectorRegistry,
             Counter,
             Gauge,
             Histogram,
-            start_http_server,
+            generate_latest,
         )
 
         self.host, port = parse_address(address)
@@ -99,12 +104,14 @@ class Prometheus(RunObserver):
         self.aborted = gauge("epochal_aborted", "1 once the run was aborted, else 0.")
         self._refused_seen = 0
         try:
-            self._server, self._thread = start_http_server(port, addr=self.host, registry=r)
+            self._server = MetricsServer(
+                self.host, port, lambda: (generate_latest(r), CONTENT_TYPE_LATEST)
+            )
         except OSError as exc:
             raise OSError(
                 f"cannot serve metrics at {self.host}:{port} (--metrics-address): {exc}"
             ) from None
-        self.port: int = self._server.server_port
+        self.port: int = self._server.port
         self._closed = threading.Event()
 
     @property
@@ -163,6 +170,4 @@ class Prometheus(RunObserver):
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join()
+            self._server.close()

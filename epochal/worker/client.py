@@ -56,6 +56,7 @@ from epochal.protocol import (
 )
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
+from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.options import JoinOptions
 
@@ -74,6 +75,11 @@ DEFAULTS = JoinOptions()
 
 ABORT_EXIT_CODE = 75
 """Exit status of a worker process ended by an abort it could not leave in time."""
+
+ABORT_CHARS = 8 * REASON_CHARS
+"""Longest abort reason a worker shows: the coordinator's reason names at most a few failures of
+at most :data:`~epochal.text.REASON_CHARS` each; anything past that is cut, control characters
+escaped, since every rank prints it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +371,9 @@ class ControlClient:
             if isinstance(message, Joined | Welcome):
                 self._session = message.session
             if isinstance(message, Abort):
+                # printed by every rank and raised into the training code: one line, bounded,
+                # whatever the coordinator sent (it may name several ranks' failures)
+                message = Abort(reason=printable(message.reason, ABORT_CHARS))
                 self._begin_abort(message.reason)
             elif isinstance(message, Reject) and message.code == "not_member":
                 # a member is unknown only to a coordinator that restarted; outside a run (during

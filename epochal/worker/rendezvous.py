@@ -29,9 +29,10 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
+from epochal.text import REASON_CHARS, printable
 from epochal.worker.client import ControlClient
 from epochal.worker.options import advertised_host
-from epochal.worker.store import connect_store, new_key, open_store
+from epochal.worker.store import StoreServer, connect_store, new_key
 from epochal.worker.waiting import WaitNotices
 
 
@@ -52,6 +53,8 @@ class StoreRef:
     port: int
     key: str
     # the secret the process group's keys live under (see epochal.worker.store)
+    server: StoreServer | None = None
+    # rank 0: the store's server process, which lives as long as this reference
 
 
 def rendezvous(
@@ -102,15 +105,19 @@ def rendezvous(
             case Reject(code="not_member"):
                 pass  # the answer to a message queued before this hello: not about the hello
             case Reject(reason=reason):
-                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {reason}")
+                shown = printable(reason, REASON_CHARS)
+                raise JoinRefused(f"the coordinator at {endpoint} refused this worker: {shown}")
             case OpenStore():
                 if store is None:
                     client.at(Phase.CONNECT, 0)
                     host = advertised_host(endpoint)
-                    master = open_store(host, store_timeout)
-                    store = StoreRef(master, host, master.port, new_key())
+                    server = StoreServer.start(host, store_timeout)
+                    master = server.connect(store_timeout)
+                    store = StoreRef(master, host, server.port, new_key(), server)
                 client.send(StoreReady(host=store.host, port=store.port, key=store.key))
             case Welcome():
+                if store is not None and store.server is not None:
+                    store.server.expect(message.world_size)  # the cap grows with the world
                 if store is None:
                     client.at(Phase.CONNECT, message.start_epoch)
                     found = connect_store(message.store_host, message.store_port, store_timeout)

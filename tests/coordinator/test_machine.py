@@ -50,6 +50,7 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
 )
+from epochal.protocol.codec import decode_frame, encode
 
 FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
 
@@ -676,3 +677,39 @@ def test_where_the_ranks_are_is_said_per_host_and_summed_up_past_a_few_lines():
         "ranks 16-23: node2, data plane at 10.1.0.2",
         "... and 4072 more ranks on 509 hosts (`epochal status RUN_DIR` lists every rank)",
     ]
+
+
+def test_counts_that_overflow_the_wire_abort_every_worker_through_the_real_codec():
+    # two ranks each report a count the codec accepts (2**64-1); their sum is past what a message
+    # can carry: the decision carrying it would not encode, and the coordinator used to die there
+    run = start(epochs=2)
+    run.all(1.0, lambda r: ready(r))
+    top = 2**64 - 1
+    frames = [
+        encode(
+            EpochReport(
+                epoch=0,
+                train_loss_sum=1.0,
+                train_count=1,
+                valid_loss_sum=1.0,
+                valid_count=1,
+                train_metrics=(Metric("hits", 1.0, top),),
+                ready=EpochReady(1, 5, 2),
+            ),
+            session=run.sessions[peer],
+        )
+        for peer in run.peers
+    ]
+    actions: list[Action] = []
+    for peer, frame in zip(run.peers, frames, strict=True):
+        message, session = decode_frame(frame)
+        actions += run.machine.on_message(2.0, peer, message, session=session)
+    reason = aborted(actions)
+    assert reason is not None and "training metric 'hits' sample counts of ranks 0-1" in reason
+    sent = [a for a in actions if isinstance(a, Send | Broadcast)]
+    for action in sent:
+        encode(action.message)  # raised OverflowError before: the coordinator exited with 70
+    (abort,) = broadcast(actions, Abort)
+    assert abort.reason == reason
+    assert {p for a in sent if isinstance(a, Broadcast) for p in a.peers} == set(run.peers)
+    assert broadcast(actions, Decision) == []

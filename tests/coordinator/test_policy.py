@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epochal.coordinator.policy import (
+    WIRE_INT_MAX,
     BatchCounts,
     EpochOutcome,
     EpochPlan,
@@ -21,6 +22,8 @@ from epochal.coordinator.policy import (
     LossSums,
     PolicyViolation,
     aggregate,
+    aggregate_metrics,
+    count_total,
     format_ranks,
     plan_epoch,
 )
@@ -463,6 +466,48 @@ def test_validation_sums_that_overflow_are_a_violation_too():
     }
     with pytest.raises(PolicyViolation, match="validation loss sums of ranks 0-1"):
         aggregate(reports)
+
+
+MAX = WIRE_INT_MAX
+
+
+def sums(train: int, valid: int = 0, train_metric: int | None = None) -> LossSums:
+    metrics = {} if train_metric is None else {"hits": (1.0, train_metric)}
+    return LossSums(1.0, train, 0.0, valid, train_metrics=metrics)
+
+
+@pytest.mark.parametrize(
+    ("reports", "named"),
+    [
+        # every count fits the wire (the codec accepts up to 2**64-1), their sum does not
+        ({0: sums(MAX), 1: sums(1)}, "training sample counts of ranks 0-1 (rank 0 " + str(MAX)),
+        (
+            {0: sums(1, 5), 1: sums(1, MAX), 2: sums(1, MAX)},
+            "validation sample counts of ranks 1-2",
+        ),
+        # the fewest ranks whose counts alone overflow, not every rank that reported
+        (
+            {r: sums(2**62) for r in range(4)} | {4: sums(2**62 + 1)},
+            "training sample counts of ranks 0-2,4",
+        ),
+        ({0: sums(2**63), 1: sums(2**63), 2: sums(3)}, "training sample counts of ranks 0-1 "),
+        (
+            {0: sums(1, train_metric=MAX), 1: sums(1, train_metric=MAX)},
+            "training metric 'hits' sample counts of ranks 0-1",
+        ),
+    ],
+)
+def test_counts_that_add_up_past_the_wire_abort_naming_the_ranks(reports, named: str):
+    with pytest.raises(PolicyViolation) as info:
+        aggregate(reports)
+        aggregate_metrics(reports)
+    assert named in str(info.value)
+    assert "more than a message can carry" in str(info.value)
+
+
+@pytest.mark.parametrize("counts", [{0: MAX}, {0: MAX - 1, 1: 1}, {0: 0, 1: 0}, {}])
+def test_counts_that_fit_the_wire_are_summed(counts: dict[int, int]):
+    assert count_total(counts, "training sample") == sum(counts.values())
 
 
 def test_an_epochs_journal_line_and_its_decision_say_what_its_outcome_says():

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from epochal.errors import RunAborted
-from epochal.protocol import Awaiting, Failed, Phase, Status, decode
-from epochal.worker.client import ControlClient
+from epochal.protocol import Abort, Awaiting, Failed, Phase, Status, decode, encode
+from epochal.worker.client import ABORT_CHARS, ControlClient
 from epochal.worker.options import JoinOptions
 
 HEARTBEAT_INTERVAL = 0.2
@@ -122,3 +122,28 @@ def test_a_dead_heartbeat_task_fails_the_worker_at_once_naming_its_cause(
     assert "ValueError" in failed.reason and "'trian'" in failed.reason
     with pytest.raises(RunAborted, match=r"stopped sending heartbeats.*'trian'"):
         client.check()
+
+
+FORGED = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J" + "A" * 65_000
+"""A reason another process wrote: a forged log line, a terminal escape and 65,000 characters."""
+
+
+def test_an_abort_reason_is_shown_on_one_line_escaped_and_bounded(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    # every rank prints the coordinator's reason; a coordinator is trusted less than the user
+    sock, _ = router
+    end = time.monotonic() + HEARTBEAT_INTERVAL + MARGIN
+    while not sock.poll(100):
+        assert time.monotonic() < end, "the client sent no heartbeat"
+    identity, _ = sock.recv_multipart()
+    sock.send_multipart([identity, encode(Abort(reason=FORGED))])
+    with pytest.raises(RunAborted) as info:
+        client.receive(timeout=MARGIN)
+    shown = str(info.value)
+    # at most ABORT_CHARS characters of the reason, each shown as at most 4 ("\\x1b"), then "..."
+    assert shown.isprintable() and shown.endswith("...") and len(shown) <= 4 * ABORT_CHARS + 3
+    assert shown.startswith("x\\n[epochal] run r1 finished after 3 epochs: best epoch 2\\x1b[2J")
+    with pytest.raises(RunAborted) as again:
+        client.check()
+    assert str(again.value) == shown

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -9,8 +15,8 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 
 from epochal.log import ensure_configured
-from epochal.worker import store as store_module
-from epochal.worker.store import connect_store, new_key, open_store, scoped
+from epochal.worker import storeserver
+from epochal.worker.store import StoreServer, connect_store, new_key, open_store, scoped
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -60,23 +66,79 @@ def test_an_address_of_another_machine_falls_back_to_every_interface(capfd):
     assert "is not an address of this machine" in capfd.readouterr().err
 
 
-def test_a_torch_whose_libuv_store_refuses_a_listening_socket_gets_the_other_backend(
-    monkeypatch: pytest.MonkeyPatch,
-):
+def test_a_torch_whose_libuv_store_refuses_a_listening_socket_gets_the_other_backend():
     calls = []
 
     def older_torch(*args, **kwargs):  # as torch before 2.8 did for master_listen_fd
-        if "master_listen_fd" not in kwargs:  # a client: as any torch
-            return TCPStore(*args, **kwargs)
         calls.append(kwargs.get("use_libuv", True))
         if kwargs.get("use_libuv", True):
             raise NotImplementedError("masterListenFd is not supported by the libuv backend")
         return TCPStore(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "TCPStore", older_torch)
-    ours = open_store("127.0.0.1", 10)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    ours = storeserver.serve(listener.detach(), "127.0.0.1", port, 10, store=older_torch)
     assert calls == [True, False]
-    assert listening_addresses(ours.port) == {"0100007F"}
-    peer = connect_store("127.0.0.1", ours.port, 10)
+    assert not ours.libuvBackend
+    assert listening_addresses(port) == {"0100007F"}
+    peer = connect_store("127.0.0.1", port, 10)
     peer.set("k", b"v")
     assert ours.get("k") == b"v"
+
+
+@pytest.mark.parametrize(
+    ("world", "mib"),
+    [(None, 64), (2, 64.03), (1000, 94.9), (10_000, 1746.1)],
+)
+def test_the_stores_budget_is_stated_per_world_size(world: int | None, mib: float):
+    assert storeserver.budget(world) / 2**20 == pytest.approx(mib, abs=0.1)
+
+
+def test_the_store_server_runs_apart_capped_and_its_cap_grows_with_the_world():
+    server = StoreServer.start("127.0.0.1", 60)
+    try:
+        assert server.process.pid != os.getpid()
+        soft, _ = resource.prlimit(server.process.pid, resource.RLIMIT_DATA)
+        assert soft == server.limit == server.baseline + storeserver.budget(None)
+        server.expect(1000)
+        soft, _ = resource.prlimit(server.process.pid, resource.RLIMIT_DATA)
+        assert soft == server.limit == server.baseline + storeserver.budget(1000)
+        assert listening_addresses(server.port) == {"0100007F"}
+    finally:
+        server.close()
+    assert server.process.returncode == 0
+
+
+def test_the_store_server_ends_when_the_process_that_started_it_is_killed():
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from epochal.worker.store import StoreServer\n"
+            "server = StoreServer.start('127.0.0.1', 60)\n"
+            "print(server.process.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert starter.stdout is not None
+        pid = int(starter.stdout.readline())
+    finally:
+        starter.kill()
+        starter.communicate()
+    deadline = time.monotonic() + 30  # it notices at once; the margin is for a loaded machine
+    while Path(f"/proc/{pid}").exists() and "(python" in stat(pid):
+        assert time.monotonic() < deadline, "the store server outlived the process that started it"
+        time.sleep(0.05)
+
+
+def stat(pid: int) -> str:
+    """/proc/PID/stat, or "" once the process is gone (a zombie's is kept until it is reaped)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return "" if text.split(")")[-1].split()[0] == "Z" else text
