@@ -1,19 +1,58 @@
-"""No import cycle among epochal's modules, read from the source (no module is imported).
+"""The import rules docs/architecture.md states, and no import cycle, read from the source (no
+module is imported).
 
-Every ``import`` counts, also one inside a function (a lazy import that closes a cycle only
-hides it until the call), except those under ``if TYPE_CHECKING:``. ``from package import name``
-is an edge to ``package.name`` when that is a module, else to ``package``; a package's implicit
-import of its parents is not an edge, so a package ``__init__`` may re-export its submodules.
+The rules are read from the table in docs/architecture.md (between its ``import-rules`` markers),
+and the decision modules from its ``decision-modules`` list, so the document and this test cannot
+disagree. Every ``import`` counts, also one inside a function (a lazy import that closes a
+cycle only hides it until the call), except those under ``if TYPE_CHECKING:``. ``from package
+import name`` is an edge to ``package.name`` when that is a module, else to ``package``; a
+package's implicit import of its parents is not an edge, so a package ``__init__`` may re-export
+its submodules.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 import epochal
 
 ROOT = Path(epochal.__file__).parent
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+PARTS = ("protocol", "coordinator", "worker", "observe", "launch", "security")
+"""The subpackages that are parts of their own; cli.py is "cli", __init__ "api", the rest
+"shared"."""
+
+LIBRARIES = (
+    "torch",
+    "numpy",
+    "zmq",
+    "msgpack",
+    "matplotlib",
+    "tensorboard",
+    "prometheus_client",
+    "tqdm",
+)
+"""The third-party libraries the rules name: importing one is allowed only where the table says."""
+
+CLOCK_SOCKET_FILE = {
+    "asyncio",
+    "zmq",
+    "time",
+    "socket",
+    "os",
+    "shutil",
+    "pathlib",
+    "subprocess",
+    "threading",
+    "select",
+    "selectors",
+}
+"""What a decision module may not import: a clock, a socket, a file, a thread."""
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -158,3 +197,131 @@ def test_a_cycle_closed_by_a_lazy_import_is_found(tmp_path):
     assert graph["pkg.a"] == {"pkg.sub.b"}  # the TYPE_CHECKING import is no edge
     assert graph["pkg.sub.b"] == {"pkg.a"}  # relative "from .. import a" resolved
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
+
+
+# ----------------------------------------------------------------------------- the stated rules
+
+
+def part_of(module: str) -> str:
+    """The part ``module`` (a dotted name under ``epochal``) belongs to in the rules table."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    if parts[1] in PARTS:
+        return parts[1]
+    if parts[1] in ("cli", "__main__"):
+        return "cli"
+    return "shared"
+
+
+def _between(text: str, marker: str) -> str:
+    start = text.index(f"<!-- {marker}:")
+    end = text.index(f"<!-- end {marker} -->", start)
+    return text[text.index("-->", start) + 3 : end]
+
+
+def stated_rules(text: str) -> dict[str, set[str]]:
+    """Each part's allowed imports, from the table between the ``import-rules`` markers."""
+    rules: dict[str, set[str]] = {}
+    for line in _between(text, "import-rules").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("part", "") or set(cells[0]) <= {"-"}:
+            continue
+        rules[cells[0]] = {c.strip() for c in cells[1].split(",") if c.strip()}
+    return rules
+
+
+def stated_decision_modules(text: str) -> list[str]:
+    """The modules the ``decision-modules`` list names, as dotted names."""
+    found = re.findall(r"`([a-z_/]+)\.py`", _between(text, "decision-modules"))
+    return ["epochal." + path.replace("/", ".") for path in found]
+
+
+def libraries_imported(path: Path) -> set[str]:
+    """The top-level names of the absolute imports in ``path`` (lazy ones included)."""
+    names = set()
+    for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def broken_rules(root: Path, rules: dict[str, set[str]]) -> list[str]:
+    """Every import of the package at ``root`` the rules do not allow, as "a -> b" lines."""
+    broken = []
+    for module, targets in sorted(import_graph(root).items()):
+        mine = part_of(module)
+        allowed = rules[mine] | {mine}
+        for target in sorted(targets):
+            if part_of(target) not in allowed:
+                broken.append(f"{module} -> {target} ({mine} may not import {part_of(target)})")
+        for library in sorted(libraries_imported(module_names(root)[module]) & set(LIBRARIES)):
+            if library not in allowed:
+                broken.append(f"{module} -> {library} ({mine} may not import {library})")
+    return broken
+
+
+def test_the_architecture_document_states_a_rule_for_every_part():
+    rules = stated_rules(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert set(rules) == {*PARTS, "shared", "cli", "api"}
+    named = set().union(*rules.values())
+    assert named <= {*rules, *LIBRARIES}, (
+        f"unknown names in the table: {named - {*rules, *LIBRARIES}}"
+    )
+
+
+def test_every_import_follows_the_rules_the_architecture_document_states():
+    rules = stated_rules(ARCHITECTURE.read_text(encoding="utf-8"))
+    broken = broken_rules(ROOT, rules)
+    assert not broken, "imports docs/architecture.md does not allow:\n" + "\n".join(broken)
+
+
+def test_a_broken_rule_is_found_also_in_a_lazy_import(tmp_path):
+    pkg = tmp_path / "epochal"
+    for part in ("coordinator", "worker"):
+        (pkg / part).mkdir(parents=True)
+        (pkg / part / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "coordinator" / "service.py").write_text(
+        "from epochal.errors import x\ndef f():\n    import torch\n"
+        "    from epochal.worker import session\n"
+    )
+    (pkg / "worker" / "session.py").write_text("import torch\n")
+    rules = {"coordinator": {"shared"}, "worker": {"shared", "torch"}, "shared": set()}
+    rules.update({p: set() for p in (*PARTS, "cli", "api") if p not in rules})
+    assert broken_rules(pkg, rules) == [
+        "epochal.coordinator.service -> epochal.worker.session (coordinator may not import worker)",
+        "epochal.coordinator.service -> torch (coordinator may not import torch)",
+    ]
+
+
+def test_the_parts_import_each_other_without_a_cycle():
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph(ROOT).items():
+        graph.setdefault(part_of(module), set()).update(
+            part_of(t) for t in targets if part_of(t) != part_of(module)
+        )
+    assert not cycles(graph), f"a cycle between parts: {cycles(graph)}"
+
+
+@pytest.mark.parametrize(
+    "module", stated_decision_modules(ARCHITECTURE.read_text(encoding="utf-8"))
+)
+def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: str):
+    path = module_names(ROOT)[module]
+    imported = libraries_imported(path)
+    assert not imported & CLOCK_SOCKET_FILE, f"{module} imports {imported & CLOCK_SOCKET_FILE}"
+    opened = [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
+    ]
+    assert not opened, f"{module} opens a file at line(s) {opened}"
+
+
+def test_the_decision_module_list_is_read():
+    modules = stated_decision_modules(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert {"epochal.coordinator.machine", "epochal.coordinator.policy"} <= set(modules)

@@ -12,7 +12,7 @@ from matplotlib import image
 from epochal import log
 from epochal.cli import EXIT_USAGE, main
 from epochal.coordinator.journal import Journal
-from epochal.plot import further_metrics, plot_run, restart_marks, write_curve
+from epochal.observe.plot import further_metrics, plot_run, restart_marks, write_curve
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

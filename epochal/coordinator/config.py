@@ -15,6 +15,7 @@ from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
 from epochal.observe.prometheus import parse_address
 from epochal.protocol.messages import DEFAULT_JOB, check_job_name, check_metric_name
+from epochal.rundir import CHECKPOINTS_DIR
 from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
 
 BatchPolicy = Literal["error", "truncate"]
@@ -411,7 +412,7 @@ class CoordinatorConfig:
         if self.checkpoint_dir is not None:
             return self.checkpoint_dir.absolute()
         if self.run_dir is not None:
-            return (self.run_dir / "checkpoints").absolute()
+            return (self.run_dir / CHECKPOINTS_DIR).absolute()
         return None
 
     @property

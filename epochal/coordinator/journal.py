@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.files import open_append, private_dir, write_atomic
-
-RUN_FILE = "run.json"
-EPOCHS_FILE = "epochs.jsonl"
-RESULT_FILE = "result.json"
+from epochal.rundir import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 
 
 class JournalError(OSError):
@@ -38,14 +35,6 @@ def _writing(path: Path) -> Iterator[None]:
             else ""
         )
         raise JournalError(exc.errno, f"cannot write {path}: {exc.strerror or exc}{hint}") from None
-
-
-JOURNAL_LIMIT = 64 << 20
-"""The largest ``epochs.jsonl`` a reader takes (about 150,000 epochs): a file that big is not one
-a run wrote, and reading it whole must not exhaust the reader's memory."""
-
-RECORD_FILE_LIMIT = 16 << 20
-"""The largest ``run.json`` or ``result.json`` a reader takes."""
 
 
 def _dump(data: dict[str, Any]) -> str:

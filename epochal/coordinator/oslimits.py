@@ -35,6 +35,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from epochal.nofile import read_int
+
 FILES_RESERVED = 64
 """Descriptors the coordinator holds besides one per worker: ZeroMQ's own (its I/O thread's
 poller and mailboxes), the journal, the standard streams, the CURVE authenticator's sockets."""
@@ -42,12 +44,7 @@ poller and mailboxes), the journal, the standard streams, the CURVE authenticato
 MIN_BACKLOG = 128
 """Listen backlog never set lower than this (libzmq's default is 100)."""
 
-NOFILE_FALLBACK = 10240
-"""The soft limit tried where the hard limit is unlimited and the system names no maximum (macOS
-refuses an unlimited soft limit but takes OPEN_MAX, 10,240)."""
-
 SOMAXCONN_PATH = Path("/proc/sys/net/core/somaxconn")
-NR_OPEN_PATH = Path("/proc/sys/fs/nr_open")
 
 TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)
 
@@ -55,35 +52,6 @@ TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)
 def files_needed(workers: int) -> int:
     """File descriptors a coordinator of ``workers`` workers needs, with room for its own."""
     return workers + FILES_RESERVED
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def raise_nofile_limit() -> tuple[int, int]:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return (old, new) soft.
-
-    A hard limit of "unlimited" is not a value the soft limit may take: the system's maximum
-    (Linux: ``fs.nr_open``) is used instead, or :data:`NOFILE_FALLBACK`. Where the system refuses
-    the new value, the limit stays as it was and (old, old) is returned. Never lowers the limit.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:
-        target = _read_int(NR_OPEN_PATH) or NOFILE_FALLBACK
-    if soft != resource.RLIM_INFINITY and soft >= target:
-        return soft, soft
-    if soft == resource.RLIM_INFINITY:
-        return soft, soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError):
-        return soft, soft
-    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def nofile_note(workers: int) -> str | None:
@@ -118,7 +86,7 @@ def backlog_note(expected_workers: int, somaxconn: int | None = None) -> str | N
     ``somaxconn`` defaults to ``/proc/sys/net/core/somaxconn`` (None where it cannot be read:
     then nothing is said).
     """
-    cap = somaxconn if somaxconn is not None else _read_int(SOMAXCONN_PATH)
+    cap = somaxconn if somaxconn is not None else read_int(SOMAXCONN_PATH)
     if cap is None or cap >= backlog_for(expected_workers):
         return None
     return (

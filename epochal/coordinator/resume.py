@@ -22,24 +22,23 @@ from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import (
-    EPOCHS_FILE,
-    JOURNAL_LIMIT,
-    RECORD_FILE_LIMIT,
-    RESULT_FILE,
-    RUN_FILE,
-    check_record,
-)
+from epochal.coordinator.journal import check_record
 from epochal.coordinator.policy import EpochOutcome, LoopState
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
 from epochal.files import NotRegular, check_private_dir, private_dir, read_regular
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
+from epochal.rundir import (
+    EPOCHS_FILE,
+    JOURNAL_LIMIT,
+    MODEL_FILE,
+    RECORD_FILE_LIMIT,
+    RESULT_FILE,
+    RUN_FILE,
+)
 from epochal.settings import flag_name, settings
 from epochal.text import printable
-
-MODEL_FILE = "model.json"
 
 _SETTINGS = settings(CoordinatorConfig)
 

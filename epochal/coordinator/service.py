@@ -52,6 +52,7 @@ from epochal.coordinator.retries import HelloRetries
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
+from epochal.nofile import raise_nofile_limit
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
 from epochal.protocol import (
     MAX_FRAME_BYTES,
@@ -239,7 +240,7 @@ class Coordinator:
         state, machine = self._state, self._machine
         assert state is not None and machine is not None
         workers = self.config.world_size
-        oslimits.raise_nofile_limit()  # before the socket: each worker's connection is a file
+        raise_nofile_limit()  # before the socket: each worker's connection is a file
         for note in (oslimits.nofile_note(workers), oslimits.backlog_note(workers)):
             if note is not None:
                 self._log(note)

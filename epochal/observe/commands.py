@@ -42,8 +42,8 @@ def add_plot_command(subparsers: argparse._SubParsersAction) -> None:  # type: i
 
 
 def run_plot(args: argparse.Namespace) -> int:
+    from epochal.observe.plot import plot_run
     from epochal.observe.runfiles import is_run_dir
-    from epochal.plot import plot_run
 
     if not is_run_dir(args.run_dir):
         raise ConfigError(

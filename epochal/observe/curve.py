@@ -1,4 +1,4 @@
-"""Draw RUN_DIR/curve.png once the run is over (see :func:`epochal.plot.write_curve`)."""
+"""Draw RUN_DIR/curve.png once the run is over (see :func:`epochal.observe.plot.write_curve`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,6 @@ class Curve(RunObserver):
         if not self._started:
             return  # nothing was run (a usage error, a run that had already finished)
         self._started = False
-        from epochal.plot import write_curve  # matplotlib only now, never at import
+        from epochal.observe.plot import write_curve  # matplotlib only now, never at import
 
         write_curve(self.run_dir)

@@ -16,22 +16,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from epochal.coordinator.journal import (
+from epochal.errors import ConfigError
+from epochal.files import NotRegular, read_regular, write_atomic
+from epochal.rundir import (
     EPOCHS_FILE,
     JOURNAL_LIMIT,
     RECORD_FILE_LIMIT,
     RESULT_FILE,
     RUN_FILE,
+    STATUS_FILE,
+    STATUS_LIMIT,
 )
-from epochal.errors import ConfigError
-from epochal.files import NotRegular, read_regular, write_atomic
-
-STATUS_FILE = "status.json"
-CURVE_FILE = "curve.png"
-
-STATUS_LIMIT = 64 << 20
-"""The largest ``status.json`` a reader takes (one row per rank: a few MiB at 10,000 ranks)."""
-
 
 MAX_EPOCH = (1 << 31) - 1
 """The largest epoch number a record may carry to be read (a larger one is not a run's, and

@@ -18,12 +18,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from epochal.coordinator.journal import RESULT_FILE
 from epochal.errors import ConfigError
 from epochal.files import private_dir
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
 from epochal.observe.runfiles import (
-    STATUS_FILE,
     epoch_records,
     read_records,
     read_result,
@@ -31,6 +29,7 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
+from epochal.rundir import RESULT_FILE, STATUS_FILE
 from epochal.text import PRINTABLE_CHARS, printable
 
 INTERVAL = 2.0

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from epochal.coordinator.oslimits import raise_nofile_limit
 from epochal.errors import (
     ConfigError,
     CoordinatorLost,
@@ -35,6 +34,7 @@ from epochal.errors import (
     RunAborted,
 )
 from epochal.log import WORKER, ensure_configured
+from epochal.nofile import raise_nofile_limit
 from epochal.protocol import (
     Awaiting,
     Checkpointed,

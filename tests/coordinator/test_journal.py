@@ -9,14 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.journal import (
-    EPOCHS_FILE,
-    RESULT_FILE,
-    RUN_FILE,
-    Journal,
-    JournalError,
-    check_record,
-)
+from epochal.coordinator.journal import Journal, JournalError, check_record
+from epochal.rundir import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 
 
 def mode(path: Path) -> int:

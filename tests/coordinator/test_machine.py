@@ -597,27 +597,6 @@ def test_a_message_out_of_step_aborts_naming_the_phase():
     assert reason is not None and "sent Done while the coordinator was in phase ready" in reason
 
 
-@pytest.mark.parametrize("module", ["actions", "machine", "strangers", "watchdog"])
-def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: str):
-    import ast
-
-    import epochal.coordinator
-
-    source = Path(epochal.coordinator.__file__).parent / f"{module}.py"
-    tree = ast.parse(source.read_text())
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    } | {
-        (node.module or "").split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
-    }
-    assert not imported & {"asyncio", "zmq", "time", "socket", "os", "shutil", "pathlib"}
-
-
 # ----------------------------------------------------------------------------- metrics
 
 

@@ -524,7 +524,7 @@ def test_a_bad_metrics_address_is_a_usage_error(capsys: pytest.CaptureFixture[st
 def test_observers_import_neither_torch_nor_their_libraries_until_used() -> None:
     code = (
         "import sys\n"
-        "import epochal.observe.options, epochal.observe.statusfile, epochal.plot\n"
+        "import epochal.observe.options, epochal.observe.statusfile, epochal.observe.plot\n"
         "heavy = [m for m in ('torch', 'matplotlib', 'tensorboard', 'prometheus_client')"
         " if m in sys.modules]\n"
         "print(heavy)\n"

@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import oslimits
+from epochal import nofile as nofile_module
 from epochal.coordinator.oslimits import (
     FILES_RESERVED,
     MIN_BACKLOG,
@@ -31,9 +31,9 @@ from epochal.coordinator.oslimits import (
     files_shortage_message,
     is_too_many_files,
     nofile_note,
-    raise_nofile_limit,
     too_many_files_message,
 )
+from epochal.nofile import raise_nofile_limit
 
 
 @pytest.fixture
@@ -81,28 +81,28 @@ class _FakeLimits:
 
 def test_an_unlimited_hard_limit_raises_the_soft_limit_to_the_system_maximum(monkeypatch, tmp_path):
     fake = _FakeLimits(1024, resource.RLIM_INFINITY)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
-    monkeypatch.setattr(oslimits.resource, "setrlimit", fake.setrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "setrlimit", fake.setrlimit)
     nr_open = tmp_path / "nr_open"
     nr_open.write_text("1048576\n")
-    monkeypatch.setattr(oslimits, "NR_OPEN_PATH", nr_open)
+    monkeypatch.setattr(nofile_module, "NR_OPEN_PATH", nr_open)
     assert raise_nofile_limit() == (1024, 1048576)
-    monkeypatch.setattr(oslimits, "NR_OPEN_PATH", tmp_path / "absent")
+    monkeypatch.setattr(nofile_module, "NR_OPEN_PATH", tmp_path / "absent")
     fake.limits = (256, resource.RLIM_INFINITY)
-    assert raise_nofile_limit() == (256, oslimits.NOFILE_FALLBACK)
+    assert raise_nofile_limit() == (256, nofile_module.NOFILE_FALLBACK)
 
 
 def test_a_refused_raise_keeps_the_limit(monkeypatch):
     fake = _FakeLimits(1024, 4096, refuse=True)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
-    monkeypatch.setattr(oslimits.resource, "setrlimit", fake.setrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "setrlimit", fake.setrlimit)
     assert raise_nofile_limit() == (1024, 1024)
     assert fake.limits == (1024, 4096)
 
 
 def test_a_limit_too_low_for_the_run_is_named_with_the_fix(monkeypatch):
     fake = _FakeLimits(1024, 1024)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
     note = nofile_note(4096)
     assert note is not None
     assert "at most 1024 files" in note
@@ -137,7 +137,7 @@ def test_a_kernel_cap_below_the_run_is_noted():
 
 def test_the_emfile_message_names_the_limit_and_how_to_raise_it(monkeypatch):
     fake = _FakeLimits(1024, 524288)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
     line = too_many_files_message(4096)
     assert line.startswith("too many open files: the soft limit is 1024")
     assert "the hard limit is 524288" in line
@@ -154,7 +154,7 @@ def test_emfile_and_enfile_are_too_many_files():
 
 def test_accept_failures_are_counted_and_other_causes_named_once(monkeypatch):
     fake = _FakeLimits(1024, 1024)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
     failures = AcceptFailures(workers=1024)
     assert failures.rendezvous_note() == ""
     assert all(failures.note(errno.EMFILE) for _ in range(501))
@@ -171,7 +171,7 @@ def test_accept_failures_are_counted_and_other_causes_named_once(monkeypatch):
 
 def test_the_rendezvous_note_blames_strangers_when_they_held_the_descriptors(monkeypatch):
     fake = _FakeLimits(1024, 1024)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
     failures = AcceptFailures(workers=2)
     failures.note(errno.EMFILE)
     note = failures.rendezvous_note(held=958)
@@ -196,7 +196,7 @@ def test_the_rendezvous_note_blames_strangers_when_they_held_the_descriptors(mon
 )
 def test_a_shortage_of_descriptors_names_who_holds_them(monkeypatch, workers, held, says, advice):
     fake = _FakeLimits(1024, 4096)
-    monkeypatch.setattr(oslimits.resource, "getrlimit", fake.getrlimit)
+    monkeypatch.setattr(nofile_module.resource, "getrlimit", fake.getrlimit)
     line = files_shortage_message(workers, held=held)
     assert "the open-files limit is 1024, RLIMIT_NOFILE; the hard limit is 4096" in line
     assert says in line

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epochal.plot import restart_marks
+from epochal.observe.plot import restart_marks
 from tests.integration.conftest import SCRIPTS, Spawner, marked_pids
 
 pytestmark = pytest.mark.slow

@@ -24,13 +24,13 @@ from epochal.errors import ConfigError
 from epochal.files import private_dir, write_atomic
 from epochal.log import COORDINATOR
 from epochal.observe.runfiles import (
-    CURVE_FILE,
     epoch_records,
     read_records,
     read_result,
     read_run,
     read_status,
 )
+from epochal.rundir import CURVE_FILE
 from epochal.text import printable
 
 EXTRA_HINT = "pip install 'epochal[plot]'"

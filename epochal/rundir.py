@@ -1,0 +1,41 @@
+"""What a run directory holds, by name, and how much of each file a reader takes.
+
+The coordinator writes these files (:mod:`epochal.coordinator.journal`, the observers of
+:mod:`epochal.observe`); ``epochal status``, ``epochal plot`` and a resume read them. Both sides
+name them here, so that the observers need nothing of the coordinator's and the layout of a run
+directory is written down once. Standard library only.
+"""
+
+from __future__ import annotations
+
+RUN_FILE = "run.json"
+"""The run's settings and where its coordinator listens; written at the start of each attempt."""
+
+EPOCHS_FILE = "epochs.jsonl"
+"""The journal: one record per decided epoch and per committed checkpoint, fsynced before the
+workers hear of it."""
+
+RESULT_FILE = "result.json"
+"""How the run ended (finished or aborted)."""
+
+MODEL_FILE = "model.json"
+"""The digest of the run's model (and its parameters), to refuse a resume with another model."""
+
+STATUS_FILE = "status.json"
+"""Where every rank is, rewritten while the run goes (``epochal status``)."""
+
+CURVE_FILE = "curve.png"
+"""The learning curve, redrawn after each epoch."""
+
+CHECKPOINTS_DIR = "checkpoints"
+"""The default checkpoint directory, inside the run directory."""
+
+JOURNAL_LIMIT = 64 << 20
+"""The largest ``epochs.jsonl`` a reader takes (about 150,000 epochs): a file that big is not one
+a run wrote, and reading it whole must not exhaust the reader's memory."""
+
+RECORD_FILE_LIMIT = 16 << 20
+"""The largest ``run.json``, ``result.json`` or ``model.json`` a reader takes."""
+
+STATUS_LIMIT = 64 << 20
+"""The largest ``status.json`` a reader takes (one row per rank: a few MiB at 10,000 ranks)."""
