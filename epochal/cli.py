@@ -11,22 +11,18 @@ Neither command imports torch.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import os
-import signal
-import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from epochal import __version__, addressfile, configfile, log
+from epochal import __version__, configfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds
-from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.resume import script_identity
-from epochal.coordinator.service import Coordinator, new_run_id
+from epochal.coordinator.service import new_run_id
 from epochal.environment import (
     COORDINATOR_ENV,
     LOG_FORMAT_ENV,
@@ -34,20 +30,17 @@ from epochal.environment import (
     TOKEN_ENV,
     VERBOSE_ENV,
 )
-from epochal.errors import ConfigError, RunAborted
+from epochal.errors import ConfigError
 from epochal.files import private_dir
-from epochal.launch.restarts import Outcome, restarting
+from epochal.launch.service import ServeOptions, serve_or_crash
 from epochal.log import COORDINATOR, LAUNCHER
-from epochal.observe import RunObserver
 from epochal.observe import commands as observe_commands
-from epochal.observe import options as observe_options
 from epochal.security.cli import (
     add_coordinator_arguments,
     add_keys_command,
     run_keys_command,
     server_security_from_args,
 )
-from epochal.security.curve import ServerSecurity
 from epochal.settings import CHECKPOINTS, FAILURES, Option, add_options, field_options, grouped
 
 DEFAULT_RUNS = Path("runs")
@@ -55,8 +48,6 @@ DEFAULT_RUNS = Path("runs")
 directory)."""
 
 EXIT_USAGE = 2
-EXIT_CRASH = 70
-"""The coordinator itself failed (EX_SOFTWARE): unlike an abort (1), worth restarting."""
 
 
 RUN_ONLY_OPTIONS = (
@@ -302,135 +293,6 @@ def check_exposure(bind: str, secured: bool, insecure: bool) -> str | None:
     )
 
 
-async def _serve(
-    args: argparse.Namespace,
-    config: CoordinatorConfig,
-    run_id: str,
-    security: ServerSecurity | None,
-    observers: RunObserver,
-) -> int:
-    coordinator = Coordinator(
-        config,
-        bind=args.bind,
-        run_id=run_id,
-        fresh=args.fresh,
-        security=security,
-        log=COORDINATOR.info,
-        observers=observers,
-    )
-    endpoint = await coordinator.start()
-    print(f"epochal coordinator listening on {endpoint}", flush=True)
-    written: str | None = None
-    if args.address_file is not None:
-        written = addressfile.connectable(endpoint)
-        addressfile.write(args.address_file, written)
-        print(f"epochal coordinator address {written} written to {args.address_file}", flush=True)
-        attach = f"file:{args.address_file}"
-    else:
-        attach = endpoint  # a wildcard host is replaced by this machine's address in the hint
-    COORDINATOR.info(
-        attach_hint(
-            attach,
-            address=local_address(),
-            server_secret_key=args.curve_key and Path(args.curve_key),
-            allowed_dir=args.curve_allowed and Path(args.curve_allowed),
-        )
-    )
-    try:
-        return await _serve_runs(args, config, coordinator, endpoint, security, observers)
-    finally:
-        if written is not None:
-            addressfile.remove_if_ours(args.address_file, written)
-
-
-async def _serve_runs(
-    args: argparse.Namespace,
-    config: CoordinatorConfig,
-    coordinator: Coordinator,
-    endpoint: str,
-    security: ServerSecurity | None,
-    observers: RunObserver,
-) -> int:
-    """Serve runs at ``endpoint``: after an aborted one, up to ``--max-restarts`` times, a new
-    coordinator on the same address and run directory waits for the workers to come back."""
-    received: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        received.append(signum)
-        coordinator.abort(f"the coordinator received {signal.Signals(signum).name}")
-
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
-
-    async def attempt(n: int) -> Outcome:
-        if received:  # a signal while the coordinator was started again
-            return Outcome(128 + received[0])
-        try:
-            await coordinator.run()
-            return Outcome(0)
-        except RunAborted as exc:
-            if received:
-                return Outcome(128 + received[0])
-            return Outcome(1, exc.reason, retry=True)
-
-    async def restart(n: int, failed: Outcome) -> None:
-        nonlocal coordinator
-        coordinator.log(
-            f"restart {n} of {args.max_restarts}: waiting at {endpoint} for the "
-            "workers to come back; the run resumes from its last committed checkpoint"
-        )
-        coordinator = Coordinator(
-            config,
-            bind=endpoint,
-            security=security,
-            log=COORDINATOR.info,
-            observers=observers,
-            attempt=n,
-        )
-        await _start_again(coordinator)
-
-    def give_up(failed: Outcome) -> None:
-        coordinator.log(f"FAILED: {args.max_restarts} restarts used up")
-
-    return await restarting(attempt, args.max_restarts, restart=restart, give_up=give_up)
-
-
-async def _start_again(coordinator: Coordinator) -> None:
-    """Bind the same address again; the old socket may take a moment to let it go."""
-    for _ in range(50):
-        try:
-            await coordinator.start()
-            return
-        except OSError:
-            await asyncio.sleep(0.1)
-    await coordinator.start()
-
-
-def _serve_or_crash(
-    args: argparse.Namespace, token: str, run_id: str, security: ServerSecurity | None
-) -> int:
-    """Serve; a bug in the coordinator itself exits EXIT_CRASH, which a supervisor restarts.
-
-    The observers the options ask for (status.json, curve.png, TensorBoard, metrics) watch every
-    attempt; they are closed once the event loop is gone (the curve is drawn then)."""
-    config = _config(args, args.world_size, token, run_id)
-    observers = observe_options.from_config(config)
-    try:
-        return asyncio.run(_serve(args, config, run_id, security, observers))
-    except (ConfigError, OSError, KeyboardInterrupt):
-        raise
-    except Exception:
-        COORDINATOR.error(traceback.format_exc().rstrip("\n"))
-        COORDINATOR.error(
-            f"epochal: the coordinator crashed (exit status {EXIT_CRASH}); the traceback above is "
-            "a bug to report. Started again with the same --run-dir, it resumes the run"
-        )
-        return EXIT_CRASH
-    finally:
-        observers.close()
-
-
 def _configure_logging(args: argparse.Namespace) -> None:
     """``--log-level`` / ``--log-format``, else the environment's, else info and text; this
     process's setting is what the workers it starts get (see :func:`log.child_environment`)."""
@@ -465,7 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             warning = check_exposure(args.bind, security is not None, args.insecure)
             if warning:
                 COORDINATOR.warning(f"epochal: {warning}")
-            return _serve_or_crash(args, token, run_id, security)
+            config = _config(args, args.world_size, token, run_id)
+            served = ServeOptions(
+                bind=args.bind,
+                fresh=args.fresh,
+                max_restarts=args.max_restarts,
+                address_file=args.address_file,
+                curve_key=args.curve_key and Path(args.curve_key),
+                curve_allowed=args.curve_allowed and Path(args.curve_allowed),
+            )
+            return serve_or_crash(config, served, run_id, security)
         if args.command == "worker":
             from epochal.launch.supervisor import supervise
 

@@ -8,6 +8,7 @@ import pytest
 
 from epochal import cli
 from epochal.coordinator.machine import RunMachine
+from epochal.launch.service import EXIT_CRASH
 
 
 def coordinator(tmp_path: Path, *extra: str) -> int:
@@ -27,7 +28,7 @@ def test_a_crash_of_the_coordinator_itself_exits_70_with_its_traceback(
 
     # inside the service loop, as a real bug would be: the loop's own cleanup still runs
     monkeypatch.setattr(RunMachine, "on_tick", broken)
-    assert coordinator(tmp_path) == cli.EXIT_CRASH == 70
+    assert coordinator(tmp_path) == EXIT_CRASH == 70
     err = capsys.readouterr().err
     assert "RuntimeError: a bug in the service" in err and "Traceback" in err
     assert "crashed (exit status 70)" in err and "same --run-dir" in err

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from epochal import cli
+from epochal.launch.service import EXIT_CRASH
 from tests.multihost import netns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,7 +151,7 @@ def test_systemd_analyze_verify_does_see_a_bad_line(tmp_path: Path) -> None:
 
 def test_the_unit_restarts_a_crash_and_nothing_else() -> None:
     assert restarts(-signal.SIGKILL) and restarts(-signal.SIGSEGV) and restarts(-signal.SIGABRT)
-    assert restarts(cli.EXIT_CRASH)
+    assert restarts(EXIT_CRASH)
     assert not restarts(0)  # finished
     assert not restarts(1)  # aborted: a lost worker, a policy refusal; restarting repeats it
     assert not restarts(cli.EXIT_USAGE)
