@@ -324,4 +324,4 @@ def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: 
 
 def test_the_decision_module_list_is_read():
     modules = stated_decision_modules(ARCHITECTURE.read_text(encoding="utf-8"))
-    assert {"epochal.coordinator.machine", "epochal.coordinator.policy"} <= set(modules)
+    assert {"epochal.coordinator.machine", "epochal.coordinator.batches"} <= set(modules)

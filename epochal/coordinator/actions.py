@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from epochal.coordinator.policy import EpochOutcome
+from epochal.coordinator.outcome import EpochOutcome
 from epochal.protocol import CoordinatorMessage
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from epochal.coordinator.actions import RunSummary
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.policy import EpochOutcome, LoopState, format_loss
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome, format_loss
 from epochal.protocol import Finish
 
 

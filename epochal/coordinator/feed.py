@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from epochal.coordinator.actions import RunPhase
+from epochal.coordinator.loop import LoopState
 from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.policy import LoopState
 from epochal.observe import RankStatus, RunObserver, StatusSnapshot, World
 from epochal.text import printable
 

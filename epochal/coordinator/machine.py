@@ -31,20 +31,15 @@ from epochal.coordinator.actions import (
     RunPhase,
     Send,
 )
-from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.policy import (
+from epochal.coordinator.batches import (
     BatchCounts,
     EpochPlan,
-    LossSums,
     PolicyViolation,
-    aggregate_metrics,
-    checkpoint_after,
-    format_epoch_line,
     format_ranks,
-    metric_values,
     plan_epoch,
 )
-from epochal.coordinator.policy import aggregate as aggregate_losses
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
 from epochal.coordinator.rendezvous import (
     Admitted,
     Fatal,
@@ -54,6 +49,8 @@ from epochal.coordinator.rendezvous import (
     Rendezvous,
 )
 from epochal.coordinator.strangers import Gate
+from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
+from epochal.coordinator.sums import aggregate as aggregate_losses
 from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
     Abort,

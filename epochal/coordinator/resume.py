@@ -4,7 +4,7 @@ A run directory holds ``run.json`` (the configuration), ``epochs.jsonl`` (one ``
 decided epoch and one ``checkpoint`` record per committed checkpoint, each fsynced before the
 workers heard of it) and, once the run ended, ``result.json``. Resuming replays the epoch records
 up to the newest committed checkpoint that verifies against its manifest through
-:class:`~epochal.coordinator.policy.LoopState`, which rebuilds the smoothing state, best epoch,
+:class:`~epochal.coordinator.batches.LoopState`, which rebuilds the smoothing state, best epoch,
 learning-rate factor and patience exactly. No torch here: checkpoints are checked by their
 manifest (its MAC under the user's checkpoint key, then every file's SHA-256), not loaded; a
 checkpoint directory another user could write is refused.
@@ -23,7 +23,8 @@ from typing import Any
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import check_record
-from epochal.coordinator.policy import EpochOutcome, LoopState
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.rendezvous import describe_difference
 from epochal.errors import ConfigError
 from epochal.files import NotRegular, check_private_dir, private_dir, read_regular

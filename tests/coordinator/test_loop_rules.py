@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator.policy import EpochOutcome, LoopState
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.schedule import parse_schedule
 
 PROPERTY = settings(max_examples=100, deadline=None)

@@ -13,17 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator.policy import (
-    EpochOutcome,
-    EpochPlan,
-    LoopState,
-    LossSums,
-    PolicyViolation,
-    aggregate_metrics,
-    format_epoch_line,
-    metric_values,
-)
+from epochal.coordinator.batches import EpochPlan, PolicyViolation
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome, format_epoch_line
 from epochal.coordinator.schedule import parse_schedule
+from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
 from epochal.protocol.messages import Go, Metric
 
 PROPERTY = settings(max_examples=200, deadline=None)

@@ -13,19 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator.policy import (
-    WIRE_INT_MAX,
+from epochal.coordinator.batches import (
     BatchCounts,
-    EpochOutcome,
     EpochPlan,
-    LoopState,
-    LossSums,
     PolicyViolation,
+    format_ranks,
+    plan_epoch,
+)
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome
+from epochal.coordinator.sums import (
+    WIRE_INT_MAX,
+    LossSums,
     aggregate,
     aggregate_metrics,
     count_total,
-    format_ranks,
-    plan_epoch,
 )
 from epochal.protocol import Go
 
@@ -513,7 +515,9 @@ def test_counts_that_fit_the_wire_are_summed(counts: dict[int, int]):
 def test_an_epochs_journal_line_and_its_decision_say_what_its_outcome_says():
     import json
 
-    from epochal.coordinator.policy import EpochOutcome, EpochPlan, LoopState
+    from epochal.coordinator.batches import EpochPlan
+    from epochal.coordinator.loop import LoopState
+    from epochal.coordinator.outcome import EpochOutcome
 
     loop = LoopState(epochs=3)
     loop.update(0, 2.0, 1.5, validates=True)

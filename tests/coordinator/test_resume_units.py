@@ -23,7 +23,8 @@ import pytest
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.policy import EpochOutcome, LoopState
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.resume import (
     RunState,
     config_record,

@@ -1,0 +1,111 @@
+"""Every rank's batch counts for an epoch, checked before any collective runs.
+
+:func:`plan_epoch` turns the counts the ranks announced into the counts every rank runs, or raises
+:class:`PolicyViolation` naming each rank's count and what to do (``--batch-policy``). Pure: the
+machine passes the counts in (``tests/coordinator/test_policy.py``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from epochal.coordinator.config import BatchPolicy
+
+
+class PolicyViolation(Exception):
+    """The inputs break a rule; the message says which rank, what, and how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    """What one rank announced for an epoch (``valid`` None: no validation loader)."""
+
+    train: int
+    valid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """How many batches every rank runs this epoch (``valid_batches`` 0: no validation)."""
+
+    train_batches: int
+    valid_batches: int
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``.
+
+    Keeps messages about 1,000 ranks short.
+    """
+    ordered = sorted(ranks)
+    spans: list[str] = []
+    start = prev = ordered[0]
+    for r in [*ordered[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("ranks " if len(ordered) > 1 else "rank ") + ",".join(spans)
+
+
+def _by_count(counts: Mapping[int, int | None]) -> str:
+    groups: dict[int | None, list[int]] = defaultdict(list)
+    for rank, n in counts.items():
+        groups[n].append(rank)
+    # the minority first: that is the rank the user most likely needs to look at
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
+    parts = []
+    for n, ranks in ordered:
+        verb = "has" if len(ranks) == 1 else "have"
+        parts.append(f"{format_ranks(ranks)} {verb} {'no' if n is None else n}")
+    return ", ".join(parts)
+
+
+def plan_epoch(counts: Mapping[int, BatchCounts], policy: BatchPolicy) -> EpochPlan:
+    """Check every rank's batch counts and return what all ranks run, or raise PolicyViolation.
+
+    An empty train loader is refused under every policy (it would leave the other ranks waiting in a
+    collective); so is a validation loader that exists but is empty, and a validation loader that
+    some ranks have and others lack. Unequal counts abort under ``error`` and run the minimum under
+    ``truncate``.
+    """
+    empty_train = [r for r, c in counts.items() if c.train == 0]
+    if empty_train:
+        raise PolicyViolation(
+            f"{format_ranks(empty_train)} {'has' if len(empty_train) == 1 else 'have'} an empty "
+            "train loader (0 batches): give every rank at least one batch (a smaller batch size "
+            "or fewer ranks)"
+        )
+    empty_valid = [r for r, c in counts.items() if c.valid == 0]
+    if empty_valid:
+        raise PolicyViolation(
+            f"{format_ranks(empty_valid)} {'has' if len(empty_valid) == 1 else 'have'} an empty "
+            "validation loader (0 batches): give every rank at least one validation batch, or "
+            "pass no validation loader"
+        )
+    without_valid = [r for r, c in counts.items() if c.valid is None]
+    if without_valid and len(without_valid) != len(counts):
+        with_valid = [r for r in counts if r not in without_valid]
+        raise PolicyViolation(
+            f"{format_ranks(without_valid)} {'has' if len(without_valid) == 1 else 'have'} no "
+            f"validation loader but {format_ranks(with_valid)} "
+            f"{'does' if len(with_valid) == 1 else 'do'}: give every rank a validation loader, "
+            "or none"
+        )
+    train = {r: c.train for r, c in counts.items()}
+    valid = {r: c.valid for r, c in counts.items()}
+    train_equal = len(set(train.values())) == 1
+    valid_equal = len(set(valid.values())) == 1
+    if policy == "error" and not (train_equal and valid_equal):
+        kind = "train" if not train_equal else "validation"
+        table = _by_count(train if not train_equal else valid)
+        raise PolicyViolation(
+            f"{table} {kind} batches: make every rank's loader yield the same number of "
+            "batches, or run with --batch-policy truncate"
+        )
+    valid_batches = 0 if without_valid else min(v for v in valid.values() if v is not None)
+    return EpochPlan(train_batches=min(train.values()), valid_batches=valid_batches)
