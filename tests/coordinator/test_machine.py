@@ -45,13 +45,12 @@ from epochal.protocol import (
     Message,
     Metric,
     OpenStore,
-    ParamSpec,
     Status,
     StoreReady,
     Welcome,
 )
 
-FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
+FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 
 
 def hello(worker_id: str) -> Hello:
@@ -582,7 +581,7 @@ def test_a_stranger_gets_a_few_answers_then_silence():
     budget = run.machine.gate.strangers.replies
     answers = 0
     for _ in range(budget + 5):
-        if not run.machine.reads(b"noisy"):
+        if not run.machine.reads(1.0, b"noisy", 5):
             continue
         actions = run.machine.on_unreadable(1.0, b"noisy", "junk", version=False)
         answers += len([a for a in actions if isinstance(a, Send)])
@@ -596,7 +595,7 @@ def test_a_message_out_of_step_aborts_naming_the_phase():
     assert reason is not None and "sent Done while the coordinator was in phase ready" in reason
 
 
-@pytest.mark.parametrize("module", ["actions", "machine", "strangers", "watchdog"])
+@pytest.mark.parametrize("module", ["actions", "machine", "models", "strangers", "watchdog"])
 def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: str):
     import ast
 
