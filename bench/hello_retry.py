@@ -4,11 +4,11 @@
 
 A worker re-sends its hello unchanged until it is answered (0.1 s, doubling), so at a thousand
 workers the coordinator reads several hellos per worker. This times, on one coordinator with one
-member whose hello lists ``--params`` parameters, the handling of that member's retried hello:
+member whose model has ``--params`` parameters (since protocol 5 the hello carries only their
+digest and count), the handling of that member's retried hello:
 
-- ``decoded``: the frame decoded in full (its fingerprint entry by entry), then judged by the
-  run's machine, which is what every retried hello cost before the retries were known by their
-  bytes;
+- ``decoded``: the frame decoded in full, then judged by the run's machine, which is what every
+  retried hello cost before the retries were known by their bytes;
 - ``known``: the service's handling of the same frame (``Coordinator._receive``), which knows it
   by the digest of its bytes and hands the machine the hello it decoded the first time.
 
@@ -43,7 +43,7 @@ def hello(params: int) -> Hello:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=int, default=320, help="parameters in the fingerprint")
+    parser.add_argument("--params", type=int, default=320, help="parameters of the model")
     parser.add_argument("--repeat", type=int, default=200, help="retries per round")
     args = parser.parse_args()
     coordinator = Coordinator(CoordinatorConfig(world_size=2, epochs=1, token="s3cret"))
