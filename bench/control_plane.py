@@ -277,7 +277,6 @@ class Driver:
             sock.setsockopt(zmq.IDENTITY, w.worker_id.encode()[: 255 - len(nonce)] + nonce)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            sock.setsockopt(zmq.HANDSHAKE_IVL, 15_000)  # the client's: its heartbeat timeout
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(self.endpoint)

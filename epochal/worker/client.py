@@ -80,6 +80,12 @@ DEFAULTS = JoinOptions()
 ABORT_EXIT_CODE = 75
 """Exit status of a worker process ended by an abort it could not leave in time."""
 
+HANDSHAKE_TIMEOUT = 30.0
+"""Seconds a connection's ZeroMQ handshake may take before libzmq drops it and connects again
+(libzmq's default). Not shorter: a coordinator accepting thousands of connections at once, on a
+loaded machine, may take that long, and dropping a connection sends it to the back of the
+queue."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Lost:
@@ -133,7 +139,7 @@ class ControlClient:
         # this worker's rank once it has one (for fault injection)
         self.model_params: tuple[ParamSpec, ...] = ()
         # the entries of this worker's model, sent a page at a time when the coordinator asks
-        self.handshake = Handshake(endpoint, self.heartbeat_timeout, curve=security is not None)
+        self.handshake = Handshake(endpoint, HANDSHAKE_TIMEOUT, curve=security is not None)
         # the connection's handshakes: whether the coordinator answers a connection at all
         self._doing: tuple[Phase, Awaiting | None] = (Phase.RENDEZVOUS, None)
         # (phase, awaiting) in one attribute, so the loop's heartbeat never reads half a change
@@ -305,8 +311,7 @@ class ControlClient:
         sock.setsockopt(zmq.IDENTITY, self.identity[: 255 - len(nonce)] + nonce)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        # a coordinator that does not complete a handshake within the heartbeat timeout is silent
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.handshake.timeout * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self._security is not None:

@@ -4,8 +4,9 @@ A plain TCP socket that listens and never writes stands for a coordinator that i
 overloaded or out of file descriptors: the kernel accepts the connection, nothing speaks ZeroMQ.
 The worker must say, in one line, that the coordinator at that address does not answer and for
 how long, blaming CURVE only when CURVE is on (where it adds the key hint), and never claim that
-the coordinator requires CURVE. Its handshake interval is its heartbeat timeout, which these tests
-shorten so that the handshake really times out (more than once) before the connect deadline.
+the coordinator requires CURVE. These tests shorten the client's handshake interval (libzmq's 30 s)
+so that the handshake really times out, more than once, before the connect deadline: that timeout
+is what was taken for a CURVE refusal.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from epochal.environment import CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorUnreachable
 from epochal.protocol import Fingerprint, Hello
 from epochal.security.curve import ClientSecurity, describe_handshake_failure
+from epochal.worker import client as client_module
 from epochal.worker.client import ControlClient
 from epochal.worker.options import JoinOptions
 from epochal.worker.rendezvous import rendezvous
 from epochal.worker.waiting import Handshake
 
-HEARTBEAT_TIMEOUT = 0.5
-"""The worker's heartbeat timeout, hence its handshake interval."""
+HANDSHAKE_TIMEOUT = 0.5
+"""The client's handshake interval in these tests."""
 
-CONNECT_DEADLINE = 4 * HEARTBEAT_TIMEOUT + 1.0
+CONNECT_DEADLINE = 4 * HANDSHAKE_TIMEOUT + 1.0
 """Past several handshake timeouts, so the worker sees how they end."""
 
 HELLO = Hello(
@@ -56,12 +58,14 @@ def silent() -> Iterator[str]:
         listener.close()
 
 
+@pytest.fixture(autouse=True)
+def short_handshakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "HANDSHAKE_TIMEOUT", HANDSHAKE_TIMEOUT)
+
+
 def unreachable_line(endpoint: str, security: ClientSecurity | None) -> str:
     client = ControlClient(
-        endpoint,
-        b"w-handshake",
-        JoinOptions(heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT, abort_grace=600.0),
-        security=security,
+        endpoint, b"w-handshake", JoinOptions(abort_grace=600.0), security=security
     )
     client.start()
     try:
