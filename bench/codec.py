@@ -4,8 +4,9 @@
 
 For one example of every message type it times :func:`epochal.protocol.decode` and, in the same
 run on the same bytes, ``msgpack.unpackb`` (which checks nothing and bounds nothing): the ratio is
-what the field-by-field, bounded validation costs. Also times a hello whose fingerprint lists
-``--params`` parameters. Prints microseconds per frame, best of 15 rounds.
+what the field-by-field, bounded validation costs. Also times the first page of a model of
+``--params`` parameters (as many as fit in a frame). Prints microseconds per frame, best of 15
+rounds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from epochal.protocol.messages import (
     Abort,
     Checkpointed,
     Decision,
+    DescribeModel,
     Done,
     EpochReady,
     EpochReport,
@@ -33,6 +35,7 @@ from epochal.protocol.messages import (
     Heartbeat,
     Hello,
     Joined,
+    ModelPage,
     OpenStore,
     ParamSpec,
     Reject,
@@ -40,14 +43,20 @@ from epochal.protocol.messages import (
     StoreReady,
     Welcome,
 )
+from epochal.protocol.paging import model_page
+
+
+def params(n: int) -> tuple[ParamSpec, ...]:
+    """A model's ``n`` entries, as a worker describes them."""
+    return tuple(ParamSpec(f"layer{i}.weight", (512, 512, 3, 3), "float32") for i in range(n))
 
 
 def fingerprint(n: int) -> Fingerprint:
-    params = tuple(ParamSpec(f"layer{i}.weight", (512, 512, 3, 3), "float32") for i in range(n))
-    return Fingerprint(digest="d" * 64, params=params, torch_version="2.4.0")
+    """The fingerprint a hello carries for a model of ``n`` entries."""
+    return Fingerprint(digest="d" * 64, torch_version="2.4.0", entries=n)
 
 
-def examples(params: int) -> dict[str, Any]:
+def examples(n: int) -> dict[str, Any]:
     def hello(n: int) -> Hello:
         return Hello(
             job="epochal",
@@ -109,10 +118,13 @@ def examples(params: int) -> dict[str, Any]:
         ),
         "finish": Finish(best_epoch=1, best_loss=0.125, epochs_run=3, restore_best=True),
         "abort": Abort(reason="rank 1 failed"),
+        "describe_model": DescribeModel(first=0),
+        "model_page": ModelPage(first=0, entries=3, params=params(3)),
     }
     missing = set(MESSAGE_TYPES) - set(out)
     assert not missing, f"no example for {sorted(missing)}"
-    out[f"hello ({params} params)"] = hello(params)
+    page = model_page(params(n), 0)
+    out[f"model_page ({len(page.params)} params)"] = page
     return out
 
 
@@ -125,7 +137,7 @@ def per_call(fn: Callable[[], Any], repeat: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=1000, help="calls per round (small frames)")
-    parser.add_argument("--params", type=int, default=1000, help="parameters of the large hello")
+    parser.add_argument("--params", type=int, default=1000, help="parameters of the large page")
     args = parser.parse_args()
     print(f"{'message':<22}{'bytes':>8}{'decode µs':>12}{'unpackb µs':>12}{'ratio':>8}")
     ratios = []

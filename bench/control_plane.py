@@ -59,6 +59,7 @@ from epochal.protocol import (
     Abort,
     Awaiting,
     Decision,
+    DescribeModel,
     Done,
     EpochReady,
     EpochReport,
@@ -78,21 +79,19 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.paging import model_page
 
 HERE = Path(__file__).resolve().parent
 WHERE = "train.py:120 in train_epoch"  # a heartbeat's "where", as long as a real one
-FINGERPRINT = Fingerprint(
-    digest="0" * 64,
-    params=(
-        ParamSpec("0.weight", (512, 256), "torch.float32"),
-        ParamSpec("0.bias", (512,), "torch.float32"),
-        ParamSpec("2.weight", (512, 512), "torch.float32"),
-        ParamSpec("2.bias", (512,), "torch.float32"),
-        ParamSpec("4.weight", (10, 512), "torch.float32"),
-        ParamSpec("4.bias", (10,), "torch.float32"),
-    ),
-    torch_version="2.5.1+cpu",
+PARAMS = (
+    ParamSpec("0.weight", (512, 256), "torch.float32"),
+    ParamSpec("0.bias", (512,), "torch.float32"),
+    ParamSpec("2.weight", (512, 512), "torch.float32"),
+    ParamSpec("2.bias", (512,), "torch.float32"),
+    ParamSpec("4.weight", (10, 512), "torch.float32"),
+    ParamSpec("4.bias", (10,), "torch.float32"),
 )
+FINGERPRINT = Fingerprint(digest="0" * 64, torch_version="2.5.1+cpu", entries=len(PARAMS))
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -243,7 +242,8 @@ class Driver:
 
     Like ``ControlClient``: one DEALER per worker with its routing nonce and socket options, a
     heartbeat (Status) every ``heartbeat_interval``, the session taken from joined/welcome and
-    sent with every frame but a hello, heartbeats from the coordinator swallowed.
+    sent with every frame but a hello, heartbeats from the coordinator swallowed, a request for
+    the model's entries (``describe_model``) answered at once with the page asked for.
     """
 
     def __init__(self, endpoint: str, first: int, count: int, args: dict[str, Any]) -> None:
@@ -276,7 +276,7 @@ class Driver:
             nonce = b"#" + secrets.token_hex(8).encode()
             sock.setsockopt(zmq.IDENTITY, w.worker_id.encode()[: 255 - len(nonce)] + nonce)
             sock.setsockopt(zmq.LINGER, 2000)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(self.endpoint)
@@ -337,6 +337,9 @@ class Driver:
     def _deliver(self, k: int, data: bytes) -> None:
         message = self._decode(data)
         if isinstance(message, Heartbeat):
+            return
+        if isinstance(message, DescribeModel):  # the client answers these on its own thread
+            self._send(k, model_page(PARAMS, message.first))
             return
         if isinstance(message, Joined | Welcome):
             self.workers[k].session = message.session

@@ -3,9 +3,10 @@
 :class:`RunMachine` takes ``now`` and what arrived (:meth:`~RunMachine.on_message`), or just ``now``
 (:meth:`~RunMachine.on_tick`), and returns the :mod:`actions <epochal.coordinator.actions>` that
 follow: messages to send, records to write, lines to log, the end of the run. It opens no socket,
-reads no clock and touches no file (the model check is handed in), so a whole run is driven by a
-test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rules themselves are
-in :mod:`.watchdog`, the budget of peers outside the run in :mod:`.strangers`.
+reads no clock and touches no file (the run directory's model record is handed in), so a whole run
+is driven by a test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rules
+themselves are in :mod:`.watchdog`, the budget of peers outside the run in :mod:`.strangers`, the
+parameter lists fetched to name a model that differs in :mod:`.models`.
 
 Phases (:class:`~epochal.coordinator.actions.RunPhase`), in order: rendezvous -> store -> ready
 -> running -> running (the next epoch), or finishing -> ended. The phase ready collects every rank's
@@ -39,14 +40,17 @@ from epochal.coordinator.batches import (
     plan_epoch,
 )
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.models import Checked, Differ, ModelChecks, ModelRecord, Outcome
 from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
 from epochal.coordinator.rendezvous import (
     Admitted,
+    Differs,
     Fatal,
     JoinLog,
     Member,
     Refused,
     Rendezvous,
+    models_differ,
 )
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
@@ -60,12 +64,12 @@ from epochal.protocol import (
     EpochReady,
     EpochReport,
     Failed,
-    Fingerprint,
     Go,
     Heartbeat,
     Hello,
     Joined,
     Message,
+    ModelPage,
     OpenStore,
     Reject,
     Status,
@@ -73,9 +77,14 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
+from epochal.protocol.messages import TYPE_NAMES
 from epochal.text import REASON_CHARS, printable
 
-ModelCheck = Callable[[Fingerprint], "str | None"]
+NOT_MEMBER = "not a member of this run: send hello first"
+"""What a peer outside the run hears when it sends anything but a hello."""
+
+UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
+"""Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
 class RunMachine:
@@ -88,7 +97,7 @@ class RunMachine:
         *,
         run_id: str,
         now: float,
-        check_model: ModelCheck | None = None,
+        model_record: ModelRecord | None = None,
         rendezvous_note: Callable[[], str] = lambda: "",
     ) -> None:
         self.config = config
@@ -96,7 +105,8 @@ class RunMachine:
         self.phase = RunPhase.RENDEZVOUS
         self._state = state
         self._loop = state.loop
-        self._check_model = check_model
+        self.models = ModelChecks(model_record)
+        # between workers, and against the run directory: parameter lists fetched page by page
         self._rendezvous_note = rendezvous_note
         # why a rendezvous may fall short besides missing workers (refused CURVE handshakes)
         self.rendezvous = Rendezvous(config)
@@ -131,9 +141,24 @@ class RunMachine:
 
     # ------------------------------------------------------------------ entry points
 
-    def reads(self, peer: bytes) -> bool:
-        """Whether a frame from ``peer`` is worth decoding (a stranger past its budget is not)."""
-        return self.gate.reads(peer)
+    def reads(self, now: float, peer: bytes, size: int) -> bool:
+        """Whether a frame of ``size`` bytes from ``peer`` is worth decoding: a member's and a
+        parameter page asked for always are, a stranger's only within its own and the strangers'
+        budget (:class:`~.strangers.Gate`)."""
+        return self.models.asks(peer) or self.gate.reads(now, peer, size)
+
+    def knows(self, peer: bytes) -> bool:
+        """Whether every frame of ``peer`` is decoded: a member's, or a peer's asked for its
+        parameter list. Of a stranger only a hello is (:meth:`on_stranger` answers the rest)."""
+        return peer in self.gate.sessions or self.models.asks(peer)
+
+    def on_stranger(self, peer: bytes, kind: str) -> list[Action]:
+        """The answer to a frame of type ``kind`` (not a hello) from a stranger, read no further:
+        nothing for a heartbeat, else that the sender is not a member (a worker hearing it while
+        in a run knows the coordinator restarted)."""
+        if self.over or kind in UNANSWERED:
+            return []
+        return [Send(peer, Reject(reason=NOT_MEMBER, code="not_member"))]
 
     def on_unreadable(
         self, now: float, peer: bytes, problem: str, *, version: bool, user_id: str = ""
@@ -225,6 +250,8 @@ class RunMachine:
     def _handle(self, now: float, peer: bytes, message: Message, user_id: str) -> list[Action]:
         if isinstance(message, Hello):
             return self._on_hello(now, peer, message, user_id)
+        if isinstance(message, ModelPage):
+            return self._on_page(now, peer, message, user_id)
         rank = self._ranks.get(peer)
         if rank is None:
             return self._from_outside(peer, message)
@@ -236,7 +263,7 @@ class RunMachine:
                 return []
             case StoreReady() if self.phase is RunPhase.STORE and rank == 0:
                 self._store = message
-                return self._welcome_all(now)
+                return [] if self.models.busy else self._welcome_all(now)
             case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
                 self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
@@ -291,8 +318,7 @@ class RunMachine:
             self.watchdog.drop(peer)
             reason = printable(message.reason, REASON_CHARS)
             return [Log(f"{joined.describe()} failed before the run started: {reason}")]
-        reason = "not a member of this run: send hello first"
-        return [Send(peer, Reject(reason=reason, code="not_member"))]
+        return [Send(peer, Reject(reason=NOT_MEMBER, code="not_member"))]
 
     def _on_hello(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
         refused = self.gate.hello_refused(now, peer, hello, user_id)
@@ -309,12 +335,21 @@ class RunMachine:
                 return self.gate.refusal(now, line) + self.gate.reject(peer, reason, "refused")
             case Fatal(reason=reason):
                 return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
+            case Differs(reference=ref):
+                other = Member(peer, hello)
+                asks, outcome = self.models.differ(
+                    now,
+                    (ref.peer, ref.hello.fingerprint, ref.describe()),
+                    (peer, hello.fingerprint, other.describe()),
+                    user_id,
+                )
+                return asks + self._checked(now, outcome)
             case Admitted(again=again):
                 self.watchdog.heard(peer, now)
                 session = self.gate.sessions.issue(peer, user_id)
                 joined = len(self.rendezvous.members)
                 if again and peer in self._ranks:
-                    if self._store is None:
+                    if self._store is None or self.models.busy:
                         return []
                     return [Send(peer, self._welcome_for(peer)), *self._rehello(now, peer)]
                 world = self.config.world_size
@@ -325,7 +360,7 @@ class RunMachine:
                     return actions
                 actions += [Log(line) for line in self._joins.joined(now, hello, joined)]
                 if self.rendezvous.complete:
-                    actions += self._open_store(now)
+                    actions += self._complete(now)
                 return actions
         raise AssertionError(f"unknown verdict {verdict!r}")
 
@@ -344,6 +379,41 @@ class RunMachine:
             )
         ]
 
+    # ------------------------------------------------------------------ the model
+
+    def _complete(self, now: float) -> list[Action]:
+        """Every worker is in: open the store and meanwhile check (or record) the run directory's
+        model, fetching rank 0's list when the record needs it; the welcome waits for both."""
+        if self.models.busy:
+            return []  # a model difference is being named: the run ends with it
+        actions = self._open_store(now)
+        rank0 = self.members[0]
+        asks, outcome = self.models.complete(
+            now, (rank0.peer, rank0.hello.fingerprint, rank0.describe())
+        )
+        return actions + asks + self._checked(now, outcome)
+
+    def _on_page(self, now: float, peer: bytes, page: ModelPage, user_id: str) -> list[Action]:
+        taken, asks, outcome = self.models.on_page(peer, page, user_id)
+        if not taken:
+            self.gate.ignored_frames += 1  # a page nobody asked for
+        return asks + self._checked(now, outcome)
+
+    def _checked(self, now: float, outcome: Outcome | None) -> list[Action]:
+        """What a model check's ``outcome`` makes the run do."""
+        match outcome:
+            case Differ(difference=difference, peer=peer):
+                reason = models_differ(difference)
+                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
+            case Checked(problem=str(problem)):
+                return self.abort(problem)
+            case Checked(note=note):
+                actions: list[Action] = [] if note is None else [Log(note)]
+                if self._store is not None:  # rank 0's store was ready first: welcome now
+                    actions += self._welcome_all(now)
+                return actions
+        return []
+
     # ------------------------------------------------------------------ phases
 
     def _set_phase(self, phase: RunPhase, now: float) -> None:
@@ -356,10 +426,6 @@ class RunMachine:
         for peer, rank in self._ranks.items():
             by_rank[rank] = self.rendezvous.members[peer]
         self.members = [m for m in by_rank if m is not None]
-        if self._check_model is not None:
-            problem = self._check_model(self.members[0].hello.fingerprint)
-            if problem is not None:
-                return self.abort(problem)
         self._set_phase(RunPhase.STORE, now)
         return [Send(self.members[0].peer, OpenStore(run_id=self.run_id))]
 
@@ -500,6 +566,11 @@ class RunMachine:
         failed = dog.failure_due(now)
         if failed is not None:
             return self.abort(failed)
+        expired = self.models.expired(now)
+        if expired is not None:
+            return self._checked(now, expired)
+        if self._store is not None and self.phase is RunPhase.STORE:
+            return []  # the store is open; the welcome waits for rank 0's list, a bounded while
         waited = now - dog.phase_started
         if self.phase is RunPhase.RENDEZVOUS:
             return self._check_rendezvous(now, waited)
@@ -533,7 +604,7 @@ class RunMachine:
                 self.rendezvous.leave(peer)
                 self.gate.sessions.forget(peer)
             self.watchdog.drop(peer)
-        if waited > self.config.rendezvous_timeout:
+        if waited > self.config.rendezvous_timeout and not self.models.busy:
             cfg = self.config
             joined = len(self.rendezvous.members)
             return actions + self.abort(

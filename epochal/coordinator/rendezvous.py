@@ -3,19 +3,22 @@
 :class:`Rendezvous` takes each hello with the peer it came from and says what to do with it:
 admit it (again, for a retried hello), refuse just that worker (wrong job or token, duplicate,
 surplus, rank clash), or abort the whole run (a model that differs between workers: nobody can
-tell which side is wrong). When ``world_size`` workers are in, :meth:`Rendezvous.assign` gives
-ranks and picks the data-plane backend. :class:`JoinLog` says who joined in a few lines, however
-many workers there are.
+tell which side is wrong; the coordinator first fetches both parameter lists to name the
+difference, see :mod:`.models`). Job and token are checked before anything else of a hello is
+looked at. When ``world_size`` workers are in, :meth:`Rendezvous.assign` gives ranks and picks the
+data-plane backend. :class:`JoinLog` says who joined in a few lines, however many workers there
+are.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.protocol import Fingerprint, Hello
+from epochal.coordinator.models import describe_fingerprints
+from epochal.protocol import Hello
 from epochal.text import printable
 
 
@@ -40,7 +43,16 @@ class Fatal:
     reason: str
 
 
-Verdict = Admitted | Refused | Fatal
+@dataclass(frozen=True, slots=True)
+class Differs:
+    """The worker's model has another digest than ``reference``'s (the first member's), with the
+    same torch version: the run cannot go on, and only the two parameter lists can say what
+    differs. The worker is not admitted."""
+
+    reference: Member
+
+
+Verdict = Admitted | Refused | Fatal | Differs
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,36 +68,12 @@ class Member:
         return f"worker {printable(h.worker_id)} (host {printable(h.host)}{at}, pid {h.pid})"
 
 
-def describe_difference(a: Fingerprint, b: Fingerprint, a_name: str, b_name: str) -> str:
-    """Name the first thing that differs between two model fingerprints, torch version included."""
-    if a.torch_version != b.torch_version:
-        return (
-            f"{a_name} has torch {printable(a.torch_version)}, "
-            f"{b_name} has torch {printable(b.torch_version)}"
-        )
-    in_a = {p.name: p for p in a.params}
-    in_b = {p.name: p for p in b.params}
-    for name, p in in_a.items():
-        q = in_b.get(name)
-        shown = printable(name)
-        if q is None:
-            return f"parameter '{shown}' exists in {a_name} but not in {b_name}"
-        if q.shape != p.shape:
-            return (
-                f"parameter '{shown}' has shape {tuple(p.shape)} in {a_name} and "
-                f"{tuple(q.shape)} in {b_name}"
-            )
-        if q.dtype != p.dtype:
-            return (
-                f"parameter '{shown}' has dtype {printable(p.dtype)} in {a_name} and "
-                f"{printable(q.dtype)} in {b_name}"
-            )
-    for name in in_b:
-        if name not in in_a:
-            return f"parameter '{printable(name)}' exists in {b_name} but not in {a_name}"
-    if [p.name for p in a.params] != [p.name for p in b.params]:
-        return f"the parameters are registered in a different order in {a_name} and {b_name}"
-    return "the fingerprints' digests differ"
+def models_differ(difference: str) -> str:
+    """The reason a run aborts with when its workers' models differ."""
+    return (
+        f"the workers' models differ: {difference}; every worker must build the same model with "
+        "the same torch version"
+    )
 
 
 NAMED_JOINS = 8
@@ -207,24 +195,24 @@ class Rendezvous:
         member = Member(peer=peer, hello=hello)
         ref = self._reference
         if ref is not None and ref.hello.fingerprint.digest != hello.fingerprint.digest:
-            diff = describe_difference(
+            if ref.hello.fingerprint.torch_version == hello.fingerprint.torch_version:
+                return Differs(ref)
+            diff = describe_fingerprints(
                 ref.hello.fingerprint, hello.fingerprint, ref.describe(), member.describe()
             )
-            return Fatal(
-                f"the workers' models differ: {diff}; every worker must build the same model "
-                "with the same torch version"
-            )
+            return Fatal(models_differ(diff))
         if ref is None:
             self._reference = member
-        elif hello.fingerprint is not ref.hello.fingerprint:
-            # the same model: keep one copy of its fingerprint, not one per worker (a model of a
-            # few hundred parameters is about 100 KiB decoded; a run may have thousands of ranks)
-            member = Member(peer=peer, hello=replace(hello, fingerprint=ref.hello.fingerprint))
         self.members[peer] = member
         self._by_worker_id[hello.worker_id] = peer
         if hint is not None:
             self._by_rank_hint[hint] = peer
         return Admitted(again=False)
+
+    @property
+    def reference(self) -> Member | None:
+        """The member whose model every other must match (the first one in)."""
+        return self._reference
 
     def leave(self, peer: bytes) -> None:
         """Forget a worker that left before the rendezvous completed (it stopped heartbeating)."""

@@ -1,10 +1,10 @@
 """Retried hellos recognised by their bytes, before anything in them is decoded.
 
 A worker sends its hello again, unchanged, until it is answered: at a thousand workers each says
-it several times while the coordinator is busy admitting the others. Decoding a hello means
-checking its model fingerprint entry by entry (milliseconds for a model of a few hundred
-parameters), so the coordinator keeps, per member of the rendezvous, a digest of the frame of its
-last admitted hello and the hello decoded from it. A frame from that routing identity with the
+it several times while the coordinator is busy admitting the others. Decoding and checking a hello
+costs tens of microseconds (its fingerprint is a digest, not the model's entries), hashing its
+frame about one, so the coordinator keeps, per member of the rendezvous, a digest of the frame of
+its last admitted hello and the hello decoded from it. A frame from that routing identity with the
 same digest is that hello again: the run acts on the hello it already decoded, exactly as it would
 on the same bytes decoded again, so every check (session binding, key, rendezvous rules) still
 runs; only the decoding is skipped. Any other frame is decoded in full.

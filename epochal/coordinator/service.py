@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import shutil
 import socket
@@ -56,13 +55,14 @@ from epochal.nofile import raise_nofile_limit
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
 from epochal.protocol import (
     MAX_FRAME_BYTES,
+    TYPE_NAMES,
     CoordinatorMessage,
     Heartbeat,
     Hello,
     Message,
     encode,
 )
-from epochal.protocol.codec import decode_frame
+from epochal.protocol.codec import decode_frame, message_type
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
@@ -78,6 +78,8 @@ RECEIVE_HWM = 64
 
 LINGER_MS = 2000
 """How long closing the socket may wait to flush the last Abort or Finish."""
+
+HELLO = TYPE_NAMES[Hello]
 
 
 def new_run_id() -> str:
@@ -221,7 +223,7 @@ class Coordinator:
             self._state,
             run_id=self.run_id,
             now=time.monotonic(),
-            check_model=None if run_dir is None else functools.partial(resume.check_model, run_dir),
+            model_record=None if run_dir is None else resume.ModelFile(run_dir),
             rendezvous_note=self._rendezvous_note,
         )
 
@@ -253,7 +255,8 @@ class Coordinator:
         guard = self._guard = ConnectionGuard(Connections(limits, self._accept_failures), self._log)
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        # a peer announcing a larger frame is disconnected before libzmq holds any of it
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         oslimits.configure_router(sock, workers)  # before bind: libzmq applies it at listen()
@@ -440,10 +443,10 @@ class Coordinator:
             return []
         peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
         data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
-        user_id = _user_id(frames[1], self._security is not None)
-        if not machine.reads(peer):
-            return []  # a stranger whose budget is spent: not even read
         size = len(data) if isinstance(data, bytes) else data.nbytes
+        if not machine.reads(now, peer, size):
+            return []  # a stranger past its own or the strangers' budget: not even read
+        user_id = _user_id(frames[1], self._security is not None)
         members = machine.rendezvous.members
         retried = self._retries.match(peer, data, size) if peer in members else None
         if retried is not None:  # the same bytes decode to the same hello: act on that one
@@ -452,6 +455,10 @@ class Coordinator:
             self._from_member(frames[1], peer, hello, session, user_id)
             return actions
         try:
+            if not machine.knows(peer):  # a stranger: only its hello is worth decoding
+                kind = message_type(data)
+                if kind != HELLO:
+                    return machine.on_stranger(peer, kind)
             message, session = decode_frame(data)
         except ProtocolVersionMismatch as exc:
             return machine.on_unreadable(now, peer, str(exc), version=True)

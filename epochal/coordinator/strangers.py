@@ -1,11 +1,14 @@
 """Who may speak to the run: sessions, peers outside it, and how many refusals reach the log.
 
-The rules bound what a stranger can make the coordinator do. :class:`Strangers` answers a
-misconfigured worker a few times and then drops its frames unread, holding a bounded count;
-:class:`RefusalLog` logs at most :data:`REFUSALS_LOGGED` refusals a minute and counts the rest;
-:class:`Gate` puts them together with the members' sessions, in front of the run's
-:class:`~epochal.coordinator.machine.RunMachine`. The clock is an argument, so the rules are tested
-without sockets or sleeps.
+The rules bound what a stranger (a peer that is not a member of the run) can make the coordinator
+do. :class:`Strangers` answers a misconfigured worker a few times and then drops its frames
+unread, holding a bounded count; :class:`Budget` bounds the bytes the coordinator reads from all
+strangers together each second, however many identities they use, so that a flood costs a bounded
+share of its time and the clock rules keep running; :class:`RefusalLog` logs at most
+:data:`REFUSALS_LOGGED` refusals a minute and counts the rest; :class:`Gate` puts them together
+with the members' sessions, in front of the run's
+:class:`~epochal.coordinator.machine.RunMachine`. Members are never throttled. The clock is an
+argument, so the rules are tested without sockets or sleeps.
 """
 
 from __future__ import annotations
@@ -27,6 +30,39 @@ STRANGER_REPLIES = 8
 
 MAX_STRANGERS = 4096
 """Peers outside the run whose rejections are counted; the least recent are forgotten."""
+
+STRANGER_BYTES_PER_SECOND = 4 * 1024 * 1024
+"""Bytes of strangers' frames the coordinator reads per second, all strangers together (and as
+many at once, after a quiet second); past that their frames are dropped unread until the budget
+refills. Reading a frame costs at most about 25 ns a byte (a 64 KiB frame of junk about 1.5 ms, a
+hello about 40 µs), so a flood of any shape takes at most about a third of a core. The hellos of
+a rendezvous of 4,096 workers, retries included, fit in it."""
+
+STRANGER_FRAME_BYTES = 256
+"""Bytes each stranger's frame is charged beyond its size: the fixed cost of reading and judging
+even an empty one."""
+
+
+class Budget:
+    """A token bucket: at most ``rate`` units a second on average and ``burst`` at once."""
+
+    def __init__(
+        self, rate: float = STRANGER_BYTES_PER_SECOND, burst: float = STRANGER_BYTES_PER_SECOND
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._level = burst
+        self._at: float | None = None
+
+    def take(self, now: float, amount: float) -> bool:
+        """Spend ``amount`` at ``now`` if the budget holds it; whether it did."""
+        if self._at is not None and now > self._at:
+            self._level = min(self.burst, self._level + (now - self._at) * self.rate)
+        self._at = now if self._at is None else max(self._at, now)
+        if amount > self._level:
+            return False
+        self._level -= amount
+        return True
 
 
 class Strangers:
@@ -81,11 +117,12 @@ class Gate:
     def __init__(self) -> None:
         self.sessions = Sessions()
         self.strangers = Strangers()
+        self.budget = Budget()
         self._refusals = RefusalLog()
         self.dropped_frames = 0
         # frames that could not be read (malformed, oversized, another protocol version)
         self.ignored_frames = 0
-        # frames from strangers past their reply budget, dropped without an answer
+        # frames from strangers past their reply budget or the strangers' budget, dropped unread
         self.forged_frames = 0
         # frames under a member's routing identity without its session (or key): never acted on
 
@@ -103,9 +140,13 @@ class Gate:
             f"{self.ignored_frames} more from peers outside the run{forged}"
         )
 
-    def reads(self, peer: bytes) -> bool:
-        """Whether a frame from ``peer`` is worth decoding (a stranger past its budget is not)."""
-        if peer not in self.sessions and self.strangers.spent(peer):
+    def reads(self, now: float, peer: bytes, size: int) -> bool:
+        """Whether a frame of ``size`` bytes from ``peer`` is worth reading at ``now``: a
+        member's always; a stranger's while it has answers left and the strangers' budget holds
+        the frame."""
+        if peer in self.sessions:
+            return True
+        if self.strangers.spent(peer) or not self.budget.take(now, size + STRANGER_FRAME_BYTES):
             self.ignored_frames += 1
             return False
         return True

@@ -6,11 +6,11 @@ A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, <field>: 
 
 Each record class gets one decoder, compiled once from its declared fields
 (:func:`~epochal.protocol.records.fields_of`): a converter per field that checks the raw value's
-type and builds the field's value. A frame of at most
-:data:`~epochal.protocol.limits.WHOLE_FRAME_BYTES` is unpacked whole and run through them; any
-other frame, and any frame that fails there, is read value by value against the same declared
-fields (never decoding a container the message does not have, nor a list longer than its field
-allows) and run through the same converters, which name the path of what is wrong.
+type and builds the field's value. A frame (at most
+:data:`~epochal.protocol.messages.MAX_FRAME_BYTES`) is unpacked whole and run through them; a
+frame that fails there is read value by value against the same declared fields (never decoding a
+container the message does not have, nor a list longer than its field allows) and run through the
+same converters, which name the path of what is wrong.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from epochal.errors import MalformedMessage, ProtocolVersionMismatch
 from epochal.protocol.decoders import DECODERS, RESERVED, decoder
 from epochal.protocol.limits import (
     MAX_FIELDS,
+    MAX_LIST_ITEMS,
     SESSION_KEY,
     WHOLE_FRAME_BYTES,
 )
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
-    MAX_PARAMS,
     MAX_SESSION_CHARS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
@@ -108,12 +108,12 @@ def decode(data: bytes | memoryview) -> Message:
 def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
     """Decode one frame into its message and the session it presents ("" when none).
 
-    A frame of at most :data:`WHOLE_FRAME_BYTES` is unpacked whole and checked against its
-    message's decoder. Any other frame, and any such frame that fails, is read against the
-    message's declared fields value by value, and every container is refused before its items are
-    read when it is not where the message has one or is longer than the message allows: whatever
-    the bytes, decoding allocates at most about what the largest legitimate message needs (at most
-    :data:`MAX_FRAME_OBJECTS` values), never an amplification.
+    A frame over :data:`MAX_FRAME_BYTES` is refused unread. A frame of at most
+    :data:`WHOLE_FRAME_BYTES` (all the others) is unpacked whole and checked against its message's
+    decoder. One that fails is read against the message's declared fields value by value, and
+    every container is refused before its items are read when it is not where the message has one
+    or is longer than the message allows: whatever the bytes, decoding allocates at most a few MiB
+    (see :mod:`epochal.protocol.limits`), never an amplification.
     """
     size = len(data) if type(data) is bytes else memoryview(data).nbytes
     if size > MAX_FRAME_BYTES:
@@ -126,6 +126,40 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
         except Exception:  # the reader below says what is wrong, naming its path
             pass
     return _by_value(data, size)
+
+
+_LEAD = b"\xa1v" + bytes([PROTOCOL_VERSION])
+
+
+def message_type(data: bytes | memoryview) -> str:
+    """The wire name of the message a frame says it holds, read from its first bytes alone (its
+    version and type, nothing else), or ProtocolVersionMismatch / MalformedMessage.
+
+    What a peer outside the run may send is a ``hello``: the coordinator reads the type of its
+    other frames this way, to answer them without decoding them.
+    """
+    size = len(data) if type(data) is bytes else memoryview(data).nbytes
+    if size > MAX_FRAME_BYTES:
+        raise MalformedMessage(f"frame of {size} bytes is over the {MAX_FRAME_BYTES} limit")
+    if isinstance(data, memoryview) and data.format != "B":
+        data = data.cast("B")
+    # the encoder's layout, {"v": <this version>, "t": <fixstr>, ...} in a fixmap: read in place
+    if (
+        size > 7
+        and 0x80 <= data[0] <= 0x8F
+        and data[1:4] == _LEAD
+        and data[4:6] == b"\xa1t"
+        and 0xA0 <= data[6] <= 0xBF
+    ):
+        name = bytes(data[7 : 7 + data[6] - 0xA0]).decode("utf-8", errors="replace")
+        if name in MESSAGE_TYPES:
+            return name
+    try:
+        return Reader(data).head()[2]
+    except (MalformedMessage, ProtocolVersionMismatch):
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types on bad input; all mean the same
+        raise MalformedMessage(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
 
 
 def _by_value(data: bytes | memoryview, size: int) -> tuple[Message, str]:
@@ -159,7 +193,7 @@ _WHOLE_OPTIONS: dict[str, Any] = {
     "max_str_len": MAX_TEXT_CHARS * 4,
     "max_bin_len": 0,
     "max_ext_len": 0,
-    "max_array_len": MAX_PARAMS,
+    "max_array_len": MAX_LIST_ITEMS,
     "max_map_len": MAX_FIELDS + len(RESERVED) + 1,
 }
 
@@ -191,8 +225,6 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
         raise ValueError("not a frame of this version")
     cls = MESSAGE_TYPES[name]
     dec = DECODERS.get(cls) or decoder(cls)
-    if dec.nested:  # maps inside: unpack again, refusing a repeated key in any of them
-        frame = msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
     session = frame.get(SESSION_KEY, "")
     if session:
         if type(session) is not str or len(session) > MAX_SESSION_CHARS:
@@ -202,4 +234,8 @@ def _whole(data: bytes | memoryview) -> tuple[Message, str]:
     elif frame.keys() != dec.frame_keys:
         raise ValueError("not the message's fields")
     message = dec.cls(*[convert(frame[n], name, n) for n, convert in dec.converters])
+    if dec.nested:
+        # maps inside: unpack again, refusing a repeated key in any of them (only once the frame
+        # proved valid, so that junk never costs a Python call per map)
+        msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
     return message, session

@@ -23,6 +23,7 @@ from typing import Any as _Any
 from epochal.protocol.records import *  # noqa: F403  (the parts, re-exported with the messages)
 from epochal.protocol.records import (
     MAX_METRICS,
+    MAX_PAGE_PARAMS,
     MAX_PARAMS,
     MAX_SHAPE_DIMS,
     Awaiting,
@@ -30,7 +31,9 @@ from epochal.protocol.records import (
     CoordinatorMessage,
     Device,
     Finite,
-    MaybeText,
+    MaybeName,
+    MaybePath,
+    Name,
     NonNeg,
     OneOf,
     Phase,
@@ -40,6 +43,7 @@ from epochal.protocol.records import (
     RejectCode,
     Session,
     Text,
+    Within,
     WorkerMessage,
     check_metric_name,
     message,
@@ -50,11 +54,12 @@ from epochal.protocol.records import (
 
 @_dataclasses.dataclass(frozen=True, slots=True)
 class ParamSpec(Record):
-    """One named parameter or buffer of a model: its shape and dtype."""
+    """One named parameter or buffer of a model: its shape and dtype (an entry of a
+    :class:`ModelPage`)."""
 
-    name: Text
+    name: Name
     shape: tuple[int, ...]
-    dtype: Text
+    dtype: Name
 
     def _validate(self) -> None:
         if len(self.shape) > MAX_SHAPE_DIMS:
@@ -98,16 +103,18 @@ def _check_metrics(field: str, metrics: tuple[Metric, ...]) -> None:
 
 @_dataclasses.dataclass(frozen=True, slots=True)
 class Fingerprint(Record):
-    """What must be identical on every rank: the model's parameters and the torch version."""
+    """What must be identical on every rank, in a few dozen bytes: a digest of the model's
+    parameters and buffers (names, shapes, dtypes, in order) and of the torch version.
 
-    digest: Text
-    # sha256 of the entries below, so equal fingerprints compare in O(1)
-    params: tuple[ParamSpec, ...]
-    torch_version: Text
+    The entries themselves travel only when they are needed, and only from a worker whose hello
+    showed the job's token: in :class:`ModelPage` s, answering :class:`DescribeModel`.
+    """
 
-    def _validate(self) -> None:
-        if len(self.params) > MAX_PARAMS:
-            raise ValueError(f"fingerprint lists over {MAX_PARAMS} parameters")
+    digest: Name
+    # sha256 (hex) of the torch version and every entry, so equal models compare in O(1)
+    torch_version: Name
+    entries: _Annotated[int, Within(0, MAX_PARAMS)]
+    # how many parameters and buffers the model has
 
 
 # ------------------------------------------------------------------------ worker -> coordinator
@@ -117,20 +124,21 @@ class Fingerprint(Record):
 class Hello(WorkerMessage):
     """A worker asks to join the run. Sent again, unchanged, while no answer comes."""
 
-    job: Text
+    job: Name
     # the job name; must equal the coordinator's
-    token: MaybeText
+    token: MaybeName
     # shared secret; empty when the coordinator requires none
-    worker_id: Text
+    worker_id: Name
     # unique per worker process; a second worker with the same id is a duplicate
-    host: Text
+    host: Name
     pid: NonNeg
     rank_hint: NonNeg | None
     # the rank this worker asks for (the launcher passes its index); None: any
     device: _Annotated[str, OneOf(Device)]
     # the coordinator picks the backend from every rank's device
     fingerprint: Fingerprint
-    data_address: MaybeText = ""
+    # the model's digest: the coordinator compares it with every other worker's
+    data_address: MaybeName = ""
     # the address this worker's data plane uses (for the coordinator's log); "": not given
 
 
@@ -138,9 +146,9 @@ class Hello(WorkerMessage):
 class StoreReady(WorkerMessage):
     """Rank 0 has opened the data-plane store and reports where it listens."""
 
-    host: Text
+    host: Name
     port: Port
-    key: MaybeText = ""
+    key: MaybeName = ""
     # the secret every data-plane store key lives under; sent on to each rank in Welcome
 
 
@@ -211,7 +219,7 @@ class Status(WorkerMessage):
     epoch: NonNeg
     step: NonNeg
     # batches done in this phase of this epoch
-    where: MaybeText
+    where: MaybeName
     # the line the training code's thread is executing ("file.py:12 in fn"), for stall reports
     awaiting: Awaiting | None = None
     # phase waiting: the answer it waits for; any other phase: None
@@ -219,6 +227,28 @@ class Status(WorkerMessage):
     def _validate(self) -> None:
         if (self.phase == Phase.WAITING) != (self.awaiting is not None):
             raise ValueError("awaiting is given exactly when the phase is waiting")
+
+
+@message
+class ModelPage(WorkerMessage):
+    """Entries ``first`` .. ``first + len(params) - 1`` of this worker's model, answering
+    :class:`DescribeModel`; :func:`epochal.protocol.paging.model_page` makes one that fits a
+    frame. A name longer than MAX_NAME_CHARS is cut (the digest covers it whole)."""
+
+    first: NonNeg
+    # the index of params[0] in the model's list of parameters and buffers
+    entries: NonNeg
+    # how many entries the whole list has (the hello's fingerprint.entries)
+    params: tuple[ParamSpec, ...]
+
+    def _validate(self) -> None:
+        if len(self.params) > MAX_PAGE_PARAMS:
+            raise ValueError(f"a page holds at most {MAX_PAGE_PARAMS} entries")
+        if self.first + len(self.params) > self.entries:
+            raise ValueError(
+                f"entries {self.first}..{self.first + len(self.params) - 1} are past the "
+                f"{self.entries} the model has"
+            )
 
 
 @message
@@ -233,7 +263,7 @@ class Heartbeat(WorkerMessage, CoordinatorMessage):
 class OpenStore(CoordinatorMessage):
     """Sent to rank 0 only: open the data-plane store on port 0 and answer with StoreReady."""
 
-    run_id: Text
+    run_id: Name
 
 
 @message
@@ -242,19 +272,19 @@ class Welcome(CoordinatorMessage):
 
     rank: int
     world_size: Positive
-    run_id: Text
+    run_id: Name
     backend: _Annotated[str, OneOf(Backend)]
-    store_host: Text
+    store_host: Name
     store_port: Port
     start_epoch: NonNeg
     epochs: Positive
     resume_epoch: NonNeg | None
     # load the checkpoint of this epoch before training; None: a fresh start
-    checkpoint_dir: MaybeText
+    checkpoint_dir: MaybePath
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
     session: Session
     # this worker's session secret, as in its Joined (a Welcome may answer a retried hello)
-    store_key: MaybeText = ""
+    store_key: MaybeName = ""
     # the secret rank 0 put every data-plane store key under (StoreReady.key)
 
     def _validate(self) -> None:
@@ -350,3 +380,14 @@ class Abort(CoordinatorMessage):
     """The run is stopped for every rank; ``reason`` says which rank, what and what to do."""
 
     reason: Text
+
+
+@message
+class DescribeModel(CoordinatorMessage):
+    """Send one :class:`ModelPage` of your model's entries, from entry ``first`` on.
+
+    Asked only of workers whose hello showed the job's token: the two whose fingerprints differ,
+    to name the first difference, or one member, to record the run's model in its run directory.
+    A worker answers from its control thread, whatever its training code is doing."""
+
+    first: NonNeg

@@ -1,6 +1,6 @@
 """The value-by-value frame reader: reads one frame from the front, one declared value at a time.
 
-Used for any frame too large to unpack whole, or one that failed the whole-frame path. It never
+Used for a frame that failed the whole-frame path, to name the path of what is wrong. It never
 decodes a container the message does not have, nor a list longer than its field allows, so an
 adversarial frame costs no more memory than a valid one of its message.
 """
@@ -53,7 +53,7 @@ def _kind(byte: int) -> str:
 
 
 READ_CHUNK = 64 * 1024
-"""Bytes the reader copies out of a frame at a time: it never copies a whole 16 MiB frame."""
+"""Bytes the reader copies out of a frame at a time, not the whole frame at once."""
 
 
 class _Stream:
@@ -130,7 +130,10 @@ class Reader:
             raise MalformedMessage(f"{where}: a map of {n} entries, at most {most} allowed")
         return n
 
-    def frame(self) -> tuple[Any, str]:
+    def head(self) -> tuple[int, int, str, str | None]:
+        """The frame's map header and its leading ``v`` and ``t``, nothing more: the map's size,
+        how many entries were read, the message type's name, and the field name read past them
+        (None: none was). Raises ProtocolVersionMismatch or MalformedMessage."""
         kind = self.peek()
         if kind != "map":
             raise MalformedMessage(f"frame is a {_KIND_NAMES[kind]}, expected a map")
@@ -157,13 +160,16 @@ class Reader:
                 ours=PROTOCOL_VERSION,
             )
         type_name = head.get("t")
-        cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
-        if cls is None or not isinstance(type_name, str):
+        if not isinstance(type_name, str) or type_name not in MESSAGE_TYPES:
             raise MalformedMessage(f"unknown message type {type_name!r}")
-        dec = decoder(cls)
+        return n, len(head), type_name, name
+
+    def frame(self) -> tuple[Any, str]:
+        n, read, type_name, name = self.head()
+        dec = decoder(MESSAGE_TYPES[type_name])
         session = ""
         fields: dict[str, Any] = {}
-        for i in range(n - len(head)):
+        for i in range(n - read):
             if i > 0 or name is None:
                 name = self.key(type_name)
             if name == SESSION_KEY and not session:

@@ -16,17 +16,34 @@ from collections.abc import Callable as _Callable
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to a message's fields or meaning; peers of other versions are refused."""
 
-MAX_FRAME_BYTES = 16 * 1024 * 1024
-"""Largest frame either side accepts (a hello with a large model's fingerprint fits easily)."""
+MAX_FRAME_BYTES = 64 * 1024
+"""Largest frame either side accepts, also set as ``ZMQ_MAXMSGSIZE`` on both sockets: libzmq drops
+the connection of a peer that announces a larger one before it holds any of it. Every legitimate
+message fits, its strings at their longest in four-byte characters (``tests/protocol`` checks the
+largest of each type), because every string field is bounded below and a model's parameter list
+travels in pages (:class:`ModelPage`)."""
 
-MAX_TEXT_CHARS = 64 * 1024
-"""Longest string field (reasons, names); longer reasons are cut by :func:`clip`."""
+MAX_TEXT_CHARS = 8 * 1024
+"""Longest free text (a failure's, an abort's or a refusal's reason); :func:`clip` cuts longer
+reasons to it. In four-byte characters it fills half a frame."""
+
+MAX_NAME_CHARS = 1024
+"""Longest name-like string: job, token, worker id, host, address, run id, digest, version, a
+parameter's name or dtype, a heartbeat's code location. Real ones are a few dozen characters."""
+
+MAX_PATH_CHARS = 4096
+"""Longest path a message carries (the checkpoint directory): Linux's PATH_MAX."""
 
 MAX_PARAMS = 100_000
-"""Most parameter entries one fingerprint may list."""
+"""Most entries (parameters and buffers) a model's fingerprint may count: the coordinator reads at
+most this many from one worker when it fetches a parameter list."""
+
+MAX_PAGE_PARAMS = 4096
+"""Most entries one :class:`ModelPage` may hold (a page is also bounded by the frame size: the
+shortest entry takes about 20 bytes)."""
 
 MAX_SESSION_CHARS = 64
 """Longest session secret a Joined or Welcome may carry (the coordinator issues 43 characters)."""
@@ -269,9 +286,15 @@ Positive = _Annotated[int, Ge(1)]
 Port = _Annotated[int, Within(1, 65535)]
 """A TCP port number."""
 Text = _Annotated[str, Chars()]
-"""A non-empty string of at most MAX_TEXT_CHARS characters."""
+"""A non-empty string of at most MAX_TEXT_CHARS characters (free text: reasons)."""
 MaybeText = _Annotated[str, Chars(empty=True)]
 """A string of at most MAX_TEXT_CHARS characters, possibly empty."""
+Name = _Annotated[str, Chars(most=MAX_NAME_CHARS)]
+"""A non-empty string of at most MAX_NAME_CHARS characters."""
+MaybeName = _Annotated[str, Chars(empty=True, most=MAX_NAME_CHARS)]
+"""A string of at most MAX_NAME_CHARS characters, possibly empty."""
+MaybePath = _Annotated[str, Chars(empty=True, most=MAX_PATH_CHARS)]
+"""A path of at most MAX_PATH_CHARS characters, possibly empty."""
 Session = _Annotated[str, Length(1, MAX_SESSION_CHARS)]
 """A worker's session secret."""
 

@@ -394,12 +394,19 @@ def secure_client(socket: zmq.Socket[Any], security: ClientSecurity) -> None:
     socket.setsockopt(zmq.CURVE_SERVERKEY, security.server_public)
 
 
-def describe_handshake_failure(event: int, value: int) -> str | None:
-    """What a failed-handshake event on a worker's socket monitor means, and what to do.
+def describe_handshake_failure(event: int, value: int, *, curve: bool) -> str | None:
+    """What a failed handshake with the coordinator means and what to do, for a worker that uses
+    CURVE (``curve``) or not; None for events that are not handshake failures.
 
-    None for events that are not handshake failures. Use with ``socket.get_monitor_socket()``
-    and ``zmq.utils.monitor.parse_monitor_message``: without it, a refused worker only sees a
-    coordinator that never answers.
+    Use with ``socket.get_monitor_socket()`` and ``zmq.utils.monitor.parse_monitor_message``:
+    without it, a refused worker only sees a coordinator that never answers. CURVE is blamed only
+    where it is in play: a refused key (only a CURVE coordinator refuses keys), a mechanism
+    mismatch (one side has keys, the other not: which one is said), and a failure without detail
+    on a worker that has keys. Without keys, a failure without detail is no refusal (None): the
+    handshake timed out, or the peer closed the connection during it, so the coordinator does not
+    answer (:class:`epochal.worker.waiting.Handshake` says so, with the address and how long).
+    Under CURVE, pass it only for a connection the coordinator closed during the handshake: a
+    CURVE coordinator closes the connection of a worker that holds another coordinator's key.
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
@@ -408,17 +415,28 @@ def describe_handshake_failure(event: int, value: int) -> str | None:
             f"restart the coordinator, or set {CURVE_KEY_ENV} to a key that is on the list"
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and curve:
+            return (
+                "the coordinator does not use CURVE but this worker has keys: unset "
+                f"{CURVE_KEY_ENV} and {CURVE_SERVER_KEY_ENV} for a coordinator without keys, or "
+                "start the coordinator with --curve-key and --curve-allowed"
+            )
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return (
-                "the coordinator and this worker disagree about CURVE: one of them uses it and "
-                f"the other does not; set {CURVE_KEY_ENV} and {CURVE_SERVER_KEY_ENV} on every "
-                "worker of a coordinator that has keys, and on none otherwise"
+                "the coordinator requires CURVE and this worker has no keys: set "
+                f"{CURVE_KEY_ENV} (this worker's NAME.key_secret) and {CURVE_SERVER_KEY_ENV} (the "
+                "coordinator.key) from the coordinator's key directory"
             )
-        return f"the CURVE handshake with the coordinator failed (protocol error {value:#x})"
-    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        if curve:
+            return f"the CURVE handshake with the coordinator failed (protocol error {value:#x})"
         return (
-            "the CURVE handshake with the coordinator failed: most likely this worker holds "
-            f"another coordinator's public key; {CURVE_SERVER_KEY_ENV} must name the "
+            f"the handshake with the coordinator failed (ZeroMQ protocol error {value:#x}): is the "
+            "address an epochal coordinator's, of the same epochal version?"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and curve:
+        return (
+            "the coordinator closed the connection during the CURVE handshake: most likely this "
+            f"worker holds another coordinator's public key; {CURVE_SERVER_KEY_ENV} must name the "
             "coordinator.key from the same key directory as the coordinator's secret key"
         )
     return None

@@ -33,7 +33,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from epochal.environment import CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
 from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
@@ -41,10 +40,12 @@ from epochal.protocol import (
     Abort,
     Awaiting,
     CoordinatorMessage,
+    DescribeModel,
     Failed,
     Heartbeat,
     Hello,
     Joined,
+    ParamSpec,
     Phase,
     Reject,
     Status,
@@ -55,13 +56,17 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.messages import TYPE_NAMES, check_phase
+from epochal.protocol.paging import model_page
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.options import JoinOptions
+from epochal.worker.waiting import Handshake
 
 _WATCHED_EVENTS = (
-    zmq.EVENT_DISCONNECTED
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -80,6 +85,12 @@ ABORT_CHARS = 8 * REASON_CHARS
 """Longest abort reason a worker shows: the coordinator's reason names at most a few failures of
 at most :data:`~epochal.text.REASON_CHARS` each; anything past that is cut, control characters
 escaped, since every rank prints it."""
+
+HANDSHAKE_TIMEOUT = 30.0
+"""Seconds a connection's ZeroMQ handshake may take before libzmq drops it and connects again
+(libzmq's default). Not shorter: a coordinator accepting thousands of connections at once, on a
+loaded machine, may take that long, and dropping a connection sends it to the back of the
+queue."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +143,10 @@ class ControlClient:
         # set when the main thread has taken the latest coordinator loss (or closed the client)
         self.rank: int | None = None
         # this worker's rank once it has one (for fault injection)
+        self.model_params: tuple[ParamSpec, ...] = ()
+        # the entries of this worker's model, sent a page at a time when the coordinator asks
+        self.handshake = Handshake(endpoint, HANDSHAKE_TIMEOUT, curve=security is not None)
+        # the connection's handshakes: whether the coordinator answers a connection at all
         self._doing: tuple[Phase, Awaiting | None] = (Phase.RENDEZVOUS, None)
         # (phase, awaiting) in one attribute, so the loop's heartbeat never reads half a change
         self.epoch = 0
@@ -166,6 +181,11 @@ class ControlClient:
     def session(self) -> str:
         """The session the coordinator issued this worker ("" before it was admitted)."""
         return self._session
+
+    def unanswered(self) -> str | None:
+        """Why the coordinator has not answered, when a connection opened and its handshake never
+        completed (see :class:`~epochal.worker.waiting.Handshake`); None otherwise."""
+        return self.handshake.unanswered(time.monotonic())
 
     def watch_coordinator(self) -> None:
         """From now on a silent coordinator counts as lost (called once the worker has joined)."""
@@ -296,7 +316,8 @@ class ControlClient:
         nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
         sock.setsockopt(zmq.IDENTITY, self.identity[: 255 - len(nonce)] + nonce)
         sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.handshake.timeout * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self._security is not None:
@@ -368,6 +389,11 @@ class ControlClient:
                 continue
             if isinstance(message, Heartbeat):
                 continue
+            if isinstance(message, DescribeModel):  # answered here, whatever the main thread does
+                params = self.model_params
+                assert self._outbox is not None
+                self._outbox.put_nowait(model_page(params, min(message.first, len(params))))
+                continue
             if isinstance(message, Joined | Welcome):
                 self._session = message.session
             if isinstance(message, Abort):
@@ -386,20 +412,30 @@ class ControlClient:
             self._inbox.put(message)  # type: ignore[arg-type]
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        """Socket events: a refused handshake fails at once; a closed connection is suspicious."""
+        """Socket events: a refused handshake fails at once; a handshake that does not complete
+        is noted (the connect deadline's line says the coordinator does not answer); a closed
+        connection is suspicious."""
+        curve = self._security is not None
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            problem = describe_handshake_failure(event["event"], event["value"])
-            if problem is not None and self._security is None:
-                problem = (
-                    "the coordinator requires CURVE and this worker has no keys: set "
-                    f"{CURVE_KEY_ENV} (this worker's NAME.key_secret) and {CURVE_SERVER_KEY_ENV} "
-                    "(the coordinator.key) from the coordinator's key directory"
-                )
+            parsed = parse_monitor_message(await monitor.recv_multipart())
+            event, now = parsed["event"], time.monotonic()
+            if event == zmq.EVENT_CONNECTED:
+                self.handshake.connected(now)
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake.succeeded()
+                continue
+            # without detail: closed by the coordinator during a CURVE handshake (a key it cannot
+            # read) fails; anything else is no answer, which libzmq retries and the deadline says
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not (
+                self.handshake.failed(now) and curve
+            ):
+                continue
+            problem = describe_handshake_failure(event, parsed["value"], curve=curve)
             if problem is not None:
                 self._fail(problem)
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self._watch_coordinator:
-                self._disconnected = time.monotonic()
+            elif event == zmq.EVENT_DISCONNECTED and self._watch_coordinator:
+                self._disconnected = now
 
     async def _tick(self) -> None:
         assert self._outbox is not None

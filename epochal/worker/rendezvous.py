@@ -85,9 +85,12 @@ def rendezvous(
         except TimeoutError:
             now = time.monotonic()
             if now > deadline:
+                unanswered = client.unanswered()  # a connection opened, its handshake never ended
                 raise CoordinatorUnreachable(
-                    f"no coordinator answered at {endpoint} within {deadline_s:g} s: start it "
-                    f"first (epochal coordinator --bind ...), or check the address "
+                    f"{unanswered}; {CONNECT_TIMEOUT_ENV} sets how long a worker waits"
+                    if unanswered is not None
+                    else f"no coordinator answered at {endpoint} within {deadline_s:g} s: start "
+                    f"it first (epochal coordinator --bind ...), or check the address "
                     f"({COORDINATOR_ENV}) and that no firewall blocks the port; "
                     f"{CONNECT_TIMEOUT_ENV} sets how long a worker waits"
                 ) from None

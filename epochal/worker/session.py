@@ -56,7 +56,7 @@ from epochal.worker import faults, launchenv, network
 from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.client import ControlClient
 from epochal.worker.exits import install as install_excepthook
-from epochal.worker.fingerprint import fingerprint
+from epochal.worker.fingerprint import describe
 from epochal.worker.options import (
     JoinOptions,
     check_endpoint,
@@ -474,6 +474,8 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
     install_excepthook(aborted=lambda: client._abort_reason)
     client.start()
     try:
+        described = describe(model)
+        client.model_params = described.params  # sent, a page at a time, if the coordinator asks
         hello = Hello(
             job=options.job,
             token=options.token,
@@ -482,7 +484,7 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
             pid=os.getpid(),
             rank_hint=where.rank,
             device="cuda" if dev.type == "cuda" else "cpu",
-            fingerprint=fingerprint(model),
+            fingerprint=described.fingerprint,
             data_address=plane.address,
         )
         timeout = options.collective_timeout

@@ -45,14 +45,13 @@ from epochal.protocol import (
     Message,
     Metric,
     OpenStore,
-    ParamSpec,
     Status,
     StoreReady,
     Welcome,
 )
 from epochal.protocol.codec import decode_frame, encode
 
-FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
+FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 
 
 def hello(worker_id: str) -> Hello:
@@ -583,7 +582,7 @@ def test_a_stranger_gets_a_few_answers_then_silence():
     budget = run.machine.gate.strangers.replies
     answers = 0
     for _ in range(budget + 5):
-        if not run.machine.reads(b"noisy"):
+        if not run.machine.reads(1.0, b"noisy", 5):
             continue
         actions = run.machine.on_unreadable(1.0, b"noisy", "junk", version=False)
         answers += len([a for a in actions if isinstance(a, Send)])

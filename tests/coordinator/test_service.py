@@ -18,8 +18,12 @@ import zmq.asyncio
 from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.errors import RunAborted
 from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    MAX_PARAMS,
+    PROTOCOL_VERSION,
     Abort,
     Decision,
+    DescribeModel,
     Done,
     EpochReady,
     EpochReport,
@@ -40,11 +44,12 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.decoders import Decoder
+from epochal.protocol.paging import model_page
 
-FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2, 3), "float32"),), torch_version="x")
-OTHER_FP = Fingerprint(
-    digest="b" * 64, params=(ParamSpec("w", (3, 3), "float32"),), torch_version="x"
-)
+FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
+PARAMS = (ParamSpec("w", (2, 3), "float32"),)
+OTHER_FP = Fingerprint(digest="b" * 64, torch_version="x", entries=1)
+OTHER_PARAMS = (ParamSpec("w", (3, 3), "float32"),)
 
 
 def hello(worker_id: str, **changes: object) -> Hello:
@@ -63,8 +68,16 @@ def hello(worker_id: str, **changes: object) -> Hello:
 
 
 class FakeWorker:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, worker_id: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        worker_id: str,
+        params: tuple[ParamSpec, ...] = PARAMS,
+    ) -> None:
         self.worker_id = worker_id
+        self.params = params
+        # its model's entries, sent a page at a time when asked, as the real client does
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -72,18 +85,25 @@ class FakeWorker:
 
         self.session = ""
         # as the real client: the session from Joined/Welcome goes with every frame but a hello
+        self.asked: list[int] = []
+        # the pages the coordinator asked for
 
     async def send(self, message: Message) -> None:
         session = "" if isinstance(message, Hello) else self.session
         await self.sock.send(encode(message, session=session))
 
     async def recv(self, timeout: float = 5.0) -> Message:
-        """The next message that is not a heartbeat."""
+        """The next message that is not a heartbeat (a request for a page of the model's entries
+        is answered on the way, as the real client answers it)."""
         while True:
             data = await asyncio.wait_for(self.sock.recv(), timeout)
             message = decode(data)
             if isinstance(message, Joined | Welcome):
                 self.session = message.session
+            if isinstance(message, DescribeModel):
+                self.asked.append(message.first)
+                await self.send(model_page(self.params, message.first))
+                continue
             if not isinstance(message, Heartbeat):
                 return message
 
@@ -275,16 +295,84 @@ async def test_bad_frames_get_a_clear_reply(ctx):
 
 
 async def test_differing_models_abort_the_run_naming_the_parameter(ctx):
+    """The hellos carry digests only; the coordinator asks both workers for their entries (a
+    page each here) and names the first that differs."""
     coordinator, task = await serve(ctx)
-    a, b = FakeWorker(ctx, coordinator.endpoint, "a"), FakeWorker(ctx, coordinator.endpoint, "b")
+    a = FakeWorker(ctx, coordinator.endpoint, "a")
+    b = FakeWorker(ctx, coordinator.endpoint, "b", params=OTHER_PARAMS)
     await a.send(hello("a"))
     assert isinstance(await a.recv(), Joined)
     await b.send(hello("b", fingerprint=OTHER_FP))
-    for w in (a, b):
-        abort = await w.recv()
+    for w, abort in zip((a, b), await asyncio.gather(a.recv(), b.recv()), strict=True):
         assert isinstance(abort, Abort)
         assert "parameter 'w' has shape (2, 3) in worker a" in abort.reason
         assert "(3, 3) in worker b" in abort.reason
+        assert w.asked == [0]
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_hello_with_a_huge_fingerprint_and_no_token_builds_no_parameter(ctx, monkeypatch):
+    """A stranger's hello with a wrong token and as many fingerprint entries as fit in a frame is
+    refused without an entry being built, and without costing the run its clock."""
+    built: list[str] = []
+    build = Decoder.build
+
+    def counting(self: Decoder, raw: object, where: str) -> object:
+        if self.cls is ParamSpec:
+            built.append(where)
+        return build(self, raw, where)
+
+    monkeypatch.setattr(Decoder, "build", counting)
+    lines: list[str] = []
+    cfg = CoordinatorConfig(world_size=2, epochs=2, token="s3cret")
+    coordinator = Coordinator(cfg, context=ctx, log=lines.append)
+    await coordinator.start()
+    task = asyncio.create_task(coordinator.run())
+    entry = {"name": "layer.0.weight", "shape": [512, 512, 3, 3], "dtype": "float32"}
+    entries = min((MAX_FRAME_BYTES - 1024) // len(msgpack.packb(entry)), MAX_PARAMS)
+    frame = msgpack.packb(
+        {
+            "v": PROTOCOL_VERSION,
+            "t": "hello",
+            **{
+                k: v
+                for k, v in msgpack.unpackb(encode(hello("x", token="guess"))).items()
+                if k not in ("v", "t", "fingerprint")
+            },
+            "fingerprint": {"digest": "d" * 64, "params": [entry] * entries, "torch_version": "x"},
+        }
+    )
+    assert len(frame) <= MAX_FRAME_BYTES
+    for i in range(4):
+        stranger = FakeWorker(ctx, coordinator.endpoint, f"stranger{i}")
+        await stranger.sock.send(frame)
+        reply = await stranger.recv()
+        assert isinstance(reply, Reject), reply
+    assert built == []
+    # a legitimate worker still joins at once
+    w = FakeWorker(ctx, coordinator.endpoint, "legit")
+    await w.send(hello("legit", token="s3cret"))
+    assert isinstance(await w.recv(), Joined)
+    assert not any("was not running" in line for line in lines), lines
+    coordinator.abort("test over")
+    with pytest.raises(RunAborted):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_frame_over_the_limit_is_never_read(ctx):
+    """libzmq drops the connection of a peer announcing a frame over MAX_FRAME_BYTES before the
+    coordinator holds it: no reply, nothing counted, and the run carries on."""
+    coordinator, task = await serve(ctx)
+    big = FakeWorker(ctx, coordinator.endpoint, "big")
+    await big.sock.send(b"\x81" + b"\xa1" + b"x" * (MAX_FRAME_BYTES + 1))
+    legit = FakeWorker(ctx, coordinator.endpoint, "legit")
+    await legit.send(hello("legit"))
+    assert isinstance(await legit.recv(), Joined)
+    with pytest.raises(TimeoutError):
+        await big.recv(timeout=0.5)
+    assert (coordinator.dropped_frames, coordinator.ignored_frames) == (0, 0)
+    coordinator.abort("test over")
     with pytest.raises(RunAborted):
         await asyncio.wait_for(task, 5)
 

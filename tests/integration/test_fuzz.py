@@ -22,7 +22,6 @@ from epochal.protocol import (
     EpochReport,
     Fingerprint,
     Hello,
-    ParamSpec,
     Status,
     encode,
 )
@@ -35,7 +34,7 @@ POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
 
 
 def valid_frames() -> list[bytes]:
-    fp = Fingerprint(digest="f" * 64, params=(ParamSpec("w", (3,), "float32"),), torch_version="x")
+    fp = Fingerprint(digest="f" * 64, torch_version="x", entries=1)
     hello = Hello(
         job="epochal",
         token="",
@@ -133,13 +132,14 @@ class Fuzzer(threading.Thread):
             ctx.term()
 
 
-def bomb(size: int, *, filler: bytes = b"\x90", field: bytes = b"\xa6reason") -> bytes:
-    """A well-formed frame of about ``size`` bytes whose ``field`` holds ``filler`` repeated.
+def bomb(size: int, *, filler: bytes = b"\x90", field: bytes = b"\xa3job") -> bytes:
+    """A well-formed hello of about ``size`` bytes whose ``field`` holds ``filler`` repeated (a
+    hello: the one message a stranger's frame is decoded as).
 
-    Plain msgpack decoding turns each 1-byte empty array into a 56-byte list: 16 MiB of them is
-    about a gigabyte of objects.
+    Plain msgpack decoding turns each 1-byte empty array into a 56-byte list: a frame at the
+    64 KiB limit is about 4 MiB of objects (at the 16 MiB limit before, about a gigabyte).
     """
-    head = b"\x83\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa6failed" + field
+    head = b"\x83\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1t\xa5hello" + field
     count = (size - len(head) - 5) // len(filler)
     return head + b"\xdd" + count.to_bytes(4, "big") + filler * count
 
@@ -222,8 +222,8 @@ def test_a_live_coordinator_shrugs_off_junk(spawn: Spawner, tmp_path: Path):
 
 
 def test_bomb_frames_leave_the_coordinator_small_and_the_run_finishing(spawn: Spawner):
-    # 20 frames at the size limit, each decoding to about a gigabyte with plain msgpack, from 20
-    # strangers (so no reply budget spares the decoder), while a real 2-worker run goes on
+    # 20 hellos at the size limit, each decoding to a multiple of its size with plain msgpack, from
+    # 20 strangers (so no reply budget spares the decoder), while a real 2-worker run goes on
     run = standalone_run(spawn, *POLICY)
     run.wait_for_first_epoch()
     deadline = time.monotonic() + DEADLINE

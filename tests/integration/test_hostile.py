@@ -12,18 +12,22 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
 from epochal.protocol import (
+    MAX_FRAME_BYTES,
+    MAX_PARAMS,
+    PROTOCOL_VERSION,
     Failed,
     Fingerprint,
     Hello,
-    ParamSpec,
     StoreReady,
     decode,
     encode,
@@ -72,7 +76,7 @@ def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run
     info = json.loads((run_dir / "run.json").read_text())
     run_id, endpoint = info["run_id"], info["endpoint"]
 
-    fp = Fingerprint(digest="f" * 64, params=(ParamSpec("w", (3,), "float32"),), torch_version="x")
+    fp = Fingerprint(digest="f" * 64, torch_version="x", entries=1)
     ctx = zmq.Context()
     replies: list[object] = []
     try:
@@ -106,6 +110,191 @@ def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished"
     assert stat.S_IMODE((run_dir / "run.json").stat().st_mode) == 0o600
+    spawn.assert_none_left()
+
+
+def decided_at(run_dir: Path) -> list[float]:
+    """When each epoch decided so far was journaled (wall clock)."""
+    try:
+        lines = (run_dir / "epochs.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r["time"] for r in records if r.get("kind") == "epoch"]
+
+
+def wait_for_epochs(run_dir: Path, count: int, proc, deadline: float) -> list[float]:
+    end = time.monotonic() + deadline
+    while len(times := decided_at(run_dir)) < count:
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < end, f"{len(times)} of {count} epochs within {deadline} s"
+        time.sleep(0.05)
+    return times
+
+
+def largest_hello_without_the_token(worker_id: str) -> bytes:
+    """A hello as large as a frame may be, its fingerprint listing every entry that fits (at most
+    as many as a fingerprint ever counted): the hello that took seconds to decode when
+    fingerprints travelled whole. Its token is wrong."""
+    entry = {"name": "encoder.layers.0.attention.weight", "shape": [1024, 1024], "dtype": "f"}
+    fields = {
+        "v": PROTOCOL_VERSION,
+        "t": "hello",
+        "job": "epochal",
+        "token": "guessed",
+        "worker_id": worker_id,
+        "host": "h",
+        "pid": 1,
+        "rank_hint": None,
+        "device": "cpu",
+        "data_address": "",
+    }
+    room = MAX_FRAME_BYTES - len(msgpack.packb(fields)) - 256
+    count = min(room // len(msgpack.packb(entry)), MAX_PARAMS)
+    fingerprint = {"digest": "f" * 64, "params": [entry] * count, "torch_version": "x"}
+    frame: bytes = msgpack.packb({**fields, "fingerprint": fingerprint})
+    assert len(frame) <= MAX_FRAME_BYTES
+    return frame
+
+
+EPOCHS_MEASURED = 10
+"""Epochs in each window whose pace is compared: undisturbed, then from the flood on."""
+
+
+def test_a_flood_of_maximum_size_hellos_without_the_token_keeps_the_epochs_pace(
+    spawn: Spawner, tmp_path: Path
+):
+    """32 of the largest hellos a stranger can send, from 4 identities, in the middle of a real
+    2-worker run: the epochs keep at least half their undisturbed pace, measured just before in
+    the same run, and the coordinator never stops running (nothing is decoded for seconds)."""
+    run_dir = tmp_path / "run"
+    launcher = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        str(3 * EPOCHS_MEASURED + 4),
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--delay",
+        "0.01",
+    )
+    wait_for_first_epoch(run_dir, launcher)
+    endpoint = json.loads((run_dir / "run.json").read_text())["endpoint"]
+    start = len(decided_at(run_dir))
+    before = wait_for_epochs(run_dir, start + EPOCHS_MEASURED, launcher, DEADLINE)
+    undisturbed = EPOCHS_MEASURED / (before[-1] - before[start - 1])
+    ctx = zmq.Context()
+    sockets = []
+    try:
+        flood_at = time.time()
+        for identity in range(4):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"flood-{identity}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sockets.append(sock)
+            frame = largest_hello_without_the_token(f"flood-{identity}")
+            for _ in range(8):
+                sock.send(frame)
+        done = len(decided_at(run_dir))
+        # at half the undisturbed pace the window takes twice as long: waiting longer than that
+        # cannot pass
+        bound = 2 * EPOCHS_MEASURED / undisturbed
+        after = wait_for_epochs(run_dir, done + EPOCHS_MEASURED, launcher, bound + 1.0)
+        disturbed = EPOCHS_MEASURED / (after[done + EPOCHS_MEASURED - 1] - flood_at)
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+    _, output = spawn.finish(launcher, DEADLINE)
+    assert "finished after" in output, output
+    assert "was not running" not in output, output
+    assert disturbed >= 0.5 * undisturbed, (disturbed, undisturbed)
+    print(f"epochs per second: {undisturbed:.2f} undisturbed, {disturbed:.2f} under the flood")
+    spawn.assert_none_left()
+
+
+def zmtp_dealer(endpoint: str) -> socket.socket:
+    """A raw TCP connection that completes the ZMTP 3.0 handshake as a DEALER (NULL mechanism),
+    so that what it sends next is read as a message frame."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+
+    def read(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            assert chunk, "the coordinator closed the connection during the handshake"
+            data += chunk
+        return data
+
+    read(64)  # its greeting
+    body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    conn.sendall(b"\x04" + bytes([len(body)]) + body)
+    flags = read(1)[0]  # its READY
+    read(int.from_bytes(read(8 if flags & 0x02 else 1), "big"))
+    return conn
+
+
+def closed_by_peer(conn: socket.socket, within: float) -> bool:
+    conn.settimeout(within)
+    try:
+        return conn.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+CLAIMED = 16 * 1024 * 1024
+"""The size each partial frame announces: the old frame limit."""
+
+
+def test_frames_that_never_end_cost_the_coordinator_no_memory(spawn: Spawner, tmp_path: Path):
+    """24 connections each announce a 16 MiB frame and send all of it but the last byte. The
+    coordinator's socket refuses any frame over MAX_FRAME_BYTES from its header: each connection
+    is closed, and the coordinator's peak memory stays where it was (it grew by 385 MiB when it
+    held them)."""
+    coordinator = spawn.epochal(
+        "coordinator", "--world-size", "2", "--run-dir", str(tmp_path / "run")
+    )
+    assert coordinator.stdout is not None
+    line = coordinator.stdout.readline()
+    assert line.startswith("epochal coordinator listening on "), line
+    endpoint = line.split()[-1]
+    peak = vm_kib(coordinator.pid, "VmHWM")
+    connections = [zmtp_dealer(endpoint) for _ in range(24)]
+    try:
+        for conn in connections:
+            conn.settimeout(10)
+            try:
+                conn.sendall(b"\x02" + CLAIMED.to_bytes(8, "big"))
+                sent = 0
+                while sent < CLAIMED - 1:
+                    sent += conn.send(b"\0" * min(1 << 20, CLAIMED - 1 - sent))
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # refused from the header: nothing more is read
+        assert all(closed_by_peer(conn, 10.0) for conn in connections)
+        grown = vm_kib(coordinator.pid, "VmHWM") - peak
+        assert grown < 32 * 1024, f"the coordinator's peak memory grew by {grown / 1024:.0f} MiB"
+    finally:
+        for conn in connections:
+            conn.close()
+    assert coordinator.poll() is None
+    coordinator.terminate()
+    spawn.finish(coordinator, 30)
     spawn.assert_none_left()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from epochal.protocol.messages import (
+    MAX_FRAME_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     CoordinatorMessage,
@@ -129,13 +130,15 @@ def test_each_field_is_described_as_its_type_declares_it(
         assert not missing, f"{heading}: {name}.{field} is described as {said!r}, without {missing}"
 
 
-def test_the_fingerprint_map_names_its_keys_in_order():
+def test_the_fingerprint_and_entry_maps_name_their_keys_in_order():
     described = TEXT.split("`fingerprint` is `", 1)[1].split("`", 1)[0]
-    keys = re.findall(r'"(\w+)":', described)
-    nested = [spec.name for spec in fields_of(ParamSpec)]
-    outer = [spec.name for spec in fields_of(Fingerprint)]
-    at = outer.index("params") + 1
-    assert keys == [*outer[:at], *nested, *outer[at:]]
+    assert re.findall(r'"(\w+)":', described) == [spec.name for spec in fields_of(Fingerprint)]
+    described = TEXT.split("an entry map is `", 1)[1].split("`", 1)[0]
+    assert re.findall(r'"(\w+)":', described) == [spec.name for spec in fields_of(ParamSpec)]
+
+
+def test_the_page_states_the_frame_limit():
+    assert f"A frame is at most {MAX_FRAME_BYTES // 1024} KiB (`MAX_FRAME_BYTES`" in TEXT
 
 
 def test_the_page_states_the_current_version():

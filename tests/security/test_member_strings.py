@@ -18,7 +18,8 @@ import zmq.asyncio
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.rendezvous import Admitted, Fatal, Refused, Rendezvous
+from epochal.coordinator.models import describe_difference, describe_fingerprints
+from epochal.coordinator.rendezvous import Admitted, Fatal, Refused, Rendezvous, models_differ
 from epochal.coordinator.resume import inspect
 from epochal.coordinator.watchdog import FAILURE_SETTLE, FAILURES_KEPT
 from epochal.errors import RunAborted
@@ -37,15 +38,20 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.records import MAX_NAME_CHARS, MAX_TEXT_CHARS
 from epochal.text import REASON_CHARS
 
-FORGED = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J" + "A" * 65_000
-"""A forged log line, a terminal escape that clears the screen, and 65,000 characters."""
+FORGED_LINE = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J"
+FORGED = FORGED_LINE + "A" * (MAX_TEXT_CHARS - len(FORGED_LINE))
+"""A forged log line, a terminal escape that clears the screen, and as many characters as a
+reason may carry."""
+FORGED_NAME = FORGED[:MAX_NAME_CHARS]
+"""The same as long as a name (a host, an address, an id) may be."""
 
 LINE_CHARS = 8 * REASON_CHARS
 """Longest line a member's strings may make: a few bounded fields, each escape at most 4 chars."""
 
-FP = Fingerprint(digest="a" * 64, params=(ParamSpec("w", (2,), "float32"),), torch_version="x")
+FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 
 
 def hello(worker_id: str, host: str = "testhost", data_address: str = "") -> Hello:
@@ -110,12 +116,12 @@ async def test_a_members_host_address_id_store_host_and_reason_are_logged_escape
     task = asyncio.create_task(coordinator.run())
     evil = Worker(ctx, coordinator.endpoint, b"w0")
     other = Worker(ctx, coordinator.endpoint, b"w1")
-    await evil.send(hello(FORGED, host=FORGED, data_address=FORGED))
+    await evil.send(hello(FORGED_NAME, host=FORGED_NAME, data_address=FORGED_NAME))
     assert isinstance(await evil.recv(), Joined)
     await other.send(hello("w1"))
     assert isinstance(await other.recv(), Joined)
     opener, second = (evil, other) if isinstance(await evil.recv(), OpenStore) else (other, evil)
-    await opener.send(StoreReady(host=FORGED[:60_000], port=4242, key="k"))
+    await opener.send(StoreReady(host=FORGED_NAME, port=4242, key="k"))
     for worker in (evil, other):
         assert isinstance(await worker.recv(), Welcome)
     await evil.send(Failed(reason=FORGED))
@@ -143,7 +149,7 @@ async def test_a_member_failing_before_the_run_started_is_logged_escaped_and_bou
     await coordinator.start()
     task = asyncio.create_task(coordinator.run())
     worker = Worker(ctx, coordinator.endpoint, b"w0")
-    await worker.send(hello("w0", host=FORGED))
+    await worker.send(hello("w0", host=FORGED_NAME))
     assert isinstance(await worker.recv(), Joined)
     await worker.send(Failed(reason=FORGED))
     deadline = asyncio.get_running_loop().time() + 10
@@ -177,30 +183,26 @@ def test_a_flood_of_failures_from_one_member_makes_one_bounded_abort():
     assert abort.reason.isprintable() and len(abort.reason) <= FAILURES_KEPT * LINE_CHARS
 
 
-def with_params(*params: ParamSpec) -> Hello:
-    fingerprint = Fingerprint(digest="c" * 64, params=params, torch_version="x")
-    return replace(hello(f"has {len(params)}"), fingerprint=fingerprint)
-
-
 def test_what_a_refusal_or_a_model_difference_quotes_from_a_hello_is_escaped_and_bounded():
-    # a stranger chooses its job name; a member its worker id and its model's fingerprint
+    # a stranger chooses its job name; a member its worker id and its model's entries
     config = CoordinatorConfig(world_size=3, epochs=2)
     rendezvous = Rendezvous(config)
-    assert isinstance(rendezvous.offer(b"a", hello(FORGED)), Admitted)
-    other = Fingerprint(
-        digest="b" * 64, params=(ParamSpec(FORGED, (2,), FORGED),), torch_version=FORGED
-    )
+    assert isinstance(rendezvous.offer(b"a", hello(FORGED_NAME)), Admitted)
     verdicts = [
-        rendezvous.offer(b"b", replace(hello("b"), job=FORGED)),
-        rendezvous.offer(b"c", hello(FORGED)),  # a duplicate id
+        rendezvous.offer(b"b", replace(hello("b"), job=FORGED_NAME)),
+        rendezvous.offer(b"c", hello(FORGED_NAME)),  # a duplicate id
         rendezvous.offer(b"a", hello("another id")),  # its connection already joined
-        rendezvous.offer(b"d", replace(hello("d"), fingerprint=other)),
-        rendezvous.offer(b"e", with_params(ParamSpec("w", (2,), FORGED))),  # its dtype
-        rendezvous.offer(
-            b"f", with_params(ParamSpec("w", (2,), "float32"), ParamSpec(FORGED, (), "f"))
-        ),
     ]
     reasons = [v.reason for v in verdicts if isinstance(v, Refused | Fatal)]
     assert len(reasons) == len(verdicts)
+    own = [ParamSpec("w", (2,), "float32")]
+    differences = [
+        describe_difference([ParamSpec(FORGED_NAME, (2,), "float32")], own, "a", "b"),
+        describe_difference(own, [ParamSpec("w", (2,), FORGED_NAME)], "a", "b"),  # its dtype
+        describe_difference(own, [*own, ParamSpec(FORGED_NAME, (), "f")], "a", "b"),
+        describe_fingerprints(FP, replace(FP, torch_version=FORGED_NAME), "a", "b"),
+    ]
+    reasons += [models_differ(d) for d in differences]
     assert_one_line_each(reasons)
-    assert all("x\\n[epochal] run r1" in reason for reason in reasons)
+    missing = [r[:100] for r in reasons if "x\\n[epochal] run r1" not in r]
+    assert not missing, missing

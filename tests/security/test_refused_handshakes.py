@@ -62,7 +62,7 @@ async def test_a_refused_key_is_logged_and_named_by_the_rendezvous_timeout(keydi
     dealer.setsockopt(zmq.LINGER, 0)
     secure_client(dealer, outsider)
     dealer.connect(endpoint)
-    fingerprint = Fingerprint(digest="d", params=(), torch_version="x")
+    fingerprint = Fingerprint(digest="d", torch_version="x", entries=0)
     try:
         await dealer.send(encode(Hello("epochal", "", "mallory", "h", 1, None, "cpu", fingerprint)))
         with pytest.raises(RunAborted) as info:

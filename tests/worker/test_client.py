@@ -13,7 +13,19 @@ import pytest
 import zmq
 
 from epochal.errors import RunAborted
-from epochal.protocol import Abort, Awaiting, Failed, Phase, Status, decode, encode
+from epochal.protocol import (
+    Abort,
+    Awaiting,
+    DescribeModel,
+    Failed,
+    ModelPage,
+    ParamSpec,
+    Phase,
+    Status,
+    decode,
+    encode,
+)
+from epochal.protocol.records import MAX_TEXT_CHARS
 from epochal.worker.client import ABORT_CHARS, ControlClient
 from epochal.worker.options import JoinOptions
 
@@ -124,8 +136,10 @@ def test_a_dead_heartbeat_task_fails_the_worker_at_once_naming_its_cause(
         client.check()
 
 
-FORGED = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J" + "A" * 65_000
-"""A reason another process wrote: a forged log line, a terminal escape and 65,000 characters."""
+FORGED_LINE = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J"
+FORGED = FORGED_LINE + "A" * (MAX_TEXT_CHARS - len(FORGED_LINE))
+"""A reason another process wrote: a forged log line, a terminal escape, and as many characters
+as a reason may carry."""
 
 
 def test_an_abort_reason_is_shown_on_one_line_escaped_and_bounded(
@@ -147,3 +161,25 @@ def test_an_abort_reason_is_shown_on_one_line_escaped_and_bounded(
     with pytest.raises(RunAborted) as again:
         client.check()
     assert str(again.value) == shown
+
+
+def test_the_models_entries_are_sent_a_page_at_a_time_when_the_coordinator_asks(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    """The client answers DescribeModel from its own thread: the training code does nothing."""
+    sock, _ = router
+    client.model_params = tuple(
+        ParamSpec(f"layers.{i}.weight", (4096, 4096), "bfloat16") for i in range(3000)
+    )
+    end = time.monotonic() + HEARTBEAT_INTERVAL + MARGIN
+    while not sock.poll(100):  # a heartbeat tells the fake coordinator the client's identity
+        assert time.monotonic() < end, "the client sent nothing"
+    peer, _ = sock.recv_multipart()
+    received: list[ParamSpec] = []
+    while len(received) < len(client.model_params):
+        sock.send_multipart([peer, encode(DescribeModel(first=len(received)))])
+        pages = [m for m in frames_until(sock, MARGIN, ModelPage) if isinstance(m, ModelPage)]
+        assert pages, "no page came"
+        assert pages[-1].first == len(received) and pages[-1].entries == 3000
+        received.extend(pages[-1].params)
+    assert tuple(received) == client.model_params

@@ -8,7 +8,7 @@ from torch import nn
 
 import epochal
 from epochal.errors import ConfigError
-from epochal.worker.fingerprint import fingerprint
+from epochal.worker.fingerprint import describe, fingerprint
 from epochal.worker.options import advertised_host
 
 
@@ -16,8 +16,11 @@ def test_fingerprint_is_stable_and_sees_shapes_dtypes_and_buffers():
     a = fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
     b = fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
     assert a == b  # values do not matter, only names, shapes and dtypes
-    names = [p.name for p in a.params]
+    described = describe(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    assert described.fingerprint == a
+    names = [p.name for p in described.params]
     assert "1.running_mean" in names and "0.weight" in names
+    assert a.entries == len(described.params)
     assert fingerprint(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))).digest != a.digest
     assert (
         fingerprint(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()).digest != a.digest
@@ -60,3 +63,15 @@ def test_advertised_host(monkeypatch):
     assert advertised_host("ipc:///tmp/x.sock") == "127.0.0.1"
     monkeypatch.setenv("EPOCHAL_HOST", "10.1.2.3")
     assert advertised_host("tcp://127.0.0.1:4000") == "10.1.2.3"
+
+
+def test_the_digest_covers_a_name_too_long_for_a_page_whole():
+    class Named(nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.register_buffer(name, torch.zeros(1))
+
+    long_a, long_b = "a" * 2000, "a" * 1999 + "b"
+    a, b = describe(Named(long_a)), describe(Named(long_b))
+    assert a.fingerprint.digest != b.fingerprint.digest
+    assert len(a.params[0].name) == len(b.params[0].name) == 1024  # cut alike in the pages
