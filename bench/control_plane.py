@@ -126,7 +126,8 @@ Script = Generator[Action, Any, None]
 
 @dataclass(slots=True)
 class SimWorker:
-    """One simulated worker's state: what ``epochal.worker.client`` keeps beside its socket."""
+    """One simulated worker's state: what ``epochal.worker.control.client`` keeps beside its
+    socket."""
 
     index: int
     worker_id: str

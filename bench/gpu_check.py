@@ -60,9 +60,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench import workload  # noqa: E402
-from epochal.worker import network  # noqa: E402
+from epochal.worker.dataplane import network  # noqa: E402
 from epochal.worker.strategies import MODES  # noqa: E402
-from epochal.worker.train import fit  # noqa: E402
+from epochal.worker.training.train import fit  # noqa: E402
 from tests.worker.ranks import LocalSession, run_ranks, start_rank  # noqa: E402
 
 SKIPPED = 77

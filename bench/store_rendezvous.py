@@ -1,13 +1,13 @@
 """What the data-plane store's protection costs: rendezvous time, ours against plain TCPStore.
 
-Epochal's store (:mod:`epochal.worker.store`) is a TCPStore listening only on the advertised
-address, served by a process of its own whose memory is capped, with every key under a per-run
-secret (a PrefixStore). This measures the part of a rendezvous that goes through the store, with
-N ranks as threads that use the store API alone (no training, no process group): each rank
-connects, publishes its address under its rank, then reads every other rank's; and, apart, the
-time to open the store (for epochal's, starting its server process). Plain:
-``TCPStore(host, 0, is_master=True)`` as torch opens it (every interface, bare keys, in this
-process). Both in the same run, alternating; the median of the repeats and the ratio.
+Epochal's store (:mod:`epochal.worker.dataplane.store`) is a TCPStore listening only on the
+advertised address, served by a process of its own whose memory is capped, with every key under a
+per-run secret (a PrefixStore). This measures the part of a rendezvous that goes through the store,
+with N ranks as threads that use the store API alone (no training, no process group): each rank
+connects, publishes its address under its rank, then reads every other rank's; and, apart, the time
+to open the store (for epochal's, starting its server process). Plain: ``TCPStore(host, 0,
+is_master=True)`` as torch opens it (every interface, bare keys, in this process). Both in the same
+run, alternating; the median of the repeats and the ratio.
 
     python bench/store_rendezvous.py [--ranks 2 8 64] [--repeats 5]
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from epochal.worker.store import connect_store, new_key, open_store, scoped
+from epochal.worker.dataplane.store import connect_store, new_key, open_store, scoped
 
 TIMEOUT = 60.0
 

@@ -1,10 +1,11 @@
 """The checkpoint directory's layout and its signed manifest, shared by who writes and who verifies.
 
-Workers write ``epoch-NNNNNN/`` directories whose ``MANIFEST.json`` lists the SHA-256 of every
-file and carries an HMAC-SHA256 of that list, of the epoch and of the key's id under the user's
-checkpoint key (:mod:`epochal.checkpointkey`); the workers (:mod:`epochal.worker.checkpoint`)
-check a checkpoint against it before DCP or ``torch.load`` reads any byte of it, and the
-coordinator before it resumes from one (:mod:`epochal.coordinator.resume`), without torch.
+Workers write ``epoch-NNNNNN/`` directories whose ``MANIFEST.json`` lists the SHA-256 of every file
+and carries an HMAC-SHA256 of that list, of the epoch and of the key's id under the user's
+checkpoint key (:mod:`epochal.checkpointkey`); the workers
+(:mod:`epochal.worker.checkpoints.checkpoint`) check a checkpoint against it before DCP or
+``torch.load`` reads any byte of it, and the coordinator before it resumes from one
+(:mod:`epochal.coordinator.resume`), without torch.
 
 What a check refuses, naming the file: a manifest that is missing, unreadable, unsigned (written
 before checkpoints were authenticated), signed with another key or altered (the MAC does not

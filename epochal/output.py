@@ -1,11 +1,11 @@
 """How ``epochal run`` shows its workers' output: one stream, each line prefixed with its rank.
 
-When a run fails, every rank has something to say, and most of it is noise: a rank whose peer
-died prints gloo's "Connection closed by peer" traceback, every rank of an aborted run prints
-``epochal: RunAborted: ...`` repeating the coordinator's reason (a worker's one line for an error
-that stops the run, :mod:`epochal.worker.exits`), Ctrl-C leaves ``KeyboardInterrupt`` tracebacks
-and half-drawn progress bars. So a worker's traceback, or that one line, is held back until the
-worker has exited, and then judged by its exception line:
+When a run fails, every rank has something to say, and most of it is noise: a rank whose peer died
+prints gloo's "Connection closed by peer" traceback, every rank of an aborted run prints ``epochal:
+RunAborted: ...`` repeating the coordinator's reason (a worker's one line for an error that stops
+the run, :mod:`epochal.worker.control.exits`), Ctrl-C leaves ``KeyboardInterrupt`` tracebacks and
+half-drawn progress bars. So a worker's traceback, or that one line, is held back until the worker
+has exited, and then judged by its exception line:
 
 - a user's own exception is shown, once (from the first rank that printed it);
 - epochal's own errors (``RunAborted``, ``JoinRefused``, ...) are shown as their one exception

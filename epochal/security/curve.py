@@ -400,13 +400,13 @@ def describe_handshake_failure(event: int, value: int, *, curve: bool) -> str | 
 
     Use with ``socket.get_monitor_socket()`` and ``zmq.utils.monitor.parse_monitor_message``:
     without it, a refused worker only sees a coordinator that never answers. CURVE is blamed only
-    where it is in play: a refused key (only a CURVE coordinator refuses keys), a mechanism
-    mismatch (one side has keys, the other not: which one is said), and a failure without detail
-    on a worker that has keys. Without keys, a failure without detail is no refusal (None): the
-    handshake timed out, or the peer closed the connection during it, so the coordinator does not
-    answer (:class:`epochal.worker.waiting.Handshake` says so, with the address and how long).
-    Under CURVE, pass it only for a connection the coordinator closed during the handshake: a
-    CURVE coordinator closes the connection of a worker that holds another coordinator's key.
+    where it is in play: a refused key (only a CURVE coordinator refuses keys), a mechanism mismatch
+    (one side has keys, the other not: which one is said), and a failure without detail on a worker
+    that has keys. Without keys, a failure without detail is no refusal (None): the handshake timed
+    out, or the peer closed the connection during it, so the coordinator does not answer
+    (:class:`epochal.worker.control.waiting.Handshake` says so, with the address and how long).
+    Under CURVE, pass it only for a connection the coordinator closed during the handshake: a CURVE
+    coordinator closes the connection of a worker that holds another coordinator's key.
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (

@@ -5,15 +5,16 @@ Synchronous, as training scripts are written: :func:`train` for the common case,
 must agree on: it asks the coordinator.
 """
 
-from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.checkpoints.state import TrainState
+from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.placement import LayeredModel
-from epochal.worker.results import EpochContext, EpochRecord, LossSum, RunResult
-from epochal.worker.session import Session, join
-from epochal.worker.sharding import ShardSampler
-from epochal.worker.state import TrainState
+from epochal.worker.session import Session
 from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
-from epochal.worker.train import FitOptions, fit, train
+from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.training.placement import LayeredModel
+from epochal.worker.training.results import EpochContext, EpochRecord, LossSum, RunResult
+from epochal.worker.training.sharding import ShardSampler
+from epochal.worker.training.train import FitOptions, fit, train
 
 __all__ = [
     "MODES",

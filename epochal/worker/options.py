@@ -34,7 +34,8 @@ from epochal.environment import (
 from epochal.errors import ConfigError
 from epochal.log import WORKER
 from epochal.protocol import DEFAULT_JOB, check_job_name
-from epochal.worker import launchenv, network
+from epochal.worker import launchenv
+from epochal.worker.dataplane import network
 from epochal.worker.launchenv import Placement
 
 if TYPE_CHECKING:
@@ -199,6 +200,6 @@ def advertised_host(endpoint: str) -> str:
 
     ``EPOCHAL_HOST`` wins, then ``EPOCHAL_IFNAME``'s address; a loopback coordinator means a
     single-machine run (127.0.0.1); otherwise the local address of the route to the coordinator
-    (see :mod:`epochal.worker.network`).
+    (see :mod:`epochal.worker.dataplane.network`).
     """
     return network.discover(endpoint).address

@@ -1,24 +1,20 @@
-"""Joining a run and following the coordinator's epochs: the worker API's lower level.
+"""Following the coordinator's epochs: the worker API's lower level.
 
-:func:`join` performs the rendezvous (retrying with backoff until the coordinator answers or the
-connect deadline passes), opens the data-plane process group, and returns a :class:`Session`.
-:meth:`Session.run_epochs` is lamp's ``epochs`` loop with the decisions taken by the coordinator:
-the user supplies a train-epoch function and a validation function; the session announces batch
-counts, waits for Go, runs them, reports the loss sums and follows the Decision. One exchange lies
-between two trainings: each loss report carries this rank's batch counts for the next epoch, and
-each decision that does not stop the run carries the next epoch's Go. Only the first epoch of a
-run (or of a resume) is announced on its own (``epoch_ready`` -> ``go``).
+A :class:`Session` is one worker's membership in a run (:func:`~epochal.worker.join.join`
+makes it). :meth:`Session.run_epochs` is lamp's ``epochs`` loop with the decisions taken by the
+coordinator: the user supplies a train-epoch function and a validation function; the session
+announces batch counts, waits for Go, runs them, reports the loss sums and follows the Decision.
+One exchange lies between two trainings: each loss report carries this rank's batch counts for
+the next epoch, and each decision that does not stop the run carries the next epoch's Go. Only
+the first epoch of a run (or of a resume) is announced on its own (``epoch_ready`` -> ``go``).
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +22,13 @@ import torch
 import torch.distributed as dist
 
 from epochal.errors import (
-    ConfigError,
     CoordinatorLost,
     CoordinatorUnreachable,
     EpochalError,
     JoinRefused,
     RunAborted,
 )
-from epochal.log import WORKER, ensure_configured
-from epochal.nofile import raise_nofile_limit
+from epochal.log import WORKER
 from epochal.protocol import (
     Awaiting,
     Checkpointed,
@@ -51,21 +45,12 @@ from epochal.protocol import (
     Welcome,
     clip,
 )
-from epochal.security.curve import ClientSecurity
-from epochal.worker import faults, launchenv, network
-from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
-from epochal.worker.client import ControlClient
-from epochal.worker.exits import install as install_excepthook
-from epochal.worker.fingerprint import describe
-from epochal.worker.options import (
-    JoinOptions,
-    check_endpoint,
-    coordinator_address,
-    default_worker_id,
-    read_address_file,
-)
-from epochal.worker.rendezvous import StillRunning, StoreRef, rendezvous, tell_join_failure
-from epochal.worker.results import (
+from epochal.worker import faults
+from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
+from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.control.client import ControlClient
+from epochal.worker.control.rendezvous import StillRunning, StoreRef, rendezvous
+from epochal.worker.training.results import (
     EpochContext,
     EpochRecord,
     LossSum,
@@ -73,10 +58,8 @@ from epochal.worker.results import (
     metric_values,
     wire_metrics,
 )
-from epochal.worker.state import Stateful
-from epochal.worker.store import scoped
 
-__all__ = ["EpochContext", "EpochRecord", "LossSum", "RunResult", "Session", "join"]
+__all__ = ["EpochContext", "EpochRecord", "LossSum", "RunResult", "Session"]
 
 
 class Session:
@@ -353,8 +336,8 @@ class Session:
     def load_checkpoint(self, epoch: int, state: Stateful) -> None:
         """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).
 
-        Raises :class:`~epochal.worker.checkpoint.CheckpointCorrupt` (nothing loaded) when the
-        checkpoint does not match its manifest.
+        Raises :class:`~epochal.worker.checkpoints.checkpoint.CheckpointCorrupt` (nothing loaded)
+        when the checkpoint does not match its manifest.
         """
         if self.checkpointer is None:
             raise EpochalError("this run has no checkpoint directory")
@@ -418,111 +401,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _device_for(local_rank: int, device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: Any) -> Session:
-    """Join the run the coordinator holds and return this worker's Session.
-
-    The keyword arguments are the fields of :class:`~epochal.worker.options.JoinOptions` (or pass
-    ``options``, already built): ``coordinator``, ``job``, ``token``, ``worker_id``, ``rank``,
-    ``world_size``, ``device``, ``connect_timeout``, ``collective_timeout``,
-    ``heartbeat_interval``, ``heartbeat_timeout``, ``abort_grace``, ``reattach_timeout``,
-    ``curve_key``, ``curve_server_key``. Every argument left None comes from its environment
-    variable (see :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default
-    120 s) bounds the time to reach the coordinator and be admitted; after that the coordinator's
-    own rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
-    ``reattach_timeout`` (default 60 s, 0: never) is how long a worker whose coordinator vanished
-    waits for a restarted one to take it back; the run then resumes from its last checkpoint.
-    ``curve_key`` (this worker's ``.key_secret`` file, else ``EPOCHAL_CURVE_KEY``) and
-    ``curve_server_key`` (the coordinator's ``coordinator.key``, else
-    ``EPOCHAL_CURVE_SERVER_KEY``) turn on CURVE for a coordinator that has keys.
-
-    ``coordinator`` may be ``file:PATH``: the worker waits (within ``connect_timeout``) for the
-    address file ``epochal coordinator --address-file PATH`` writes. ``rank`` (a hint),
-    ``world_size`` (the size this worker expects; a coordinator with another is refused) and the
-    local device default to ``EPOCHAL_RANK``/``EPOCHAL_WORLD_SIZE``/``EPOCHAL_LOCAL_RANK``, then to
-    what torchrun, Slurm or a Kubernetes Indexed Job set (:mod:`epochal.worker.launchenv`).
-    """
-    ensure_configured()  # the worker's lines go to stderr even where nobody set logging up
-    raise_nofile_limit()  # gloo connects to every peer (and rank 0 serves the store): one fd each
-    if options is None:
-        options = JoinOptions.from_env(**given)
-    elif given:
-        raise TypeError("join() takes options or keyword arguments, not both")
-    address = coordinator_address(options.coordinator, os.environ)
-    endpoint, deadline_s = read_address_file(address, options.connect_timeout)
-    endpoint = check_endpoint(endpoint)
-    where = options.placement
-    dev = _device_for(where.local_rank, options.device)
-    plane = network.discover(endpoint)  # refuses an unusable network before joining
-    security = ClientSecurity.from_env(
-        {}, key_file=options.curve_key, server_key_file=options.curve_server_key
-    )
-    worker_id = options.worker_id or default_worker_id()
-    client = ControlClient(
-        endpoint, identity=worker_id.encode()[:255], options=options, security=security
-    )
-    # from here on, an error that stops the run ends the process with one line, no traceback
-    install_excepthook(aborted=lambda: client._abort_reason)
-    client.start()
-    try:
-        described = describe(model)
-        client.model_params = described.params  # sent, a page at a time, if the coordinator asks
-        hello = Hello(
-            job=options.job,
-            token=options.token,
-            worker_id=worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            rank_hint=where.rank,
-            device="cuda" if dev.type == "cuda" else "cpu",
-            fingerprint=described.fingerprint,
-            data_address=plane.address,
-        )
-        timeout = options.collective_timeout
-        welcome, store = rendezvous(client, hello, endpoint, deadline_s, timeout)
-        mismatch = launchenv.check_world_size(where, welcome.world_size)
-        if mismatch is not None:
-            client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
-            raise JoinRefused(mismatch)
-        if welcome.backend == "nccl" and dev.type != "cuda":
-            raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
-        faults.hit("connect", rank=welcome.rank)
-        network.apply(plane, os.environ)  # gloo and NCCL read their interface at init
-        dist.init_process_group(
-            backend=welcome.backend,
-            store=scoped(store.store, welcome.run_id, store.key),
-            rank=welcome.rank,
-            world_size=welcome.world_size,
-            timeout=timedelta(seconds=timeout),
-            device_id=dev if dev.type == "cuda" else None,
-        )
-        client.at(Phase.SETUP, welcome.start_epoch)
-    except CoordinatorUnreachable:
-        client.close(flush=0.5)
-        raise
-    except BaseException as exc:
-        tell_join_failure(client, exc)
-        client.close(flush=0.5)
-        raise
-    return Session(
-        client,
-        welcome,
-        dev,
-        store,
-        hello=hello,
-        endpoint=endpoint,
-        reattach_timeout=options.reattach_timeout,
-        store_timeout=timeout,
-    )
 
 
 def _ready(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from epochal.worker.storeserver import budget
+from epochal.worker.dataplane.storeserver import budget
 from tests.integration.conftest import SCRIPTS, Spawner, marked_pids, standalone_run
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import epochal
-from epochal.worker.client import ABORT_EXIT_CODE
+from epochal.worker.control.client import ABORT_EXIT_CODE
 from tests.multihost import netns
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from epochal.worker.checkpoint import Checkpointer
-from epochal.worker.initialization import is_dtensor
-from epochal.worker.results import LossSum
+from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.session import EpochContext, RunResult
+from epochal.worker.training.initialization import is_dtensor
+from epochal.worker.training.results import LossSum
 
 
 def start_rank(

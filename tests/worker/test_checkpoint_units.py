@@ -21,7 +21,7 @@ from epochal.checkpointkey import CheckpointKey
 from epochal.errors import EpochalError
 from epochal.files import UnsafePath
 from epochal.manifest import checkpoint_path
-from epochal.worker.checkpoint import CheckpointCorrupt, Checkpointer
+from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 
 # DCP without a process group: one process, which it says in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

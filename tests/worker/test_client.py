@@ -26,7 +26,7 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.records import MAX_TEXT_CHARS
-from epochal.worker.client import ABORT_CHARS, ControlClient
+from epochal.worker.control.client import ABORT_CHARS, ControlClient
 from epochal.worker.options import JoinOptions
 
 HEARTBEAT_INTERVAL = 0.2

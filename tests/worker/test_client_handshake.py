@@ -22,11 +22,11 @@ from epochal.environment import CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorUnreachable
 from epochal.protocol import Fingerprint, Hello
 from epochal.security.curve import ClientSecurity, describe_handshake_failure
-from epochal.worker import client as client_module
-from epochal.worker.client import ControlClient
+from epochal.worker.control import client as client_module
+from epochal.worker.control.client import ControlClient
+from epochal.worker.control.rendezvous import rendezvous
+from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
-from epochal.worker.rendezvous import rendezvous
-from epochal.worker.waiting import Handshake
 
 HANDSHAKE_TIMEOUT = 0.5
 """The client's handshake interval in these tests."""

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from epochal.worker.client import ABORT_EXIT_CODE
+from epochal.worker.control.client import ABORT_EXIT_CODE
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
@@ -25,7 +25,7 @@ MARGIN = 3.0  # process start and the tick that notices the silence
 CHILD = """
 import sys, time
 from epochal.errors import CoordinatorLost
-from epochal.worker.client import ControlClient
+from epochal.worker.control.client import ControlClient
 from epochal.worker.options import JoinOptions
 
 client = ControlClient(

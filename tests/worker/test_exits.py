@@ -10,8 +10,8 @@ from types import TracebackType
 import pytest
 
 from epochal.errors import CoordinatorLost, CoordinatorUnreachable, JoinRefused, RunAborted
-from epochal.worker import exits
-from epochal.worker.exits import one_line
+from epochal.worker.control import exits
+from epochal.worker.control.exits import one_line
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_install_chains_to_the_previous_hook_once(monkeypatch):
 SCRIPT = """
 import sys
 from epochal.errors import {name}
-from epochal.worker import exits
+from epochal.worker.control import exits
 exits.install()
 raise {name}("the reason")
 """

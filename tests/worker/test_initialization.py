@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import EpochalError
-from epochal.worker.initialization import buckets, initialize_on_rank
 from epochal.worker.session import EpochContext, RunResult
-from epochal.worker.train import fit
+from epochal.worker.training.initialization import buckets, initialize_on_rank
+from epochal.worker.training.train import fit
 from tests.worker.ranks import run_ranks, start_rank
 
 DEADLINE = 90.0

@@ -20,8 +20,8 @@ from torch import nn
 
 import epochal.worker.strategies as strategies
 from epochal.errors import ConfigError
-from epochal.worker.placement import LayeredModel
 from epochal.worker.strategies import MODES, STRATEGIES, Layout, Strategy, wrap
+from epochal.worker.training.placement import LayeredModel
 
 CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from epochal.errors import ConfigError
-from epochal.worker import network
-from epochal.worker.network import DataPlane, apply, choose
+from epochal.worker.dataplane import network
+from epochal.worker.dataplane.network import DataPlane, apply, choose
 
 HOST = {"lo": "127.0.0.1", "eth0": "10.0.0.7", "ib0": "192.168.5.7"}
 REMOTE = dict(coordinator_host="coord", coordinator_address="10.0.0.1", route_address="10.0.0.7")

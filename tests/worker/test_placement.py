@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.placement import LayeredModel, even_split, memory_split
 from epochal.worker.strategies import wrap
+from epochal.worker.training.placement import LayeredModel, even_split, memory_split
 from tests.worker.ranks import run_ranks, start_rank
 
 DEADLINE = 90.0

@@ -24,15 +24,15 @@ from torch import nn
 
 import epochal
 from epochal.errors import ConfigError
-from epochal.worker.checkpoint import Checkpointer
-from epochal.worker.initialization import is_dtensor
-from epochal.worker.precision import PRECISIONS, StepPolicy, check_clip_grad_norm
+from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.strategies import MODES, Strategy, wrap
-from epochal.worker.train import fit
+from epochal.worker.training.initialization import is_dtensor
+from epochal.worker.training.precision import PRECISIONS, StepPolicy, check_clip_grad_norm
+from epochal.worker.training.train import fit
 from tests.worker.ranks import run_ranks, start_rank
 
-train_module = importlib.import_module("epochal.worker.train")  # the package's name is the function
+train_module = importlib.import_module("epochal.worker.training.train")
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6

@@ -29,9 +29,9 @@ from epochal.protocol import (
     Welcome,
 )
 from epochal.worker import session as session_module
-from epochal.worker.rendezvous import StillRunning
-from epochal.worker.results import EpochContext, LossSum
+from epochal.worker.control.rendezvous import StillRunning
 from epochal.worker.session import Session
+from epochal.worker.training.results import EpochContext, LossSum
 
 FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epochal.errors import ConfigError
-from epochal.worker.sharding import ShardSampler
+from epochal.worker.training.sharding import ShardSampler
 
 
 def batches(n: int, b: int, w: int, seed: int = 0, epoch: int = 0) -> list[list[list[int]]]:

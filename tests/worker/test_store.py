@@ -15,8 +15,8 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 
 from epochal.log import ensure_configured
-from epochal.worker import storeserver
-from epochal.worker.store import StoreServer, connect_store, new_key, open_store, scoped
+from epochal.worker.dataplane import storeserver
+from epochal.worker.dataplane.store import StoreServer, connect_store, new_key, open_store, scoped
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -115,7 +115,7 @@ def test_the_store_server_ends_when_the_process_that_started_it_is_killed():
             sys.executable,
             "-c",
             "import time\n"
-            "from epochal.worker.store import StoreServer\n"
+            "from epochal.worker.dataplane.store import StoreServer\n"
             "server = StoreServer.start('127.0.0.1', 60)\n"
             "print(server.process.pid, flush=True)\n"
             "time.sleep(600)\n",

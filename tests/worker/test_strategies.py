@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.initialization import is_dtensor
 from epochal.worker.strategies import MODES, ModeOptions, mode_options, wrap
-from epochal.worker.train import fit
+from epochal.worker.training.initialization import is_dtensor
+from epochal.worker.training.train import fit
 from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included

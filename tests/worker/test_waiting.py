@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epochal.worker.waiting import FIRST_NOTICE_AFTER, NOTICE_INTERVAL, WaitNotices
+from epochal.worker.control.waiting import FIRST_NOTICE_AFTER, NOTICE_INTERVAL, WaitNotices
 
 
 def test_the_wait_is_announced_once_then_reminded_at_intervals():

@@ -26,13 +26,13 @@ all modes hold the same weights as ``replicated``, up to float rounding.
 A :class:`Strategy` is what the training loop talks to: ``module`` for the training forward,
 ``step()``, ``zero_grad()``, ``no_sync()`` around batches that only accumulate gradients,
 ``optimizer`` (whose ``param_groups`` take the learning rate), ``policy``
-(:class:`~epochal.worker.precision.StepPolicy`: the forward runs under ``policy.autocast()``, the
-backward through ``policy.backward(loss)``; ``step()`` unscales and clips the combined gradients
-with it), and ``state``, a ``torch.distributed.checkpoint`` Stateful that saves and loads the
-model and the optimizer the way the mode holds them (:mod:`epochal.worker.state`: ZeRO's shards
-keyed by parameter name, FSDP2's DTensors through ``torch.distributed.checkpoint.state_dict``),
-and with fp16 the loss scaler. The optimizer state is always keyed by parameter name, in the
-format of DCP's ``get_state_dict``.
+(:class:`~epochal.worker.training.precision.StepPolicy`: the forward runs under
+``policy.autocast()``, the backward through ``policy.backward(loss)``; ``step()`` unscales and clips
+the combined gradients with it), and ``state``, a ``torch.distributed.checkpoint`` Stateful that
+saves and loads the model and the optimizer the way the mode holds them
+(:mod:`epochal.worker.checkpoints.state`: ZeRO's shards keyed by parameter name, FSDP2's DTensors
+through ``torch.distributed.checkpoint.state_dict``), and with fp16 the loss scaler. The optimizer
+state is always keyed by parameter name, in the format of DCP's ``get_state_dict``.
 
 The package has one module per mode (:mod:`.replicated`, :mod:`.main`, :mod:`.sharded`,
 :mod:`.fully_sharded`), the interface they implement (:mod:`.base`: :class:`Strategy`,
@@ -40,7 +40,7 @@ The package has one module per mode (:mod:`.replicated`, :mod:`.main`, :mod:`.sh
 (:mod:`.layout`: :class:`Layout`, the device, process group, rank and world size every mode is
 built from and reads them from), the options (:mod:`.options`) and the list of modes with
 :func:`wrap` (:mod:`.registry`). The checkpoint adapters the modes hand out live
-in :mod:`epochal.worker.state`.
+in :mod:`epochal.worker.checkpoints.state`.
 
 The optimizer passed in is the one that steps in ``replicated`` and ``main``. ``sharded`` and
 ``fully_sharded`` build their own of the same class, with the same parameter groups and
@@ -48,7 +48,7 @@ hyperparameters (ZeRO's local shard optimizer; a new one over FSDP2's sharded pa
 passed optimizer is left without state: use ``Strategy.optimizer``.
 """
 
-from epochal.worker.state import ModelState, Stateful
+from epochal.worker.checkpoints.state import ModelState, Stateful
 from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.strategies.fully_sharded import FullySharded
 from epochal.worker.strategies.layout import Layout

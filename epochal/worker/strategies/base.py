@@ -23,11 +23,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
-from epochal.worker.initialization import is_dtensor
-from epochal.worker.precision import StepPolicy
-from epochal.worker.state import ModelState, Stateful, TrainState
+from epochal.worker.checkpoints.state import ModelState, Stateful, TrainState
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
+from epochal.worker.training.initialization import is_dtensor
+from epochal.worker.training.precision import StepPolicy
 
 
 class Mode(StrEnum):

@@ -1,8 +1,8 @@
 """Mode ``fully_sharded``: FSDP2's ``fully_shard``, parameters, gradients and state all ~1/N.
 
 For models whose parameters do not fit one device. The optimizer passed in is rebuilt over the
-sharded parameters; the checkpoint is :class:`~epochal.worker.state.TrainState` over the DTensors
-(DCP reshards on load), and :meth:`FullySharded.finish` gathers the whole model back.
+sharded parameters; the checkpoint is :class:`~epochal.worker.checkpoints.state.TrainState` over the
+DTensors (DCP reshards on load), and :meth:`FullySharded.finish` gathers the whole model back.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.initialization import broadcast_module, broadcast_tensors, is_dtensor
-from epochal.worker.placement import LayeredModel
 from epochal.worker.strategies.base import Mode, Strategy, constructor_kwargs, groups_by_name
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
+from epochal.worker.training.initialization import broadcast_module, broadcast_tensors, is_dtensor
+from epochal.worker.training.placement import LayeredModel
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:
@@ -42,7 +42,7 @@ class FullySharded(Strategy):
 
     While it trains, the model's parameters are this rank's DTensor shards. When training ends
     (:meth:`finish`) every rank gathers the whole model and the model becomes the plain module it
-    was (:func:`epochal.worker.unshard.unshard`), so ``model`` holds full weights after
+    was (:func:`epochal.worker.training.unshard.unshard`), so ``model`` holds full weights after
     ``train()`` returns, as in the other modes. The checkpoints hold it sharded (DCP reshards on
     load).
     """
@@ -125,7 +125,7 @@ class FullySharded(Strategy):
         return self._no_sync()
 
     def finish(self) -> None:
-        from epochal.worker.unshard import unshard
+        from epochal.worker.training.unshard import unshard
 
         unshard(self.model)
 

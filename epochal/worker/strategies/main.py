@@ -2,7 +2,7 @@
 
 burn's ``OptimMainDevice``, lamp's root optimizer. No DDP: the gradients travel in buckets when
 the step comes, and the new parameters are broadcast back; the checkpoint is
-:class:`~epochal.worker.state.MainState` (every rank's model, rank 0's optimizer).
+:class:`~epochal.worker.checkpoints.state.MainState` (every rank's model, rank 0's optimizer).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epochal.worker.initialization import (
+from epochal.worker.checkpoints.state import MainState, Stateful
+from epochal.worker.strategies.base import Mode, Strategy, state_bytes
+from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.options import ModeOptions
+from epochal.worker.training.initialization import (
     DEFAULT_BUCKET_BYTES,
     broadcast_tensors,
     buckets,
     module_tensors,
 )
-from epochal.worker.state import MainState, Stateful
-from epochal.worker.strategies.base import Mode, Strategy, state_bytes
-from epochal.worker.strategies.layout import Layout
-from epochal.worker.strategies.options import ModeOptions
 
 
 class Main(Strategy):

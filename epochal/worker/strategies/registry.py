@@ -16,8 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.placement import LayeredModel
-from epochal.worker.precision import Precision, StepPolicy
 from epochal.worker.strategies.base import Mode, Strategy, groups_by_name
 from epochal.worker.strategies.fully_sharded import FullySharded
 from epochal.worker.strategies.layout import Layout
@@ -25,6 +23,8 @@ from epochal.worker.strategies.main import Main
 from epochal.worker.strategies.options import ModeOptions, mode_options, option_names
 from epochal.worker.strategies.replicated import Replicated
 from epochal.worker.strategies.sharded import Sharded
+from epochal.worker.training.placement import LayeredModel
+from epochal.worker.training.precision import Precision, StepPolicy
 
 STRATEGIES: dict[Mode, type[Strategy]] = {
     cls.mode: cls for cls in (Replicated, Main, Sharded, FullySharded)
@@ -96,17 +96,16 @@ def wrap(
 ) -> Strategy:
     """Prepare ``model`` and ``optimizer`` for data-parallel training in ``mode``. Collective.
 
-    Moves the model to ``device`` (a :class:`~epochal.worker.placement.LayeredModel` stays where
-    it was placed) and gives every rank rank 0's parameters and buffers. ``options`` are
+    Moves the model to ``device`` (a :class:`~epochal.worker.training.placement.LayeredModel` stays
+    where it was placed) and gives every rank rank 0's parameters and buffers. ``options`` are
     :class:`ModeOptions` (or a mapping of them); ``ddp_options`` are further keyword arguments of
     ``DistributedDataParallel`` (replicated, sharded). ``group`` is the process group of the data
     parallelism (default: every rank); with ``device`` it makes the strategy's
     :class:`~epochal.worker.strategies.layout.Layout` (``Strategy.layout``), read once from
-    ``torch.distributed``. ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``) and
-    ``clip_grad_norm`` (a float > 0 or None) make the strategy's
-    :class:`~epochal.worker.precision.StepPolicy` (``Strategy.policy``): the loop's forward runs
-    under ``policy.autocast()``, its backward through ``policy.backward(loss)``, and
-    :meth:`Strategy.step` unscales and clips.
+    ``torch.distributed``. ``precision`` (``"32"``, ``"bf16"``, ``"fp16"``) and ``clip_grad_norm``
+    (a float > 0 or None) make the strategy's :class:`~epochal.worker.training.precision.StepPolicy`
+    (``Strategy.policy``): the loop's forward runs under ``policy.autocast()``, its backward through
+    ``policy.backward(loss)``, and :meth:`Strategy.step` unscales and clips.
     """
     policy = StepPolicy(precision, clip_grad_norm, device.type)  # refuses bad values first
     cls = strategy_class(mode)

@@ -2,7 +2,7 @@
 
 burn's ``OptimSharded``. The optimizer passed in is rebuilt as ZeRO's local shard optimizer of the
 same class, groups and hyperparameters; the checkpoint is
-:class:`~epochal.worker.state.ShardedState` (each rank's shard keyed by parameter name).
+:class:`~epochal.worker.checkpoints.state.ShardedState` (each rank's shard keyed by parameter name).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
-from epochal.worker.state import BuffersFromRoot, ShardedState, Stateful
+from epochal.worker.checkpoints.state import BuffersFromRoot, ShardedState, Stateful
 from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout

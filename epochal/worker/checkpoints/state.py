@@ -1,7 +1,7 @@
 """What a checkpoint holds: the ``Stateful`` protocol and the adapters that implement it.
 
 ``torch.distributed.checkpoint`` (DCP) saves and loads objects with ``state_dict()`` and
-``load_state_dict(sd)``. :class:`~epochal.worker.checkpoint.Checkpointer` and
+``load_state_dict(sd)``. :class:`~epochal.worker.checkpoints.checkpoint.Checkpointer` and
 :class:`~epochal.worker.session.Session` take any such :class:`Stateful`; the strategies of
 :mod:`epochal.worker.strategies` hand out the adapters below, one per way a mode holds the model
 and the optimizer:
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import EpochalError
-from epochal.worker.initialization import broadcast_tensors
+from epochal.worker.training.initialization import broadcast_tensors
 
 
 class Stateful(Protocol):

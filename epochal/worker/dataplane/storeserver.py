@@ -1,10 +1,10 @@
 """Rank 0's data-plane store server, run in a process of its own whose memory is capped.
 
-:class:`epochal.worker.store.StoreServer` starts this file as a script
-(``python -P storeserver.py FD HOST PORT TIMEOUT``), by path rather than as ``-m
-epochal.worker.storeserver``: the package's ``__init__`` would import the whole worker API for a
-process that needs only torch's ``TCPStore``. So it imports nothing of epochal; the parent imports
-it as a module for :func:`budget` and :func:`cap`.
+:class:`epochal.worker.dataplane.store.StoreServer` starts this file as a script (``python -P
+storeserver.py FD HOST PORT TIMEOUT``), by path rather than as ``-m
+epochal.worker.dataplane.storeserver``: the package's ``__init__`` would import the whole worker API
+for a process that needs only torch's ``TCPStore``. So it imports nothing of epochal; the parent
+imports it as a module for :func:`budget` and :func:`cap`.
 
 The process imports torch, caps its own data (``RLIMIT_DATA``: heap and every private writable
 mapping) at what it then holds (BASELINE) plus :func:`budget`, serves a ``TCPStore`` on the
@@ -12,7 +12,7 @@ listening socket FD (bound by the parent), prints ``ready BASELINE``, and serves
 standard input closes or the process that started it ends, however it ends. Whatever anyone
 who reaches the port sends, the store's memory cannot grow past that cap: an allocation past it
 fails, torch's server closes the connection that asked for it, and the training process is not
-touched. See :mod:`epochal.worker.store` for why a cap, not a sweep of foreign keys.
+touched. See :mod:`epochal.worker.dataplane.store` for why a cap, not a sweep of foreign keys.
 """
 
 from __future__ import annotations

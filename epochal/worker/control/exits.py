@@ -2,7 +2,7 @@
 
 When a run is aborted, every rank raises :class:`~epochal.errors.RunAborted` carrying the
 coordinator's reason; a traceback through the training script on each rank only buries that
-reason. :func:`install`, called by :func:`~epochal.worker.session.join`, puts one hook in front of
+reason. :func:`install`, called by :func:`~epochal.worker.join.join`, puts one hook in front of
 :data:`sys.excepthook` (once per process, chained to the hook that was there) so that an uncaught
 
 - :class:`~epochal.errors.RunAborted` (also :class:`~epochal.errors.CoordinatorLost`) or
@@ -93,7 +93,7 @@ def install(aborted: Callable[[], str | None] = lambda: None) -> None:
     """Put the hook in front of :data:`sys.excepthook`, once per process.
 
     ``aborted`` returns the reason of the abort this worker received, or None; a later call (a
-    second :func:`~epochal.worker.session.join` in the same process) replaces it.
+    second :func:`~epochal.worker.join.join` in the same process) replaces it.
     """
     global _installed, _aborted
     _aborted = aborted

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from epochal.errors import ConfigError
-from epochal.worker.state import Stateful
+from epochal.worker.checkpoints.state import Stateful
 
 SCALER_KEY = "grad_scaler"  # the loss scaler's entry in a checkpoint's state (fp16)
 

@@ -60,8 +60,8 @@ from epochal.protocol.paging import model_page
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
+from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
-from epochal.worker.waiting import Handshake
 
 _WATCHED_EVENTS = (
     zmq.EVENT_CONNECTED
@@ -184,7 +184,7 @@ class ControlClient:
 
     def unanswered(self) -> str | None:
         """Why the coordinator has not answered, when a connection opened and its handshake never
-        completed (see :class:`~epochal.worker.waiting.Handshake`); None otherwise."""
+        completed (see :class:`~epochal.worker.control.waiting.Handshake`); None otherwise."""
         return self.handshake.unanswered(time.monotonic())
 
     def watch_coordinator(self) -> None:

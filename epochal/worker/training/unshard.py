@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epochal.worker.initialization import is_dtensor
+from epochal.worker.training.initialization import is_dtensor
 
 _FSDP_PACKAGE = "torch.distributed.fsdp"
 _HOOK_TABLES = (

@@ -11,9 +11,10 @@ who connects and keeps whatever they send, so Epochal narrows all three:
   by rank 0 and travels only over the admitted control connections (``StoreReady`` to the
   coordinator, ``Welcome`` to each rank): a process that reaches the port without the secret can
   neither read a rank's address nor plant one, since the keys it could write are never read;
-- the store's server runs in a process of its own (:mod:`epochal.worker.storeserver`) whose data
-  is capped (``RLIMIT_DATA``) at its start-up footprint plus
-  :func:`~epochal.worker.storeserver.budget`: 64 MiB + 16 KiB per rank + 16 bytes per rank
+- the store's server runs in a process of its own
+  (:mod:`epochal.worker.dataplane.storeserver`) whose data is capped (``RLIMIT_DATA``) at its
+  start-up footprint plus
+  :func:`~epochal.worker.dataplane.storeserver.budget`: 64 MiB + 16 KiB per rank + 16 bytes per rank
   squared (64 MiB for a few ranks, 95 MiB at 1,000, 1.7 GiB at 10,000). Nothing a stranger sends
   can make it hold more, nor make the training process hold any of it.
 
@@ -52,7 +53,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from epochal.errors import EpochalError
 from epochal.log import WORKER
-from epochal.worker import storeserver
+from epochal.worker.dataplane import storeserver
 
 KEY_BYTES = 16
 """Random bytes in a run's store secret (hex-encoded on the wire)."""

@@ -55,7 +55,7 @@ from epochal.manifest import (
     write_manifest,
 )
 from epochal.worker import faults
-from epochal.worker.state import Stateful
+from epochal.worker.checkpoints.state import Stateful
 
 DCP_METADATA = ".metadata"
 """The file DCP reads first (a pickle): never before the manifest verifies."""

@@ -1,15 +1,14 @@
 """What a worker says while it waits for its coordinator, and how it gives up.
 
-A worker may start before its coordinator and retries its hello until the connect deadline. So
-that a person watching it is never left with silence, :class:`WaitNotices` decides (purely, from
-the clock it is given) when to say that the worker is still waiting, where, and for how long
-more. When the deadline passes, an uncaught :class:`~epochal.errors.CoordinatorUnreachable` ends
-the process with one line and the status
-:attr:`~epochal.errors.CoordinatorUnreachable.exit_code` (:mod:`epochal.worker.exits`), which
-``epochal worker`` reads as "do not restart: the next attempt would wait the same way".
-:class:`Handshake` follows the connection's ZeroMQ handshakes, so that the line tells a
-coordinator that does not answer a connection (stopped, overloaded, out of file descriptors) from
-one nobody listens for, and blames CURVE only where CURVE is in play.
+A worker may start before its coordinator and retries its hello until the connect deadline. So that
+a person watching it is never left with silence, :class:`WaitNotices` decides (purely, from the
+clock it is given) when to say that the worker is still waiting, where, and for how long more. When
+the deadline passes, an uncaught :class:`~epochal.errors.CoordinatorUnreachable` ends the process
+with one line and the status :attr:`~epochal.errors.CoordinatorUnreachable.exit_code`
+(:mod:`epochal.worker.control.exits`), which ``epochal worker`` reads as "do not restart: the next
+attempt would wait the same way". :class:`Handshake` follows the connection's ZeroMQ handshakes, so
+that the line tells a coordinator that does not answer a connection (stopped, overloaded, out of
+file descriptors) from one nobody listens for, and blames CURVE only where CURVE is in play.
 """
 
 from __future__ import annotations

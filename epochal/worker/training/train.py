@@ -22,13 +22,16 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
 from epochal.worker import faults
-from epochal.worker.initialization import initialize_on_rank
+from epochal.worker.checkpoints.state import (
+    TrainState as TrainState,  # re-exported: importable here too
+)
+from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.precision import check_clip_grad_norm, check_precision
-from epochal.worker.results import EpochContext, LossSum, RunResult
-from epochal.worker.session import Session, join
-from epochal.worker.state import TrainState as TrainState  # re-exported: importable here too
+from epochal.worker.session import Session
 from epochal.worker.strategies import ModeOptions, to_device, wrap
+from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.training.precision import check_clip_grad_norm, check_precision
+from epochal.worker.training.results import EpochContext, LossSum, RunResult
 
 Loader = Iterable[Any]
 LoaderArg = Loader | Callable[[int, int], Loader]

@@ -1,8 +1,8 @@
 """The worker's side of the rendezvous: say hello until admitted, then find the data-plane store.
 
-:func:`rendezvous` is used by :func:`~epochal.worker.session.join` and again by a session that
-lost its coordinator and says hello to a restarted (or merely stalled) one. Rank 0 opens the
-store the process group meets at (:mod:`epochal.worker.store`) and reports its address; the other
+:func:`rendezvous` is used by :func:`~epochal.worker.join.join` and again by a session that lost its
+coordinator and says hello to a restarted (or merely stalled) one. Rank 0 opens the store the
+process group meets at (:mod:`epochal.worker.dataplane.store`) and reports its address; the other
 ranks learn it from their ``welcome``.
 """
 
@@ -30,10 +30,10 @@ from epochal.protocol import (
     clip,
 )
 from epochal.text import REASON_CHARS, printable
-from epochal.worker.client import ControlClient
+from epochal.worker.control.client import ControlClient
+from epochal.worker.control.waiting import WaitNotices
+from epochal.worker.dataplane.store import StoreServer, connect_store, new_key
 from epochal.worker.options import advertised_host
-from epochal.worker.store import StoreServer, connect_store, new_key
-from epochal.worker.waiting import WaitNotices
 
 
 class StillRunning(Exception):
@@ -52,7 +52,7 @@ class StoreRef:
     host: str
     port: int
     key: str
-    # the secret the process group's keys live under (see epochal.worker.store)
+    # the secret the process group's keys live under (see epochal.worker.dataplane.store)
     server: StoreServer | None = None
     # rank 0: the store's server process, which lives as long as this reference
 
