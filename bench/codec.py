@@ -35,6 +35,7 @@ from epochal.protocol.messages import (
     Heartbeat,
     Hello,
     Joined,
+    Liveness,
     ModelPage,
     OpenStore,
     ParamSpec,
@@ -87,7 +88,7 @@ def examples(n: int) -> dict[str, Any]:
         "done": Done(),
         "heartbeat": Heartbeat(),
         "status": Status(phase="train", epoch=3, step=17, where="train.py:168 in train_epoch"),  # type: ignore[arg-type]
-        "joined": Joined(joined=2, world_size=4, session=session),
+        "joined": Joined(joined=2, world_size=4, session=session, liveness=Liveness()),
         "open_store": OpenStore(run_id="run-1"),
         "welcome": Welcome(
             rank=3,
@@ -101,6 +102,7 @@ def examples(n: int) -> dict[str, Any]:
             resume_epoch=2,
             checkpoint_dir="/runs/a/checkpoints",
             session=session,
+            liveness=Liveness(),
             store_key="9f2c" * 8,
         ),
         "reject": Reject(reason="surplus", code="refused"),

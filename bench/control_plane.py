@@ -69,6 +69,7 @@ from epochal.protocol import (
     Heartbeat,
     Hello,
     Joined,
+    Liveness,
     OpenStore,
     ParamSpec,
     Phase,
@@ -425,7 +426,7 @@ def serve_floor(
 
     raise_nofile()
     session = "f" * 43
-    joined = encode(Joined(joined=1, world_size=world_size, session=session))
+    joined = encode(Joined(joined=1, world_size=world_size, session=session, liveness=Liveness()))
     welcomes = [
         encode(
             Welcome(
@@ -440,6 +441,7 @@ def serve_floor(
                 resume_epoch=None,
                 checkpoint_dir="",
                 session=session,
+                liveness=Liveness(),
                 store_key="0" * 32,
             )
         )

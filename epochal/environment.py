@@ -44,6 +44,13 @@ IFNAME_ENV = "EPOCHAL_IFNAME"
 CONNECT_TIMEOUT_ENV = "EPOCHAL_CONNECT_TIMEOUT"
 """Seconds a worker keeps trying to reach its coordinator before giving up."""
 
+COLLECTIVE_TIMEOUT_ENV = "EPOCHAL_COLLECTIVE_TIMEOUT"
+"""Seconds each data-plane collective (an all-reduce, a broadcast) may take on a worker."""
+
+ABORT_GRACE_ENV = "EPOCHAL_ABORT_GRACE"
+"""Seconds a worker's training code has to come back to epochal after an abort (or a change of
+the world) before the process ends itself."""
+
 REATTACH_TIMEOUT_ENV = "EPOCHAL_REATTACH_TIMEOUT"
 """Seconds a worker whose coordinator vanished waits for a restarted one (0: stop at once)."""
 

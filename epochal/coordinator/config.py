@@ -14,7 +14,14 @@ from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
 from epochal.observe.prometheus import parse_address
-from epochal.protocol.messages import DEFAULT_JOB, check_job_name, check_metric_name
+from epochal.protocol.messages import (
+    DEFAULT_JOB,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    Liveness,
+    check_job_name,
+    check_metric_name,
+)
 from epochal.rundir import CHECKPOINTS_DIR
 from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
 
@@ -233,18 +240,20 @@ class CoordinatorConfig:
         ),
     )
     heartbeat_interval: float = field(
-        default=1.0,
+        default=HEARTBEAT_INTERVAL,
         metadata=setting(
-            help="time between the coordinator's heartbeats to each worker",
+            help="time between two heartbeats, the coordinator's to each worker and each "
+            "worker's to the coordinator (the workers take the run's value)",
             on_resume="may_change",
             flag=Flag(TIMEOUTS, metavar="S", type=seconds),
         ),
     )
     heartbeat_timeout: float = field(
-        default=15.0,
+        default=HEARTBEAT_TIMEOUT,
         metadata=setting(
-            help="silence after which a worker is declared lost and the run aborted; also how "
-            "long a connection may stay open without joining the run before it is closed",
+            help="silence after which a worker is declared lost (and the coordinator, by the "
+            "workers, which take the run's value); also how long a connection may stay open "
+            "without joining the run before it is closed",
             on_resume="may_change",
             flag=Flag(TIMEOUTS, metavar="S", type=seconds),
         ),
@@ -414,6 +423,11 @@ class CoordinatorConfig:
         if self.run_dir is not None:
             return (self.run_dir / CHECKPOINTS_DIR).absolute()
         return None
+
+    @property
+    def liveness(self) -> Liveness:
+        """The run's heartbeat interval and timeout, as every worker is told them."""
+        return Liveness(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)
 
     @property
     def schedule(self) -> Schedule:

@@ -354,7 +354,15 @@ class RunMachine:
                     return [Send(peer, self._welcome_for(peer)), *self._rehello(now, peer)]
                 world = self.config.world_size
                 actions: list[Action] = [
-                    Send(peer, Joined(joined=joined, world_size=world, session=session))
+                    Send(
+                        peer,
+                        Joined(
+                            joined=joined,
+                            world_size=world,
+                            session=session,
+                            liveness=self.config.liveness,
+                        ),
+                    )
                 ]
                 if again:
                     return actions
@@ -443,6 +451,7 @@ class RunMachine:
             resume_epoch=self._state.resume_epoch,
             checkpoint_dir=str(self._checkpoint_dir or ""),
             session=self.gate.sessions.issue(peer, ""),
+            liveness=self.config.liveness,
             store_key=self._store.key,
         )
 

@@ -117,6 +117,34 @@ class Fingerprint(Record):
     # how many parameters and buffers the model has
 
 
+HEARTBEAT_INTERVAL = 1.0
+"""The default time between two heartbeats, each way (``--heartbeat-interval``)."""
+
+HEARTBEAT_TIMEOUT = 15.0
+"""The default silence after which a peer counts as lost, each way (``--heartbeat-timeout``)."""
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class Liveness(Record):
+    """How often each side of a run heartbeats, and how long a silence it takes for lost.
+
+    One pair of values per run, the coordinator's (``--heartbeat-interval``,
+    ``--heartbeat-timeout``): it sends them in :class:`Joined` and :class:`Welcome`, and every
+    worker adopts them, so that the two sides never disagree on when the other is gone."""
+
+    interval: _Annotated[float, Finite()] = HEARTBEAT_INTERVAL
+    # seconds between two heartbeats
+    timeout: _Annotated[float, Finite()] = HEARTBEAT_TIMEOUT
+    # seconds of silence after which the other side is lost
+
+    def _validate(self) -> None:
+        if not 0 < self.interval < self.timeout:
+            raise ValueError(
+                f"the heartbeat timeout ({self.timeout:g} s) must exceed the heartbeat interval "
+                f"({self.interval:g} s), which must be positive"
+            )
+
+
 # ------------------------------------------------------------------------ worker -> coordinator
 
 
@@ -284,6 +312,8 @@ class Welcome(CoordinatorMessage):
     # where checkpoints live (absolute; shared by all ranks); empty: checkpointing is off
     session: Session
     # this worker's session secret, as in its Joined (a Welcome may answer a retried hello)
+    liveness: Liveness
+    # the run's heartbeat interval and timeout, as in its Joined
     store_key: MaybeName = ""
     # the secret rank 0 put every data-plane store key under (StoreReady.key)
 
@@ -302,6 +332,8 @@ class Joined(CoordinatorMessage):
     world_size: Positive
     session: Session
     # a secret for this worker alone: every frame it sends from now on must carry it (key "s")
+    liveness: Liveness
+    # the run's heartbeat interval and timeout: the worker adopts them
 
     def _validate(self) -> None:
         if not 0 < self.joined <= self.world_size:

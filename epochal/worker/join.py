@@ -61,12 +61,13 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
 
     The keyword arguments are the fields of :class:`~epochal.worker.options.JoinOptions` (or pass
     ``options``, already built): ``coordinator``, ``job``, ``token``, ``worker_id``, ``rank``,
-    ``world_size``, ``device``, ``connect_timeout``, ``collective_timeout``,
-    ``heartbeat_interval``, ``heartbeat_timeout``, ``abort_grace``, ``reattach_timeout``,
-    ``curve_key``, ``curve_server_key``. Every argument left None comes from its environment
-    variable (see :mod:`epochal.environment`), then from the default. ``connect_timeout`` (default
-    120 s) bounds the time to reach the coordinator and be admitted; after that the coordinator's
-    own rendezvous timeout applies. ``collective_timeout`` bounds each data-plane collective.
+    ``world_size``, ``device``, ``connect_timeout``, ``collective_timeout``, ``abort_grace``,
+    ``reattach_timeout``, ``curve_key``, ``curve_server_key``. Every argument left None comes from
+    its environment variable (see :mod:`epochal.environment`), then from the default.
+    ``connect_timeout`` (default 120 s) bounds the time to reach the coordinator and be admitted;
+    after that the coordinator's own rendezvous timeout applies. ``collective_timeout`` bounds each
+    data-plane collective. The heartbeats are the run's: the worker takes the coordinator's
+    ``--heartbeat-interval`` and ``--heartbeat-timeout`` when it is admitted.
     ``reattach_timeout`` (default 60 s, 0: never) is how long a worker whose coordinator vanished
     waits for a restarted one to take it back; the run then resumes from its last checkpoint.
     ``curve_key`` (this worker's ``.key_secret`` file, else ``EPOCHAL_CURVE_KEY``) and

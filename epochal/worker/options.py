@@ -15,13 +15,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from epochal.addressfile import file_path, wait_for
 from epochal.environment import (
+    ABORT_GRACE_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
     CONNECT_TIMEOUT_ENV,
     COORDINATOR_ENV,
     CURVE_KEY_ENV,
@@ -44,40 +46,68 @@ if TYPE_CHECKING:
 UNPLACED = Placement(rank=None, local_rank=0, world_size=None, source="")
 """No rank asked for, the first device, the world size unchecked."""
 
-_POSITIVE = ("collective_timeout", "connect_timeout", "heartbeat_interval", "abort_grace")
+VARIABLE = "epochal.variable"
+"""The key of a field's environment variable in its metadata (see :func:`_from`)."""
+
+Parse = Callable[[str, str], Any]
+"""Turns a variable's text into the field's value, or raises ConfigError naming the variable."""
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _seconds(name: str, raw: str) -> float:
+    return env_seconds({name: raw}, name, 0.0)
+
+
+def _seconds_or_never(name: str, raw: str) -> float:
+    return env_seconds({name: raw}, name, 0.0, allow_zero=True)
+
+
+def _from(variable: str, parse: Parse = _text) -> dict[str, tuple[str, Parse]]:
+    """Field metadata: the field's ``EPOCHAL_*`` variable and how its text is read."""
+    return {VARIABLE: (variable, parse)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinOptions:
-    """How this worker joins a run; build it with :meth:`from_env` to honour the environment."""
+    """How this worker joins a run; build it with :meth:`from_env` to honour the environment.
+
+    Each field's default and its variable are declared here, once; :meth:`from_env` reads them.
+    The heartbeats are not among them: they are the run's (the coordinator's
+    ``--heartbeat-interval`` and ``--heartbeat-timeout``), sent to every worker when it joins.
+    """
 
     coordinator: str | None = None
     # the coordinator's address, tcp://HOST:PORT, or file:PATH (wait for the address file)
-    job: str = DEFAULT_JOB
+    job: str = field(default=DEFAULT_JOB, metadata=_from(JOB_ENV))
     # the job to join; a coordinator of another job refuses the worker
-    token: str = ""
+    token: str = field(default="", metadata=_from(TOKEN_ENV))
     # shared secret the coordinator may require
-    worker_id: str | None = None
+    worker_id: str | None = field(default=None, metadata=_from(WORKER_ID_ENV))
     # unique id of this worker; None: HOST/PID/random
     placement: Placement = UNPLACED
     # the rank to ask for, the local rank (device) and the world size expected
     device: str | torch.device | None = None
     # None: cuda:LOCAL_RANK when CUDA is there, else the CPU
-    connect_timeout: float = 120.0
+    connect_timeout: float = field(default=120.0, metadata=_from(CONNECT_TIMEOUT_ENV, _seconds))
     # seconds to reach the coordinator and be admitted (the address file's wait included)
-    collective_timeout: float = 600.0
+    collective_timeout: float = field(
+        default=600.0, metadata=_from(COLLECTIVE_TIMEOUT_ENV, _seconds)
+    )
     # seconds each data-plane collective may take
-    heartbeat_interval: float = 1.0
-    # seconds between this worker's heartbeats
-    heartbeat_timeout: float = 15.0
-    # seconds of the coordinator's silence after which it is considered lost
-    abort_grace: float = 2.0
+    abort_grace: float = field(default=2.0, metadata=_from(ABORT_GRACE_ENV, _seconds))
     # seconds the training code has to return to epochal after an abort before the process exits
-    reattach_timeout: float = 60.0
+    reattach_timeout: float = field(
+        default=60.0, metadata=_from(REATTACH_TIMEOUT_ENV, _seconds_or_never)
+    )
     # seconds a worker whose coordinator vanished waits for a restarted one; 0: never
-    curve_key: str | os.PathLike[str] | None = None
+    curve_key: str | os.PathLike[str] | None = field(default=None, metadata=_from(CURVE_KEY_ENV))
     # this worker's CURVE secret key file
-    curve_server_key: str | os.PathLike[str] | None = None
+    curve_server_key: str | os.PathLike[str] | None = field(
+        default=None, metadata=_from(CURVE_SERVER_KEY_ENV)
+    )
     # the coordinator's CURVE public key file
 
     def __post_init__(self) -> None:
@@ -89,12 +119,10 @@ class JoinOptions:
             raise ConfigError(
                 f"reattach_timeout must be >= 0 seconds (0: never), got {self.reattach_timeout}"
             )
-        for name in _POSITIVE:
+        for name in ("collective_timeout", "connect_timeout", "abort_grace"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ConfigError("heartbeat_timeout must exceed heartbeat_interval")
 
     @property
     def reattach(self) -> bool:
@@ -106,29 +134,37 @@ class JoinOptions:
         """The options ``given`` (those of :func:`epochal.join`), the rest from ``environ``.
 
         ``given`` takes every field but ``placement``, plus ``rank`` (a hint) and ``world_size``
-        (expected); one left out or None comes from its variable, then from the default.
+        (expected); one left out or None comes from its variable (empty counts as unset), then
+        from the default its field declares.
         """
         env = os.environ if environ is None else environ
+        moved = sorted(set(given) & RUN_SETTINGS)
+        if moved:
+            raise TypeError(
+                f"join() no longer takes {moved[0]!r}: the heartbeats are the run's, set on the "
+                f"coordinator (--{moved[0].replace('_', '-')}) and sent to every worker"
+            )
         unknown = sorted(set(given) - _GIVEN)
         if unknown:
             raise TypeError(f"join() got an unexpected keyword argument {unknown[0]!r}")
         given = {k: v for k, v in given.items() if v is not None}
         coordinator = coordinator_address(given.pop("coordinator", None), env)
-        if "connect_timeout" not in given:
-            given["connect_timeout"] = env_seconds(env, CONNECT_TIMEOUT_ENV, 120.0)
-        given["job"] = given.get("job") or env.get(JOB_ENV) or DEFAULT_JOB
-        given.setdefault("token", env.get(TOKEN_ENV, ""))
-        given["worker_id"] = given.get("worker_id") or env.get(WORKER_ID_ENV) or default_worker_id()
+        for spec in dataclasses.fields(cls):
+            if spec.name in given or VARIABLE not in spec.metadata:
+                continue
+            variable, parse = spec.metadata[VARIABLE]
+            raw = env.get(variable)
+            if raw:
+                given[spec.name] = parse(variable, raw)
+        given["worker_id"] = given.get("worker_id") or default_worker_id()
         given["placement"] = launchenv.placement(
             env, rank=given.pop("rank", None), world_size=given.pop("world_size", None)
         )
-        if "reattach_timeout" not in given:
-            given["reattach_timeout"] = env_seconds(
-                env, REATTACH_TIMEOUT_ENV, 60.0, allow_zero=True
-            )
-        given.setdefault("curve_key", env.get(CURVE_KEY_ENV) or None)
-        given.setdefault("curve_server_key", env.get(CURVE_SERVER_KEY_ENV) or None)
         return cls(coordinator=coordinator, **given)
+
+
+RUN_SETTINGS = frozenset({"heartbeat_interval", "heartbeat_timeout"})
+"""Options a worker once took that are the run's now (the coordinator sends them)."""
 
 
 _GIVEN = {f.name for f in dataclasses.fields(JoinOptions)} - {"placement"} | {"rank", "world_size"}

@@ -42,6 +42,7 @@ from epochal.protocol import (
     Heartbeat,
     Hello,
     Joined,
+    Liveness,
     Message,
     Metric,
     OpenStore,
@@ -691,3 +692,28 @@ def test_counts_that_overflow_the_wire_abort_every_worker_through_the_real_codec
     assert abort.reason == reason
     assert {p for a in sent if isinstance(a, Broadcast) for p in a.peers} == set(run.peers)
     assert broadcast(actions, Decision) == []
+
+
+def test_every_worker_is_told_the_runs_heartbeats_when_it_joins_and_is_welcomed():
+    # one source: the coordinator's settings, which every worker takes (tests/worker/test_client)
+    config = CoordinatorConfig(world_size=2, epochs=2, heartbeat_interval=0.5, heartbeat_timeout=4)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r1", now=0.0)
+    run = Run(machine)
+    told: list[Any] = []
+    for i in range(2):
+        told += [
+            a.message
+            for a in run.send(0.0, f"w{i}".encode(), hello(f"w{i}"))
+            if isinstance(a, Send)
+        ]
+    assert any(isinstance(m, OpenStore) for m in told)
+    rank0 = machine.members[0].peer
+    told += [
+        a.message
+        for a in run.send(0.0, rank0, StoreReady(host="h", port=1, key="k"))
+        if isinstance(a, Send)
+    ]
+    joined = [m for m in told if isinstance(m, Joined)]
+    welcomed = [m for m in told if isinstance(m, Welcome)]
+    assert len(joined) == 2 and len(welcomed) == 2
+    assert {m.liveness for m in joined + welcomed} == {Liveness(interval=0.5, timeout=4.0)}

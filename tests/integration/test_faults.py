@@ -21,6 +21,7 @@ import torch
 
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
+from epochal.protocol import HEARTBEAT_TIMEOUT
 from tests.integration.conftest import (
     SCRIPTS,
     Spawner,
@@ -38,8 +39,9 @@ KILL_SLACK = 5.0
 STOP_BOUND = FAILURE_SETTLE + ABORT_EXIT_TIMEOUT + KILL_SLACK
 """From a fault the launcher sees to every process gone: the coordinator's settle window, then
 the launcher waits for the workers' exit at most ABORT_EXIT_TIMEOUT before it kills them."""
-WORKER_HEARTBEAT_TIMEOUT = 15.0
-"""A worker's default heartbeat_timeout: the longest it takes to notice a dead coordinator."""
+WORKER_HEARTBEAT_TIMEOUT = HEARTBEAT_TIMEOUT
+"""The run's default --heartbeat-timeout, which every worker takes: the longest it takes a worker
+to notice a dead coordinator."""
 
 
 def run_cmd(spawn: Spawner, run_dir: Path, out: Path, *extra: str, delay: float = 0.02, **env):
@@ -289,8 +291,8 @@ def test_a_cut_control_link_stops_everything(spawn):
         for w in run.workers:
             code, _ = spawn.finish(w, DEADLINE)
             assert code != 0
-        # rank 2 hears nothing either: it leaves after its own heartbeat timeout
-        assert time.monotonic() - cut < WORKER_HEARTBEAT_TIMEOUT + ABORT_EXIT_TIMEOUT + KILL_SLACK
+        # rank 2 hears nothing either: it leaves after the run's heartbeat timeout, 3 s
+        assert time.monotonic() - cut < 3 + ABORT_EXIT_TIMEOUT + KILL_SLACK
         spawn.assert_none_left()
     finally:
         proxy.close()

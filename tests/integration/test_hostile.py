@@ -42,8 +42,6 @@ TEARDOWN = 4.0
 """Seconds a process takes from its decision to leave to its last words on a loaded machine."""
 INTERPRETER_EXIT = 5.0
 """Seconds a worker's interpreter takes to exit after that (torch's teardown, under load)."""
-WORKER_HEARTBEAT_TIMEOUT = 15.0
-"""The workers' own heartbeat timeout (epochal.join's default; the test scripts keep it)."""
 
 
 def wait_for_first_epoch(run_dir: Path, proc) -> None:
@@ -300,8 +298,7 @@ def test_frames_that_never_end_cost_the_coordinator_no_memory(spawn: Spawner, tm
 
 def test_a_coordinator_stopped_past_its_heartbeat_timeout_blames_no_rank(spawn: Spawner):
     heartbeat_timeout = 3.0
-    freeze = 2 * heartbeat_timeout  # past the coordinator's timeout, within the workers'
-    assert freeze + 2 < WORKER_HEARTBEAT_TIMEOUT
+    freeze = 2 * heartbeat_timeout  # past the run's timeout: the workers re-attach meanwhile
     run = standalone_run(
         spawn,
         *POLICY,
@@ -345,7 +342,6 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
         str(heartbeat_timeout),
         "--heartbeat-interval",
         str(heartbeat_interval),
-        worker_args=("--heartbeat-timeout", str(heartbeat_timeout)),
         EPOCHAL_REATTACH_TIMEOUT=str(reattach),
     )
     run.wait_for_first_epoch()
@@ -387,7 +383,6 @@ def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence
         str(heartbeat_timeout),
         "--heartbeat-interval",
         "0.5",
-        worker_args=("--heartbeat-timeout", str(heartbeat_timeout)),
         EPOCHAL_REATTACH_TIMEOUT="0",
     )
     run.wait_for_first_epoch()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import epochal
+from epochal.protocol import Liveness
 from epochal.worker.control.client import ABORT_EXIT_CODE
 from tests.multihost import netns
 
@@ -31,9 +32,9 @@ HEARTBEAT_TIMEOUT = 5.0
 """The coordinator's --heartbeat-timeout in these tests."""
 
 _JOIN = epochal.JoinOptions()  # the worker's defaults
-WORKER_HEARTBEAT_TIMEOUT = _JOIN.heartbeat_timeout
+WORKER_HEARTBEAT_TIMEOUT = HEARTBEAT_TIMEOUT  # every worker takes the run's
 ABORT_GRACE = _JOIN.abort_grace
-HEARTBEAT_INTERVAL = _JOIN.heartbeat_interval
+HEARTBEAT_INTERVAL = Liveness().interval  # the run's default, which these tests keep
 MARGIN = 3.0
 DELAY_MS, LOSS_PERCENT = 50.0, 1.0  # on every link in test_delay_and_loss_on_every_link
 RUN_DEADLINE = 300.0  # a whole short training run on a loaded machine: a hang, not a bound

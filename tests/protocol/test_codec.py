@@ -46,6 +46,7 @@ from epochal.protocol.messages import (
     Hello,
     Joined,
     Length,
+    Liveness,
     Metric,
     ModelPage,
     OneOf,
@@ -100,7 +101,7 @@ EXAMPLES: dict[type, Any] = {
     Done: Done(),
     Heartbeat: Heartbeat(),
     Status: Status(phase="train", epoch=3, step=17, where="train.py:168 in train_epoch"),
-    Joined: Joined(joined=2, world_size=4, session="s" * 43),
+    Joined: Joined(joined=2, world_size=4, session="s" * 43, liveness=Liveness()),
     OpenStore: OpenStore(run_id="run-1"),
     Welcome: Welcome(
         rank=3,
@@ -114,6 +115,7 @@ EXAMPLES: dict[type, Any] = {
         resume_epoch=2,
         checkpoint_dir="/runs/a/checkpoints",
         session="s" * 43,
+        liveness=Liveness(interval=0.5, timeout=5.0),
         store_key="9f2c" * 8,
     ),
     Reject: Reject(reason="surplus", code="refused"),
@@ -179,8 +181,17 @@ sessions = st.text(min_size=1, max_size=64)
 def joineds(draw: st.DrawFn) -> Joined:
     world_size = draw(st.integers(1, 2**31))
     return Joined(
-        joined=draw(st.integers(1, world_size)), world_size=world_size, session=draw(sessions)
+        joined=draw(st.integers(1, world_size)),
+        world_size=world_size,
+        session=draw(sessions),
+        liveness=draw(livenesses()),
     )
+
+
+@st.composite
+def livenesses(draw: st.DrawFn) -> Liveness:
+    interval = draw(st.floats(min_value=1e-3, max_value=1e6))
+    return Liveness(interval=interval, timeout=draw(st.floats(interval * 1.001, 1e7)))
 
 
 @st.composite
@@ -199,6 +210,7 @@ def welcomes(draw: st.DrawFn) -> Welcome:
         resume_epoch=resume,
         checkpoint_dir=draw(nonempty) if resume is not None else draw(text),
         session=draw(sessions),
+        liveness=draw(livenesses()),
         store_key=draw(text),
     )
 

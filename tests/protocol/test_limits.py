@@ -33,6 +33,7 @@ from epochal.protocol.messages import (
     Hello,
     Joined,
     Length,
+    Liveness,
     Metric,
     ModelPage,
     OneOf,
@@ -86,6 +87,8 @@ def largest(cls: type) -> Any:
         values["rank"] = values["world_size"] - 1
     if cls is Joined:
         values["joined"] = values["world_size"]
+    if cls is Liveness:  # any float takes 9 bytes; the interval must be below the timeout
+        values["interval"] = values["timeout"] / 2
     if cls is Status:
         values["phase"], values["awaiting"] = "waiting", "decision"
     if cls is EpochReport:

@@ -12,12 +12,14 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from epochal.errors import RunAborted
+from epochal.errors import CoordinatorLost, RunAborted
 from epochal.protocol import (
     Abort,
     Awaiting,
     DescribeModel,
     Failed,
+    Joined,
+    Liveness,
     ModelPage,
     ParamSpec,
     Phase,
@@ -52,10 +54,8 @@ def client(router: tuple[zmq.Socket[bytes], str]) -> Iterator[ControlClient]:
     control = ControlClient(
         endpoint,
         b"worker-under-test",
-        JoinOptions(
-            heartbeat_interval=HEARTBEAT_INTERVAL,
-            abort_grace=600.0,  # the test takes the abort itself; never end the test process
-        ),
+        JoinOptions(abort_grace=600.0),  # the test takes the abort itself: never end the process
+        liveness=Liveness(interval=HEARTBEAT_INTERVAL),
     )
     control.start()
     try:
@@ -183,3 +183,24 @@ def test_the_models_entries_are_sent_a_page_at_a_time_when_the_coordinator_asks(
         assert pages[-1].first == len(received) and pages[-1].entries == 3000
         received.extend(pages[-1].params)
     assert tuple(received) == client.model_params
+
+
+def test_the_client_takes_the_runs_heartbeats_from_its_joined(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    """One source per setting: the run's heartbeat timeout, not a default of the worker's, decides
+    when this worker takes its coordinator for lost."""
+    sock, _ = router
+    end = time.monotonic() + HEARTBEAT_INTERVAL + MARGIN
+    while not sock.poll(100):  # a heartbeat tells the fake coordinator the client's identity
+        assert time.monotonic() < end, "the client sent nothing"
+    peer, _ = sock.recv_multipart()
+    run = Liveness(interval=0.05, timeout=1.0)  # the default timeout is 15 s
+    sock.send_multipart(
+        [peer, encode(Joined(joined=1, world_size=2, session="s" * 43, liveness=run))]
+    )
+    assert isinstance(client.receive(timeout=MARGIN), Joined)
+    assert client.liveness == run
+    client.watch_coordinator()
+    with pytest.raises(CoordinatorLost, match="sent nothing for 1 s"):
+        client.receive(timeout=run.timeout + MARGIN)

@@ -26,11 +26,12 @@ CHILD = """
 import sys, time
 from epochal.errors import CoordinatorLost
 from epochal.worker.control.client import ControlClient
+from epochal.protocol import Liveness
 from epochal.worker.options import JoinOptions
 
 client = ControlClient(
-    sys.argv[1], b"w", JoinOptions(heartbeat_interval={interval}, heartbeat_timeout={timeout},
-    abort_grace={grace}, reattach_timeout=60),
+    sys.argv[1], b"w", JoinOptions(abort_grace={grace}, reattach_timeout=60),
+    liveness=Liveness(interval={interval}, timeout={timeout}),
 )
 client.start()
 client.watch_coordinator()

@@ -13,17 +13,10 @@ import epochal
 from epochal.errors import ConfigError
 from epochal.launch.launcher import WORKER_ABORT_GRACE
 from epochal.worker.launchenv import Placement
-from epochal.worker.options import JoinOptions, env_seconds
+from epochal.worker.options import RUN_SETTINGS, VARIABLE, JoinOptions, env_seconds
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SECONDS = [
-    "connect_timeout",
-    "collective_timeout",
-    "heartbeat_interval",
-    "heartbeat_timeout",
-    "abort_grace",
-    "reattach_timeout",
-]
+SECONDS = ["connect_timeout", "collective_timeout", "abort_grace", "reattach_timeout"]
 ENDPOINT = {"EPOCHAL_COORDINATOR": "tcp://127.0.0.1:4000"}
 
 
@@ -43,7 +36,7 @@ def test_the_readme_names_every_join_option():
 @pytest.mark.parametrize("name", SECONDS)
 def test_the_readme_states_each_default_the_options_have(name: str):
     default = next(f.default for f in dataclasses.fields(JoinOptions) if f.name == name)
-    stated = re.findall(rf"`{name}=?` \((?:default )?([0-9.]+) s\)", README.read_text())
+    stated = re.findall(rf"`{name}=?` \((?:default )?([0-9.]+) s[,)]", README.read_text())
     assert stated, f"the README states no default for {name}"
     assert {float(s) for s in stated} == {default}, name
 
@@ -56,6 +49,8 @@ def test_an_argument_wins_over_its_variable_and_the_variable_over_the_default():
     env = {
         **ENDPOINT,
         "EPOCHAL_CONNECT_TIMEOUT": "7",
+        "EPOCHAL_COLLECTIVE_TIMEOUT": "9",
+        "EPOCHAL_ABORT_GRACE": "4",
         "EPOCHAL_REATTACH_TIMEOUT": "0",
         "EPOCHAL_JOB": "exp",
         "EPOCHAL_TOKEN": "secret",
@@ -68,6 +63,7 @@ def test_an_argument_wins_over_its_variable_and_the_variable_over_the_default():
     options = JoinOptions.from_env(env)
     assert options.coordinator == "tcp://127.0.0.1:4000"
     assert (options.connect_timeout, options.reattach_timeout) == (7.0, 0.0)
+    assert (options.collective_timeout, options.abort_grace) == (9.0, 4.0)
     assert not options.reattach
     assert (options.job, options.token, options.worker_id) == ("exp", "secret", "w-1")
     assert options.placement == Placement(
@@ -90,6 +86,8 @@ def test_an_argument_wins_over_its_variable_and_the_variable_over_the_default():
         ({"EPOCHAL_CONNECT_TIMEOUT": "soon"}, "EPOCHAL_CONNECT_TIMEOUT='soon' is not a number"),
         ({"EPOCHAL_CONNECT_TIMEOUT": "0"}, "EPOCHAL_CONNECT_TIMEOUT must be a positive number"),
         ({"EPOCHAL_REATTACH_TIMEOUT": "-1"}, "EPOCHAL_REATTACH_TIMEOUT must be a positive"),
+        ({"EPOCHAL_ABORT_GRACE": "-2"}, "EPOCHAL_ABORT_GRACE must be a positive number"),
+        ({"EPOCHAL_COLLECTIVE_TIMEOUT": "x"}, "EPOCHAL_COLLECTIVE_TIMEOUT='x' is not a number"),
         ({"EPOCHAL_JOB": "no spaces"}, "job name 'no spaces' is not allowed"),
         ({"EPOCHAL_RANK": "x"}, "EPOCHAL_RANK='x' is not an integer"),
     ],
@@ -105,10 +103,6 @@ def test_a_bad_variable_is_refused_naming_it(env: dict[str, str], message: str):
         ({"collective_timeout": 0}, "collective_timeout must be a positive number of seconds"),
         ({"abort_grace": -1.0}, "abort_grace must be a positive number of seconds, got -1.0"),
         ({"reattach_timeout": -1.0}, "reattach_timeout must be >= 0 seconds (0: never)"),
-        (
-            {"heartbeat_interval": 5.0, "heartbeat_timeout": 5.0},
-            "heartbeat_timeout must exceed heartbeat_interval",
-        ),
     ],
 )
 def test_a_bad_value_is_refused_naming_it(given: dict[str, float], message: str):
@@ -134,3 +128,29 @@ def test_env_seconds_reads_an_unset_or_empty_variable_as_the_default():
     assert env_seconds({}, "X", 4.0) == 4.0
     assert env_seconds({"X": ""}, "X", 4.0) == 4.0
     assert env_seconds({"X": "0"}, "X", 4.0, allow_zero=True) == 0.0
+
+
+def test_every_option_with_a_variable_is_read_from_it_and_its_default_is_the_fields():
+    """One declaration: the variable and the default live on the field, and from_env reads both."""
+    declared = {
+        f.name: f.metadata[VARIABLE][0]
+        for f in dataclasses.fields(JoinOptions)
+        if VARIABLE in f.metadata
+    }
+    assert set(declared) >= {*SECONDS, "job", "token", "worker_id", "curve_key"}
+    text = README.read_text(encoding="utf-8")
+    for name, variable in declared.items():
+        assert variable in text, f"the README does not name {variable} ({name})"
+    defaults = JoinOptions.from_env(ENDPOINT)
+    for name in SECONDS:
+        field = next(f for f in dataclasses.fields(JoinOptions) if f.name == name)
+        assert getattr(defaults, name) == field.default, name
+        value = JoinOptions.from_env({**ENDPOINT, declared[name]: "42"})
+        assert getattr(value, name) == 42.0, name
+
+
+@pytest.mark.parametrize("name", sorted(RUN_SETTINGS))
+def test_the_heartbeats_are_the_runs_and_a_worker_argument_says_where_to_set_them(name: str):
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(TypeError, match=f"no longer takes '{name}'.*coordinator \\({flag}\\)"):
+        JoinOptions.from_env(ENDPOINT, **{name: 3.0})

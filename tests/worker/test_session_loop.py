@@ -24,6 +24,7 @@ from epochal.protocol import (
     Finish,
     Go,
     Hello,
+    Liveness,
     Message,
     Phase,
     Welcome,
@@ -96,6 +97,7 @@ def session(client: ScriptedClient, *, reattach_timeout: float = 0.0) -> Session
         resume_epoch=None,
         checkpoint_dir="",
         session=client.session,
+        liveness=Liveness(),
     )
     hello = Hello("epochal", "", "w0", "host", 1, 0, "cpu", FP)
     return Session(

@@ -11,8 +11,9 @@ come back within ``abort_grace`` seconds (it is stuck in a collective whose peer
 thread prints the reason and ends the process with :data:`ABORT_EXIT_CODE`: a bounded abort
 instead of a hang. The same holds for a coordinator that vanished while the training code was
 away: a worker that keeps making progress finishes its epoch and then waits to re-attach, but one
-whose training code made no progress for ``heartbeat_timeout + abort_grace`` seconds is blocked in
-a collective (its peer was cut off with it, or is gone) and could never re-attach, so it exits.
+whose training code made no progress for the run's heartbeat timeout + ``abort_grace`` seconds
+is blocked in a collective (its peer was cut off with it, or is gone) and could never re-attach,
+so it exits.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from epochal.protocol import (
     Heartbeat,
     Hello,
     Joined,
+    Liveness,
     ParamSpec,
     Phase,
     Reject,
@@ -112,12 +114,16 @@ class ControlClient:
         options: JoinOptions = DEFAULTS,
         *,
         security: ClientSecurity | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
-        """``options`` gives the heartbeats, ``abort_grace`` and whether to re-attach."""
+        """``options`` gives ``abort_grace`` and whether to re-attach. The heartbeats are the
+        run's: ``liveness`` until the coordinator's Joined or Welcome says what they are (the
+        defaults of ``--heartbeat-interval`` and ``--heartbeat-timeout`` when None)."""
         self.endpoint = endpoint
         self.identity = identity
-        self.heartbeat_interval = options.heartbeat_interval
-        self.heartbeat_timeout = options.heartbeat_timeout
+        self.liveness = liveness if liveness is not None else Liveness()
+        # the run's heartbeat interval and timeout; replaced whole (one assignment) when the
+        # coordinator says them, so the heartbeat task never reads half a change
         self.abort_grace = options.abort_grace
         self._inbox: queue.Queue[CoordinatorMessage | _Lost] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -396,6 +402,7 @@ class ControlClient:
                 continue
             if isinstance(message, Joined | Welcome):
                 self._session = message.session
+                self.liveness = message.liveness  # the run's heartbeats, from now on
             if isinstance(message, Abort):
                 # printed by every rank and raised into the training code: one line, bounded,
                 # whatever the coordinator sent (it may name several ranks' failures)
@@ -440,14 +447,14 @@ class ControlClient:
     async def _tick(self) -> None:
         assert self._outbox is not None
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            await asyncio.sleep(self.liveness.interval)
             self._beat()
             heard = self._last_heard
             gone = self._disconnected
             if (
                 self._watch_coordinator
                 and gone is not None
-                and time.monotonic() - gone > 2 * self.heartbeat_interval
+                and time.monotonic() - gone > 2 * self.liveness.interval
             ):
                 # the connection closed and nothing came back over a new one: the coordinator's
                 # process is gone (a network blip reconnects and clears this within the window)
@@ -456,12 +463,12 @@ class ControlClient:
             if (
                 self._watch_coordinator
                 and heard is not None
-                and time.monotonic() - heard > self.heartbeat_timeout
+                and time.monotonic() - heard > self.liveness.timeout
                 and self._abort_reason is None
             ):
                 self._lose(
                     f"the coordinator at {self.endpoint} sent nothing for "
-                    f"{self.heartbeat_timeout:g} s: it died or the network to it is down"
+                    f"{self.liveness.timeout:g} s: it died or the network to it is down"
                 )
 
     def _beat(self) -> None:
@@ -504,17 +511,17 @@ class ControlClient:
         """The coordinator is lost: end the process if the training code is blocked for good.
 
         A main thread that takes the loss (or keeps making progress) re-attaches; one that made
-        no progress for ``heartbeat_timeout + abort_grace`` seconds sits in a collective whose
+        no progress for the heartbeat timeout + ``abort_grace`` seconds sits in a collective whose
         peer is gone and would otherwise stay there for the collective timeout.
         """
-        limit = self.heartbeat_timeout + self.abort_grace
+        limit = self.liveness.timeout + self.abort_grace
         if taken.wait(self.abort_grace):
             return
         while True:
             stalled = time.monotonic() - self._progress_at
             if stalled >= limit:
                 break
-            if taken.wait(min(limit - stalled, self.heartbeat_interval)):
+            if taken.wait(min(limit - stalled, self.liveness.interval)):
                 return
         who = f"rank {self.rank}" if self.rank is not None else "worker"
         WORKER.error(

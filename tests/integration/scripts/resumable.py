@@ -24,7 +24,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--best-at", type=int, default=None)
-    parser.add_argument("--heartbeat-timeout", type=float, default=None)
     parser.add_argument("--accuracy", action="store_true", help="report an accuracy metric")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -59,8 +58,6 @@ def main() -> None:
         return (out.argmax(dim=1) == target).sum(), len(target)
 
     join_options: dict = {"metrics": {"accuracy": accuracy}} if args.accuracy else {}
-    if args.heartbeat_timeout is not None:
-        join_options["heartbeat_timeout"] = args.heartbeat_timeout
     result = epochal.train(model, optimizer, train_loader, valid_loader, loss_fn, **join_options)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(
