@@ -13,9 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epochal.coordinator.batches import PolicyViolation
-from epochal.coordinator.config import MonitorMode
+from epochal.coordinator.config import CoordinatorConfig, MonitorMode
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.schedule import Schedule
+
+_DECLARED: dict[str, Any] = {
+    name: f.default for name, f in CoordinatorConfig.__dataclass_fields__.items()
+}
+"""The defaults :class:`CoordinatorConfig` declares, by field: the loop's rules have no defaults
+of their own."""
+
+
+_SAME_NAMES = ("smoothing", "patience", "min_delta", "best_from", "monitor")
+"""The loop's rules that are the configuration's fields of the same name."""
 
 
 def monitored_key(monitor: str, validates: bool) -> str:
@@ -44,13 +54,13 @@ class LoopState:
     """
 
     epochs: int
-    smoothing: float = 1.0
+    smoothing: float = _DECLARED["smoothing"]
     schedule: Schedule | None = None
-    patience: int | None = None
-    min_delta: float = 0.0
-    best_from: int = 0
-    monitor: str = "loss"
-    mode: MonitorMode = "min"
+    patience: int | None = _DECLARED["patience"]
+    min_delta: float = _DECLARED["min_delta"]
+    best_from: int = _DECLARED["best_from"]
+    monitor: str = _DECLARED["monitor"]
+    mode: MonitorMode = _DECLARED["monitor_mode"]
     smoothed: float | None = None
     best_epoch: int | None = None
     best_loss: float | None = None
@@ -59,6 +69,12 @@ class LoopState:
     stale: int = 0
     # monitored epochs since the last improvement (for patience)
     history: list[EpochOutcome] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig) -> LoopState:
+        """A fresh loop under the run's settings."""
+        same = {name: getattr(config, name) for name in _SAME_NAMES}
+        return cls(epochs=config.epochs, schedule=config.schedule, mode=config.monitor_mode, **same)
 
     def observed(
         self,

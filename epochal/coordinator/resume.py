@@ -124,19 +124,6 @@ class RunState:
         return 0 if self.resume_epoch is None else self.resume_epoch + 1
 
 
-def new_loop(config: CoordinatorConfig) -> LoopState:
-    return LoopState(
-        epochs=config.epochs,
-        smoothing=config.smoothing,
-        schedule=config.schedule,
-        patience=config.patience,
-        min_delta=config.min_delta,
-        best_from=config.best_from,
-        monitor=config.monitor,
-        mode=config.monitor_mode,
-    )
-
-
 def check_directories(run_dir: Path | None, checkpoint_dir: Path | None) -> None:
     """Create the run directory (mode 0700) or refuse it, and refuse a checkpoint directory seen
     from here, when another user could write in it: before anything there is read, deleted
@@ -240,7 +227,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     Every file is read only when it is a regular file within its size bound (never through a
     link, never blocking on a FIFO): a refusal names the file."""
     run_dir = config.run_dir
-    loop = new_loop(config)
+    loop = LoopState.from_config(config)
     check_directories(None, checkpoint_dir)
     if run_dir is None:
         return RunState(loop=loop)

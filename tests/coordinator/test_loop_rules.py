@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.schedule import parse_schedule
@@ -440,3 +441,17 @@ def test_replaying_a_journal_prefix_then_continuing_equals_the_uninterrupted_loo
         train, valid = rows[epoch]
         resumed.update(epoch, train, valid, validates=validates)
     assert resumed == whole
+
+
+def test_the_loops_rules_default_to_what_the_configuration_declares():
+    # one declaration per option: a default of the loop's own could drift from the command line's
+    config = CoordinatorConfig(world_size=1)
+    fresh = LoopState(epochs=config.epochs)
+    built = LoopState.from_config(config)
+    for name in ("smoothing", "patience", "min_delta", "best_from", "monitor"):
+        assert getattr(fresh, name) == getattr(config, name) == getattr(built, name), name
+    assert fresh.mode == config.monitor_mode == built.mode
+    custom = LoopState.from_config(
+        CoordinatorConfig(world_size=1, epochs=7, smoothing=0.5, patience=2, monitor_mode="max")
+    )
+    assert (custom.epochs, custom.smoothing, custom.patience, custom.mode) == (7, 0.5, 2, "max")
