@@ -1,0 +1,267 @@
+"""Who is in the run: the world of one generation, the newcomers waiting for a boundary, the ranks
+lost, and the decision of a new world, as pure rules with the clock passed in.
+
+A run's **world** is its members by rank under a **generation** number that changes with every
+new world. When ranks are lost (a process exit, a ``failed``, a silence past the heartbeat timeout,
+a closed connection), :class:`Membership` collects the losses that come together (a settle window:
+one kill often shows as an exit and then as its peers' broken collectives) and then decides: with
+at least ``min_workers`` left (counting the newcomers waiting, up to ``max_workers``), a new world
+of the survivors, in their order, renumbered from 0, with those newcomers appended; with fewer, or
+no survivor to hold the state, the end of the run, naming every rank lost. A newcomer that arrives while the run trains waits as a standby and is
+admitted at the next epoch boundary (:meth:`Membership.at_boundary`). A process that was dropped
+from the run (it went silent and came back, say) is refused when it says hello again: its
+generation is gone.
+
+The restore a new world needs is decided here too (:func:`restore_after`): from each survivor's
+in-memory copy of the epoch's start where every rank holds the whole state, else from the last
+committed checkpoint, resharded.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from epochal.coordinator.rendezvous import Member
+from epochal.text import printable
+
+LOSS_SETTLE = 0.25
+"""Seconds between the first loss and the new world, so that losses that come together (two
+workers of one host, an exit and its neighbours' broken collectives) make one change."""
+
+DROPPED_REMEMBERED = 4096
+"""Dropped processes remembered to refuse their return; the oldest are forgotten first."""
+
+
+class Snapshots(enum.StrEnum):
+    """What the workers' in-memory copies of an epoch's start hold (their mode says it)."""
+
+    ALL = "all"
+    # every rank's copy holds the whole state (replicated): any survivor can restore
+    ROOT = "root"
+    # only rank 0's copy holds the optimizer (main): a survivor world restores from memory only
+    # while rank 0 lives
+    NONE = "none"
+    # no rank's copy is the whole state (sharded, fully_sharded), or copies are switched off
+
+
+class Restore(enum.StrEnum):
+    """Where the members of a new world take the state of the epoch they start from."""
+
+    MEMORY = "memory"
+    # each survivor from its in-memory copy of the epoch's start (nothing read from disk)
+    CHECKPOINT = "checkpoint"
+    # every member from the last committed checkpoint, resharded to the new size
+    PEERS = "peers"
+    # nobody was lost: the members keep their state, and newcomers receive it from rank 0
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """The members of one generation, by rank."""
+
+    generation: int
+    members: tuple[Member, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, peer: bytes) -> int | None:
+        for rank, member in enumerate(self.members):
+            if member.peer == peer:
+                return rank
+        return None
+
+    def ranks(self) -> dict[bytes, int]:
+        """Each member's rank, by routing identity."""
+        return {m.peer: rank for rank, m in enumerate(self.members)}
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """One rank lost from the current world, and why."""
+
+    rank: int
+    member: Member
+    why: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.member.describe()}) {self.why}"
+
+
+@dataclass(frozen=True, slots=True)
+class NewWorld:
+    """The decision: the next world, who left it and who joined, and how it restores."""
+
+    world: World
+    previous: World
+    lost: tuple[Loss, ...]
+    joined: tuple[Member, ...]
+    restore: Restore
+    since: float
+    # when the change began (the first loss, or the boundary that admits newcomers)
+
+    @property
+    def survivors(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.world.members if m not in self.joined)
+
+    def summary(self) -> str:
+        """ "4 -> 3 workers (lost rank 2), generation 1"."""
+        parts = []
+        if self.lost:
+            parts.append(f"lost {', '.join(f'rank {loss.rank}' for loss in self.lost)}")
+        if self.joined:
+            names = ", ".join(printable(m.hello.worker_id) for m in self.joined)
+            parts.append(f"joined {names}")
+        return (
+            f"{self.previous.size} -> {self.world.size} workers ({'; '.join(parts)}), "
+            f"generation {self.world.generation}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TooFew:
+    """The decision when fewer than ``min_workers`` would remain: the run ends."""
+
+    lost: tuple[Loss, ...]
+    left: int
+    least: int
+
+    def reason(self) -> str:
+        said = "; ".join(loss.describe() for loss in self.lost)
+        return (
+            f"{said}: {self.left} worker{'s' if self.left != 1 else ''} left, fewer than "
+            f"--min-workers {self.least}; the run cannot go on"
+        )
+
+
+def restore_after(lost: tuple[Loss, ...], snapshots: Snapshots) -> Restore:
+    """How survivors restore the epoch's start after ``lost``, given what their copies hold."""
+    if not lost:
+        return Restore.PEERS
+    if snapshots is Snapshots.ALL:
+        return Restore.MEMORY
+    if snapshots is Snapshots.ROOT and all(loss.rank != 0 for loss in lost):
+        return Restore.MEMORY
+    return Restore.CHECKPOINT
+
+
+class Membership:
+    """The world, its pending losses, the standby newcomers and the dropped processes."""
+
+    def __init__(self, min_workers: int, max_workers: int) -> None:
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.world: World | None = None
+        self.standby: OrderedDict[bytes, Member] = OrderedDict()
+        # newcomers admitted while the run trains, in order of arrival, waiting for a boundary
+        self._lost: dict[int, Loss] = {}
+        self._settle: float | None = None
+        self._since: float | None = None
+        self._dropped: OrderedDict[tuple[str, str, int], str] = OrderedDict()
+        # (worker id, host, pid) of each process dropped from the run -> why
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may go on with fewer workers than it started with."""
+        return self.min_workers < self.max_workers
+
+    def form(self, members: tuple[Member, ...]) -> World:
+        """The first world (generation 0), from the rendezvous."""
+        self.world = World(0, members)
+        return self.world
+
+    # ------------------------------------------------------------------ losses
+
+    def lose(self, now: float, rank: int, why: str) -> bool:
+        """Note ``rank`` of the current world lost at ``now``; False when it already was (or is
+        no rank). The decision comes when :meth:`due` says so."""
+        world = self.world
+        if world is None or not 0 <= rank < world.size or rank in self._lost:
+            return False
+        self._lost[rank] = Loss(rank, world.members[rank], why)
+        if self._settle is None:
+            self._settle = now + LOSS_SETTLE
+            self._since = now
+        return True
+
+    @property
+    def losing(self) -> bool:
+        """Losses noted and not yet decided on."""
+        return bool(self._lost)
+
+    def lost_ranks(self) -> frozenset[int]:
+        return frozenset(self._lost)
+
+    def due(self, now: float) -> bool:
+        """Whether the settle window of the pending losses is over."""
+        return self._settle is not None and now >= self._settle
+
+    def decide(self, snapshots: Snapshots) -> NewWorld | TooFew:
+        """The new world after the pending losses (newcomers waiting join it), or the end."""
+        world = self.world
+        assert world is not None and self._lost, "decide after a loss"
+        lost = tuple(self._lost[r] for r in sorted(self._lost))
+        survivors = tuple(m for r, m in enumerate(world.members) if r not in self._lost)
+        since = self._since if self._since is not None else 0.0
+        self._lost.clear()
+        self._settle = self._since = None
+        for loss in lost:
+            self.drop(loss.member, loss.why)
+        joinable = min(len(self.standby), self.max_workers - len(survivors))
+        if not survivors or len(survivors) + joinable < self.min_workers:
+            return TooFew(lost, len(survivors) + joinable, self.min_workers)
+        return self._next(world, survivors, lost, restore_after(lost, snapshots), since)
+
+    def at_boundary(self, now: float) -> NewWorld | None:
+        """At an epoch boundary with nobody lost: the world with the newcomers waiting, if any
+        fit (the members keep their state; the newcomers receive it from rank 0)."""
+        world = self.world
+        if world is None or self._lost or not self.standby or world.size >= self.max_workers:
+            return None
+        return self._next(world, world.members, (), Restore.PEERS, now)
+
+    def _next(
+        self,
+        world: World,
+        survivors: tuple[Member, ...],
+        lost: tuple[Loss, ...],
+        restore: Restore,
+        since: float,
+    ) -> NewWorld:
+        room = self.max_workers - len(survivors)
+        joined = tuple(list(self.standby.values())[:room])
+        for member in joined:
+            del self.standby[member.peer]
+        self.world = World(world.generation + 1, survivors + joined)
+        return NewWorld(self.world, world, lost, joined, restore, since)
+
+    # ------------------------------------------------------------------ newcomers, dropped
+
+    def wait(self, member: Member) -> None:
+        """``member`` is admitted as a standby until the next boundary."""
+        self.standby[member.peer] = member
+
+    def leave(self, peer: bytes) -> Member | None:
+        """A standby newcomer left (went silent, failed): forget it."""
+        return self.standby.pop(peer, None)
+
+    def has_room(self) -> bool:
+        """Whether a newcomer could join at the next boundary."""
+        world = self.world
+        size = 0 if world is None else world.size
+        return self.elastic and size + len(self.standby) < self.max_workers
+
+    def drop(self, member: Member, why: str) -> None:
+        """Remember ``member``'s process as dropped: if it comes back, it is refused."""
+        hello = member.hello
+        self._dropped[(hello.worker_id, hello.host, hello.pid)] = why
+        while len(self._dropped) > DROPPED_REMEMBERED:
+            self._dropped.popitem(last=False)
+
+    def dropped(self, worker_id: str, host: str, pid: int) -> str | None:
+        """Why the process that says it is ``worker_id`` on ``host`` with ``pid`` was dropped
+        from the run; None when it was not."""
+        return self._dropped.get((worker_id, host, pid))
