@@ -94,6 +94,7 @@ def test_every_flag_reaches_its_field():
         "stall_abort": ("0", None),
         "tensorboard": ("tb", Path("tb")),
         "metrics_address": ("127.0.0.1:9400", "127.0.0.1:9400"),
+        "min_workers": ("1", 1),
     }
     options = {o.dest: o for o in field_options(CoordinatorConfig)}
     assert set(options) == {*values, "restore_best", "status"}

@@ -23,7 +23,7 @@ from epochal.protocol.messages import (
     check_metric_name,
 )
 from epochal.rundir import CHECKPOINTS_DIR
-from epochal.settings import CHECKPOINTS, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
+from epochal.settings import CHECKPOINTS, FAILURES, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
@@ -77,8 +77,19 @@ class CoordinatorConfig:
 
     world_size: int = field(
         metadata=setting(
-            help="number of workers the rendezvous waits for; exactly this many train",
+            help="number of workers the rendezvous waits for: the size the run starts at and the "
+            "most it admits",
             called="--world-size/--nproc",
+        ),
+    )
+    min_workers: int | None = field(
+        default=None,
+        metadata=setting(
+            help="the fewest workers the run goes on with: a lost worker's peers carry on from "
+            "the start of the interrupted epoch while at least M remain, and a worker that "
+            "joins later is admitted at the next epoch boundary, up to the world size",
+            on_resume="may_change",
+            flag=Flag(FAILURES, metavar="M", type=positive_int, shown="the world size"),
         ),
     )
     epochs: int = field(
@@ -383,6 +394,11 @@ class CoordinatorConfig:
             )
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.world_size:
+            raise ConfigError(
+                f"--min-workers {self.min_workers} must be between 1 and the world size "
+                f"({self.world_size})"
+            )
         if self.backend not in BACKEND_CHOICES:
             raise ConfigError(
                 f"backend {self.backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}"
@@ -423,6 +439,16 @@ class CoordinatorConfig:
         if self.run_dir is not None:
             return (self.run_dir / CHECKPOINTS_DIR).absolute()
         return None
+
+    @property
+    def least_workers(self) -> int:
+        """The fewest workers the run goes on with (``--min-workers``, else the world size)."""
+        return self.world_size if self.min_workers is None else self.min_workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run goes on when it loses a worker."""
+        return self.least_workers < self.world_size
 
     @property
     def liveness(self) -> Liveness:

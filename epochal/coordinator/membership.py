@@ -1,16 +1,16 @@
 """Who is in the run: the world of one generation, the newcomers waiting for a boundary, the ranks
 lost, and the decision of a new world, as pure rules with the clock passed in.
 
-A run's **world** is its members by rank under a **generation** number that changes with every
-new world. When ranks are lost (a process exit, a ``failed``, a silence past the heartbeat timeout,
-a closed connection), :class:`Membership` collects the losses that come together (a settle window:
-one kill often shows as an exit and then as its peers' broken collectives) and then decides: with
-at least ``min_workers`` left (counting the newcomers waiting, up to ``max_workers``), a new world
-of the survivors, in their order, renumbered from 0, with those newcomers appended; with fewer, or
-no survivor to hold the state, the end of the run, naming every rank lost. A newcomer that arrives while the run trains waits as a standby and is
-admitted at the next epoch boundary (:meth:`Membership.at_boundary`). A process that was dropped
-from the run (it went silent and came back, say) is refused when it says hello again: its
-generation is gone.
+A run's **world** is its members by rank under a **generation** number that changes with every new
+world. When ranks are lost (a process exit, a ``failed``, a silence past the heartbeat timeout, a
+closed connection), :class:`Membership` collects the losses that come together (a settle window: one
+kill often shows as an exit and then as its peers' broken collectives) and then decides: with at
+least ``min_workers`` left (counting the newcomers waiting, up to ``max_workers``), a new world of
+the survivors, in their order, renumbered from 0, with those newcomers appended; with fewer, or no
+survivor to hold the state, the end of the run, naming every rank lost. A newcomer that arrives
+while the run trains waits as a standby and is admitted at the next epoch boundary
+(:meth:`Membership.at_boundary`). A process that was dropped from the run (it went silent and came
+back, say) is refused when it says hello again: its generation is gone.
 
 The restore a new world needs is decided here too (:func:`restore_after`): from each survivor's
 in-memory copy of the epoch's start where every rank holds the whole state, else from the last

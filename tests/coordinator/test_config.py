@@ -148,3 +148,18 @@ def test_heartbeat_timeout_must_exceed_the_interval(interval: float, timeout: fl
 def test_a_heartbeat_timeout_just_over_the_interval_is_accepted():
     cfg = CoordinatorConfig(world_size=1, heartbeat_interval=1.0, heartbeat_timeout=1.5)
     assert cfg.heartbeat_timeout == 1.5
+
+
+@pytest.mark.parametrize("least", [0, 5])
+def test_min_workers_outside_one_to_the_world_size_is_refused_naming_both(least: int):
+    with pytest.raises(
+        ConfigError, match=f"--min-workers {least} must be between 1 and the world size \\(4\\)"
+    ):
+        CoordinatorConfig(world_size=4, min_workers=least)
+
+
+def test_a_run_is_elastic_only_when_it_may_go_on_with_fewer_workers():
+    assert not CoordinatorConfig(world_size=4).elastic
+    assert not CoordinatorConfig(world_size=4, min_workers=4).elastic
+    elastic = CoordinatorConfig(world_size=4, min_workers=3)
+    assert elastic.elastic and elastic.least_workers == 3
