@@ -23,15 +23,15 @@ same converters, which name the path of what is wrong.
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import typing
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
-from epochal.protocol.decoders import DECODERS, Skips, decoder
+from epochal.protocol.decoders import DECODERS, decoder
 from epochal.protocol.limits import (
     FRAME_KEYS,
     MAX_FIELDS,
@@ -116,18 +116,17 @@ def encode(message: Message, session: str = "") -> bytes:
 # ------------------------------------------------------------------------ decoding
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decoded:
+class Decoded(typing.NamedTuple):
     """One frame decoded: its message and what else the frame held."""
 
     message: Message
     session: str = ""
-    # the session a worker's frame presents; "" when none
+    """The session a worker's frame presents; "" when none."""
     minor: int = 0
-    # the minor version of the peer that wrote it (``m``; 0 when left out)
+    """The minor version of the peer that wrote it (``m``; 0 when left out)."""
     skipped: tuple[str, ...] = ()
-    # the fields it carried that this version does not know, by path without list indexes
-    # (``decision.go.warmup``), each once, sorted: their values were checked and dropped
+    """The fields it carried that this version does not know, by path without list indexes
+    (``decision.go.warmup``), each once, sorted: their values were checked and dropped."""
 
 
 def decode(data: bytes | memoryview) -> Message:
@@ -164,8 +163,8 @@ _INDEX = re.compile(r"\[\d+\]")
 
 
 def _decoded(message: Message, session: str, minor: int, skipped: list[str]) -> Decoded:
-    if not skipped:
-        return Decoded(message, session, minor)
+    if not skipped:  # every frame of this version: made without the named tuple's __new__
+        return tuple.__new__(Decoded, (message, session, minor, ()))
     return Decoded(message, session, minor, tuple(sorted({_INDEX.sub("", p) for p in skipped})))
 
 
@@ -266,10 +265,10 @@ def _whole(data: bytes | memoryview) -> Decoded:
         raise ValueError("not a frame of this version")
     cls = MESSAGE_TYPES[name]
     dec = DECODERS.get(cls) or decoder(cls)
-    skips = Skips()
+    skipped: list[str] = []
     session, minor = "", 0
     if frame.keys() == dec.frame_keys:  # a frame of this version without a session
-        message = dec.cls(*[convert(frame[n], name, n, skips) for n, convert in dec.converters])
+        message = dec.cls(*[convert(frame[n], name, n, skipped) for n, convert in dec.converters])
     else:
         if SESSION_KEY in frame:
             session = frame[SESSION_KEY]
@@ -280,13 +279,13 @@ def _whole(data: bytes | memoryview) -> Decoded:
             if type(minor) is not int or minor < 0:
                 raise ValueError("not a minor version")
         if frame.keys() == dec.frame_keys_session:
-            values = [convert(frame[n], name, n, skips) for n, convert in dec.converters]
+            values = [convert(frame[n], name, n, skipped) for n, convert in dec.converters]
             message = dec.cls(*values)
         else:  # another minor version's: fields left out or not known here
             fields = {k: v for k, v in frame.items() if k not in FRAME_KEYS}
-            message = dec.build(fields, name, skips)
-    if dec.nested or skips.paths:
+            message = dec.build(fields, name, skipped)
+    if dec.nested or skipped:
         # maps inside: unpack again, refusing a repeated key in any of them (only once the frame
         # proved valid, so that junk never costs a Python call per map)
         msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
-    return _decoded(message, session, minor, skips.paths)
+    return _decoded(message, session, minor, skipped)

@@ -7,7 +7,7 @@ through them; :mod:`epochal.protocol.reader` runs its value-by-value reads throu
 
 A map may leave out a field declared with a default (the record takes the default) and may carry
 fields this version does not know, written by a peer of a newer minor version: their values are
-checked against the bounds of :mod:`epochal.protocol.limits` (:class:`Skips`), never built into
+checked against the bounds of :mod:`epochal.protocol.limits` (:class:`Budget`), never built into
 anything, and their paths are collected for the caller to log.
 """
 
@@ -87,27 +87,19 @@ class Budget:
         return True
 
 
-class Skips:
-    """The paths of the fields one frame carries that this version does not know."""
-
-    __slots__ = ("paths",)
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    def take(self, value: Any, where: str, budget: Budget) -> None:
-        """Skip the unknown field at ``where``: its value (unpacked whole, or SKIPPED when the
-        reader read past it, spending ``budget``) must be one the reader skips, within the
-        ``budget`` of its map, else MalformedMessage."""
-        if value is not SKIPPED and not budget.within(value):
-            raise MalformedMessage(f"{where}: not a value an unknown field may hold")
-        self.paths.append(where)
+def skip(skipped: list[str], value: Any, where: str, budget: Budget) -> None:
+    """Skip the unknown field at ``where``, adding its path to ``skipped``: its value (unpacked
+    whole, or SKIPPED when the reader read past it, spending ``budget``) must be one the reader
+    skips, within the ``budget`` of its map, else MalformedMessage."""
+    if value is not SKIPPED and not budget.within(value):
+        raise MalformedMessage(f"{where}: not a value an unknown field may hold")
+    skipped.append(where)
 
 
-Converter = Callable[[Any, str, "str | int", Skips], Any]
+Converter = Callable[[Any, str, "str | int", list[str]], Any]
 """Checks one raw value (as msgpack gives it) of a declared field and returns the field's value.
 Called with the value, the path of its container and its key there (a field name or list index),
-which name it in the MalformedMessage it raises, and the frame's :class:`Skips`."""
+which name it in the MalformedMessage it raises, and the list of the frame's skipped fields."""
 
 
 def _path(parent: str, key: str | int) -> str:
@@ -128,8 +120,8 @@ def _converter(spec: FieldSpec) -> Converter:
     if not spec.nilable:
         return convert
 
-    def nilable(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
-        return None if value is None else convert(value, parent, key, skips)
+    def nilable(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
+        return None if value is None else convert(value, parent, key, skipped)
 
     return nilable
 
@@ -138,7 +130,7 @@ def _plain_converter(spec: FieldSpec) -> Converter:
     kind = spec.kind
     if kind is int:
 
-        def to_int(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+        def to_int(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
             if type(value) is int:
                 return value
             raise _wrong("int", value, parent, key)
@@ -146,7 +138,7 @@ def _plain_converter(spec: FieldSpec) -> Converter:
         return to_int
     if kind is float:
 
-        def to_float(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+        def to_float(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
             if type(value) is float:
                 return value
             if type(value) is int:
@@ -156,7 +148,7 @@ def _plain_converter(spec: FieldSpec) -> Converter:
         return to_float
     if kind is bool:
 
-        def to_bool(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+        def to_bool(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
             if type(value) is bool:
                 return value
             raise _wrong("bool", value, parent, key)
@@ -164,7 +156,7 @@ def _plain_converter(spec: FieldSpec) -> Converter:
         return to_bool
     if kind is str:
 
-        def to_str(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+        def to_str(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
             if type(value) is str:
                 return value
             raise _wrong("str", value, parent, key)
@@ -175,7 +167,7 @@ def _plain_converter(spec: FieldSpec) -> Converter:
         item = _converter(spec.item)
         most = spec.max_items
 
-        def to_tuple(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+        def to_tuple(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
             if type(value) is not list:
                 raise _wrong("a list", value, parent, key)
             where = _path(parent, key)
@@ -183,20 +175,20 @@ def _plain_converter(spec: FieldSpec) -> Converter:
                 raise MalformedMessage(
                     f"{where}: a list of {len(value)} items, at most {most} allowed"
                 )
-            return tuple([item(v, where, i, skips) for i, v in enumerate(value)])
+            return tuple([item(v, where, i, skipped) for i, v in enumerate(value)])
 
         return to_tuple
     if issubclass(kind, Record):
         record = kind
 
-        def to_record(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
-            return decoder(record).build(value, _path(parent, key), skips)
+        def to_record(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
+            return decoder(record).build(value, _path(parent, key), skipped)
 
         return to_record
     members: dict[str, Any] = dict(typing.cast(Any, kind)._value2member_map_)  # a StrEnum
     allowed = ", ".join(members)
 
-    def to_member(value: Any, parent: str, key: str | int, skips: Skips) -> Any:
+    def to_member(value: Any, parent: str, key: str | int, skipped: list[str]) -> Any:
         if type(value) is str and value in members:
             return members[value]
         raise MalformedMessage(f"{_path(parent, key)}: expected one of {allowed}, got {value!r}")
@@ -223,19 +215,19 @@ class Decoder:
         # whether the record holds maps of its own (a hello's fingerprint and its params)
         self.nested = any(_holds_record(spec) for spec in self.specs)
 
-    def build(self, raw: Any, where: str, skips: Skips) -> Any:
+    def build(self, raw: Any, where: str, skipped: list[str]) -> Any:
         """The record from its raw map, or MalformedMessage naming every missing field at once,
         else the first wrong value by its path. A field left out takes its default; a field this
-        version does not know goes to ``skips``."""
+        version does not know goes to ``skipped``."""
         if type(raw) is not dict:
             raise MalformedMessage(f"{where}: expected a map, got {type(raw).__name__}")
         if raw.keys() == self.keys:  # every field and nothing else: a peer of this version
-            values = [convert(raw[n], where, n, skips) for n, convert in self.converters]
+            values = [convert(raw[n], where, n, skipped) for n, convert in self.converters]
         else:
-            values = self._values(raw, where, skips)
+            values = self._values(raw, where, skipped)
         return self.make(values, where)
 
-    def _values(self, raw: dict[Any, Any], where: str, skips: Skips) -> list[Any]:
+    def _values(self, raw: dict[Any, Any], where: str, skipped: list[str]) -> list[Any]:
         if len(raw) > MAX_FIELDS:
             raise MalformedMessage(
                 f"{where}: a map of {len(raw)} entries, at most {MAX_FIELDS} allowed"
@@ -253,9 +245,9 @@ class Decoder:
                 raise MalformedMessage(
                     f"{where}: a field name must be a string of at most {MAX_KEY_CHARS} characters"
                 )
-            skips.take(raw[name], f"{where}.{name}", budget)
+            skip(skipped, raw[name], f"{where}.{name}", budget)
         return [
-            convert(raw[name], where, name, skips) if name in raw else default
+            convert(raw[name], where, name, skipped) if name in raw else default
             for (name, convert), default in zip(self.converters, self.defaults, strict=True)
         ]
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
-from epochal.protocol.decoders import SKIPPED, Budget, Decoder, Skips, decoder
+from epochal.protocol.decoders import SKIPPED, Budget, Decoder, decoder
 from epochal.protocol.limits import (
     FRAME_KEYS,
     MAX_DEPTH,
@@ -109,8 +109,6 @@ class Reader:
             max_ext_len=0,
         )
         self.objects = 0
-        self.skips = Skips()
-        # the fields of this frame that this version does not know
 
     def peek(self) -> str:
         at = self.unpacker.tell()
@@ -213,8 +211,9 @@ class Reader:
                 minor = value
             else:
                 self.field(dec, fields, name, type_name, budget)
-        message = dec.build(fields, type_name, self.skips)
-        return message, session or "", minor or 0, self.skips.paths
+        skipped: list[str] = []
+        message = dec.build(fields, type_name, skipped)
+        return message, session or "", minor or 0, skipped
 
     def field(
         self, dec: Decoder, fields: dict[str, Any], name: str, where: str, budget: Budget
