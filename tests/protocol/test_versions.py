@@ -15,6 +15,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
 from epochal.protocol import codec, encode
@@ -38,6 +40,7 @@ from epochal.protocol.messages import (
 from epochal.protocol.reader import Reader
 from epochal.protocol.skipped import MAX_TOLD, SkippedFields
 from tests.protocol.examples import examples
+from tests.protocol.test_codec import messages, msgpack_objects
 
 NEWER = PROTOCOL_MINOR + 1
 LATER = {"note": "from a later minor", "sizes": [1, 2.5, None, True], "more": {"x": [1]}}
@@ -273,6 +276,30 @@ def test_a_frame_full_of_unknown_values_is_refused_having_read_few_of_them():
         tracemalloc.stop()
     assert reader.objects <= MAX_SKIPPED_VALUES + 8
     assert peak < 128 * MAX_FRAME_BYTES, f"decoding allocated {peak} bytes at its peak"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages, st.dictionaries(st.text(max_size=8), msgpack_objects, max_size=3))
+def test_any_unknown_fields_are_skipped_or_refused_alike_on_both_paths(
+    message: Any, extra: dict[str, Any]
+):
+    frame = frame_of(message) | {"m": NEWER}
+    declared = {spec.name for spec in fields_of(type(message))} | {"v", "t", "m", "s"}
+    unknown = {k: v for k, v in extra.items() if k not in declared}
+    data = pack(frame | unknown)
+    try:
+        fast = codec._whole(data)
+    except Exception:
+        fast = None
+    try:
+        slow = codec._by_value(data, len(data))
+    except MalformedMessage:
+        slow = None
+    if fast is not None:  # the fast path lets through nothing the reader refuses
+        assert slow == fast
+    if slow is not None:  # and what is accepted is the message, its unknown fields named
+        paths = tuple(sorted(f"{TYPE_NAMES[type(message)]}.{k}" for k in unknown))
+        assert slow == Decoded(message, "", NEWER, paths)
 
 
 # ----------------------------------------------------------------------------- logging once
