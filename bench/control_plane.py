@@ -5,8 +5,9 @@ no data plane) over one DEALER socket each, spread over ``--procs`` helper proce
 
 - ``epochal``: a real coordinator process (``python -m epochal coordinator``), and
 - ``floor``: a bare asyncio ROUTER (``--serve-floor``, in this file) that answers the same
-  sequence with frames encoded in advance, reading only each frame's type (``msgpack.unpackb``):
-  what ZeroMQ, asyncio and the message sizes cost without any of the coordinator's logic.
+  sequence with frames encoded in advance, reading only each frame's type (``message_type``, the
+  codec's look at a frame's first bytes, as the coordinator reads a stranger's frame): what
+  ZeroMQ, asyncio and the message sizes cost without any of the coordinator's logic.
 
 The two alternate (which goes first swaps on every repeat). Per N the bench prints, as medians
 over the repeats and as ratios epochal / floor:
@@ -22,7 +23,9 @@ over the repeats and as ratios epochal / floor:
 
 Every instant is ``time.monotonic()``, which is one clock for every process of the machine.
 The workers' message sequence lives in :func:`worker_script` alone, so a change of protocol is
-a change of that one function.
+a change of that one function; every frame either side sends is a protocol class through
+``encode`` (its fields by name, so that a field added with its default changes nothing here), and
+the floor tells frames apart by their registered wire names (``TYPE_NAMES``).
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
 from epochal.protocol import (
@@ -80,6 +82,8 @@ from epochal.protocol import (
     decode,
     encode,
 )
+from epochal.protocol.codec import message_type
+from epochal.protocol.messages import TYPE_NAMES
 from epochal.protocol.paging import model_page
 
 HERE = Path(__file__).resolve().parent
@@ -144,7 +148,9 @@ class SimWorker:
         self.marks[what] = time.monotonic()
 
     def status(self) -> Status:
-        return Status(self.phase, self.epoch, self.step, WHERE, self.awaiting)
+        return Status(
+            phase=self.phase, epoch=self.epoch, step=self.step, where=WHERE, awaiting=self.awaiting
+        )
 
     def at(
         self, phase: Phase, epoch: int, awaiting: Awaiting | None = None, announce: bool = True
@@ -214,7 +220,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
     while True:
         if go is None:
             yield from w.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)
-            yield Send(EpochReady(epoch, 100, 10))
+            yield Send(EpochReady(epoch=epoch, train_batches=100, valid_batches=10))
             answer = yield from expect(Go, Finish)
             if isinstance(answer, Finish):
                 break
@@ -225,8 +231,21 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
             yield Sleep(train_seconds)
         yield from w.at(Phase.VALIDATE, epoch)
         yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
-        ready = EpochReady(epoch + 1, 100, 10) if epoch + 1 < epochs else None
-        yield Send(EpochReport(epoch, 230.0, 100, 23.0, 10, ready=ready))
+        ready = (
+            EpochReady(epoch=epoch + 1, train_batches=100, valid_batches=10)
+            if epoch + 1 < epochs
+            else None
+        )
+        yield Send(
+            EpochReport(
+                epoch=epoch,
+                train_loss_sum=230.0,
+                train_count=100,
+                valid_loss_sum=23.0,
+                valid_count=10,
+                ready=ready,
+            )
+        )
         w.mark(f"report.{epoch}")
         decision = yield from expect(Decision)
         w.mark(f"decision.{epoch}")
@@ -452,14 +471,14 @@ def serve_floor(
     decisions = [  # each carries the next epoch's go, the last one stops
         encode(
             Decision(
-                e,
-                2.3,
-                2.3,
-                2.3,
-                0,
-                e == 0,
-                False,
-                e == epochs - 1,
+                epoch=e,
+                train_loss=2.3,
+                valid_loss=2.3,
+                smoothed_loss=2.3,
+                best_epoch=0,
+                is_best=e == 0,
+                checkpoint=False,
+                stop=e == epochs - 1,
                 go=gos[e + 1] if e + 1 < epochs else None,
             )
         )
@@ -479,29 +498,31 @@ def serve_floor(
         io = zmq.Socket.shadow(sock.underlying)  # reads and sends that never wait, as the service
         print(f"listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
         peers: dict[bytes, int] = {}
-        counts = {"epoch_ready": 0, "epoch_report": 0, "done": 0}
+        hello, store_ready = TYPE_NAMES[Hello], TYPE_NAMES[StoreReady]
+        epoch_ready, epoch_report, done = (TYPE_NAMES[c] for c in (EpochReady, EpochReport, Done))
+        counts = {epoch_ready: 0, epoch_report: 0, done: 0}
         next_beat = time.monotonic() + heartbeat_interval
         store_asked = False
 
         def answer(peer: bytes, data: bytes) -> list[list[bytes]]:
             """The frames that answer one frame from ``peer``."""
             nonlocal store_asked
-            kind = msgpack.unpackb(data)["t"]
-            if kind == "hello":
+            kind = message_type(data)
+            if kind == hello:
                 peers.setdefault(peer, len(peers))
                 out = [[peer, joined]]
                 if len(peers) == world_size and not store_asked:
                     store_asked = True
                     out.append([next(iter(peers)), open_store])
                 return out
-            if kind == "store_ready":
+            if kind == store_ready:
                 return [[p, welcomes[rank]] for p, rank in peers.items()]
             if kind in counts:
                 counts[kind] += 1
                 n = counts[kind]
-                if kind == "epoch_ready" and n == world_size:  # the first epoch only
+                if kind == epoch_ready and n == world_size:  # the first epoch only
                     return [[p, first_go] for p in peers]
-                if kind == "epoch_report" and n % world_size == 0:
+                if kind == epoch_report and n % world_size == 0:
                     e = n // world_size - 1
                     out = [[p, decisions[e]] for p in peers]
                     if e == epochs - 1:
@@ -509,7 +530,7 @@ def serve_floor(
                     return out
             return []
 
-        while counts["done"] < world_size:
+        while counts[done] < world_size:
             await sock.poll(timeout=int(heartbeat_interval * 1000))
             if awaited:
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:

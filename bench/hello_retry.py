@@ -58,8 +58,8 @@ def main() -> None:
     assert any(isinstance(a, Send) and isinstance(a.message, Joined) for a in first)
 
     def decoded() -> object:
-        message, session = decode_frame(data)
-        return machine.on_message(time.monotonic(), peer, message, session=session)
+        got = decode_frame(data)
+        return machine.on_message(time.monotonic(), peer, got.message, session=got.session)
 
     def known() -> object:
         return coordinator._receive([peer, data], time.monotonic())

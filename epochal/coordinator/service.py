@@ -63,6 +63,7 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.codec import decode_frame, message_type
+from epochal.protocol.skipped import SkippedFields
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
@@ -142,6 +143,8 @@ class Coordinator:
         self.endpoint: str | None = None
         self.run_id = run_id or new_run_id()
         self._log = log
+        self._skipped = SkippedFields("coordinator")
+        # the fields newer workers' frames carried that this version skips, logged once each
         self._fresh = fresh
         self._security = security
         # one ZAP authenticator per context: a secured coordinator gets a context of its own
@@ -459,11 +462,15 @@ class Coordinator:
                 kind = message_type(data)
                 if kind != HELLO:
                     return machine.on_stranger(peer, kind)
-            message, session = decode_frame(data)
+            decoded = decode_frame(data)
         except ProtocolVersionMismatch as exc:
             return machine.on_unreadable(now, peer, str(exc), version=True)
         except MalformedMessage as exc:
             return machine.on_unreadable(now, peer, str(exc), version=False, user_id=user_id)
+        message, session = decoded.message, decoded.session
+        if decoded.skipped:
+            for line in self._skipped.news(decoded):
+                self._log(line)
         actions = machine.on_message(now, peer, message, session=session, user_id=user_id)
         self._from_member(frames[1], peer, message, session, user_id)
         if isinstance(message, Hello):

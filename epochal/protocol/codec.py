@@ -1,13 +1,21 @@
 """Bytes to messages and back: msgpack with bounded, field-by-field validated decoding.
 
-A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, <field>: <value>, ...}``.
+A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, ["m": PROTOCOL_MINOR,]
+["s": <session>,] <field>: <value>, ...}``, ``m`` left out when the minor version is 0.
 :func:`decode` returns exactly one message of :mod:`epochal.protocol.messages` or raises
 :class:`~epochal.errors.MalformedMessage`; nothing else escapes it, whatever the bytes.
+:func:`decode_frame` also says what else the frame held (:class:`Decoded`).
+
+Versions: a frame of another major version (``v``) is refused with
+:class:`~epochal.errors.ProtocolVersionMismatch`. Within the major version, whatever the minor, a
+field a frame leaves out takes its declared default (a required one is missing), and a field this
+version does not know is skipped: its value is held to the same bounds (a huge one is refused,
+not skipped), nothing is built from it, and its path is returned in :attr:`Decoded.skipped`.
 
 Each record class gets one decoder, compiled once from its declared fields
-(:func:`~epochal.protocol.records.fields_of`): a converter per field that checks the raw value's
+(:func:`~epochal.protocol.registry.fields_of`): a converter per field that checks the raw value's
 type and builds the field's value. A frame (at most
-:data:`~epochal.protocol.messages.MAX_FRAME_BYTES`) is unpacked whole and run through them; a
+:data:`~epochal.protocol.limits.MAX_FRAME_BYTES`) is unpacked whole and run through them; a
 frame that fails there is read value by value against the same declared fields (never decoding a
 container the message does not have, nor a list longer than its field allows) and run through the
 same converters, which name the path of what is wrong.
@@ -15,6 +23,7 @@ same converters, which name the path of what is wrong.
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -22,26 +31,31 @@ from typing import Any
 import msgpack
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
-from epochal.protocol.decoders import DECODERS, RESERVED, decoder
+from epochal.protocol.decoders import DECODERS, decoder
 from epochal.protocol.limits import (
+    FRAME_KEYS,
     MAX_FIELDS,
-    MAX_LIST_ITEMS,
-    SESSION_KEY,
-    WHOLE_FRAME_BYTES,
-)
-from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
+    MAX_LIST_ITEMS,
     MAX_SESSION_CHARS,
     MAX_TEXT_CHARS,
-    MESSAGE_TYPES,
+    MINOR_KEY,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    SESSION_KEY,
+    TYPE_KEY,
+    VERSION_KEY,
+    WHOLE_FRAME_BYTES,
+)
+from epochal.protocol.reader import Reader
+from epochal.protocol.registry import (
+    MESSAGE_TYPES,
     TYPE_NAMES,
     FieldSpec,
     Message,
     Record,
     fields_of,
 )
-from epochal.protocol.reader import Reader
 
 # ------------------------------------------------------------------------ encoding
 
@@ -84,7 +98,9 @@ def encode(message: Message, session: str = "") -> bytes:
         raise TypeError(f"{cls.__name__} is not a protocol message")
     if len(session) > MAX_SESSION_CHARS:
         raise ValueError(f"a session is at most {MAX_SESSION_CHARS} characters")
-    frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": name}
+    frame: dict[str, Any] = {VERSION_KEY: PROTOCOL_VERSION, TYPE_KEY: name}
+    if PROTOCOL_MINOR:
+        frame[MINOR_KEY] = PROTOCOL_MINOR
     if session:
         frame[SESSION_KEY] = session
     plain = _ENCODERS.get(cls)
@@ -100,20 +116,35 @@ def encode(message: Message, session: str = "") -> bytes:
 # ------------------------------------------------------------------------ decoding
 
 
+class Decoded(typing.NamedTuple):
+    """One frame decoded: its message and what else the frame held."""
+
+    message: Message
+    session: str = ""
+    """The session a worker's frame presents; "" when none."""
+    minor: int = 0
+    """The minor version of the peer that wrote it (``m``; 0 when left out)."""
+    skipped: tuple[str, ...] = ()
+    """The fields it carried that this version does not know, by path without list indexes
+    (``decision.go.warmup``), each once, sorted: their values were checked and dropped."""
+
+
 def decode(data: bytes | memoryview) -> Message:
     """Decode one frame, or raise MalformedMessage naming what is wrong with it."""
-    return decode_frame(data)[0]
+    return decode_frame(data).message
 
 
-def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
-    """Decode one frame into its message and the session it presents ("" when none).
+def decode_frame(data: bytes | memoryview) -> Decoded:
+    """Decode one frame into its message, the session it presents, its minor version and the
+    fields it skipped.
 
     A frame over :data:`MAX_FRAME_BYTES` is refused unread. A frame of at most
     :data:`WHOLE_FRAME_BYTES` (all the others) is unpacked whole and checked against its message's
     decoder. One that fails is read against the message's declared fields value by value, and
     every container is refused before its items are read when it is not where the message has one
-    or is longer than the message allows: whatever the bytes, decoding allocates at most a few MiB
-    (see :mod:`epochal.protocol.limits`), never an amplification.
+    (or, in a field it does not know, when it is longer or deeper than any frame may hold) or is
+    longer than the message allows: whatever the bytes, decoding allocates at most a few MiB (see
+    :mod:`epochal.protocol.limits`), never an amplification.
     """
     size = len(data) if type(data) is bytes else memoryview(data).nbytes
     if size > MAX_FRAME_BYTES:
@@ -126,6 +157,15 @@ def decode_frame(data: bytes | memoryview) -> tuple[Message, str]:
         except Exception:  # the reader below says what is wrong, naming its path
             pass
     return _by_value(data, size)
+
+
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def _decoded(message: Message, session: str, minor: int, skipped: list[str]) -> Decoded:
+    if not skipped:  # every frame of this version: made without the named tuple's __new__
+        return tuple.__new__(Decoded, (message, session, minor, ()))
+    return Decoded(message, session, minor, tuple(sorted({_INDEX.sub("", p) for p in skipped})))
 
 
 _LEAD = b"\xa1v" + bytes([PROTOCOL_VERSION])
@@ -162,18 +202,18 @@ def message_type(data: bytes | memoryview) -> str:
         raise MalformedMessage(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
 
 
-def _by_value(data: bytes | memoryview, size: int) -> tuple[Message, str]:
+def _by_value(data: bytes | memoryview, size: int) -> Decoded:
     """A frame read value by value against its message's declared fields."""
     reader = Reader(data)
     try:
-        message, session = reader.frame()
+        message, session, minor, skipped = reader.frame()
         if reader.unpacker.tell() != size:
             raise MalformedMessage("not a msgpack frame: extra bytes after the frame's map")
     except (MalformedMessage, ProtocolVersionMismatch):
         raise
     except Exception as exc:  # msgpack raises a zoo of types on bad input; all mean the same
         raise MalformedMessage(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
-    return typing.cast(Message, message), session
+    return _decoded(message, session, minor, skipped)
 
 
 class _Duplicate(Exception):
@@ -194,7 +234,7 @@ _WHOLE_OPTIONS: dict[str, Any] = {
     "max_bin_len": 0,
     "max_ext_len": 0,
     "max_array_len": MAX_LIST_ITEMS,
-    "max_map_len": MAX_FIELDS + len(RESERVED) + 1,
+    "max_map_len": MAX_FIELDS + len(FRAME_KEYS),
 }
 
 
@@ -210,32 +250,42 @@ def _map_size(data: bytes | memoryview) -> int:
     return -1
 
 
-def _whole(data: bytes | memoryview) -> tuple[Message, str]:
+def _whole(data: bytes | memoryview) -> Decoded:
     """A small frame unpacked whole, accepted only when it is exactly a valid message (anything
     else raises, and the value-by-value reader then names what is wrong)."""
     frame = msgpack.unpackb(data, **_WHOLE_OPTIONS)
     first = data[0]
     if len(frame) != (first - 0x80 if 0x80 <= first <= 0x8F else _map_size(data)):
         raise _Duplicate  # a key repeated: unpacked, the last one would silently win
-    version = frame["v"]
-    name = frame["t"]
+    version = frame[VERSION_KEY]
+    name = frame[TYPE_KEY]
     keys = iter(frame)
     lead = next(keys) + next(keys)  # "v" and "t" come first, in either order
     if type(version) is not int or version != PROTOCOL_VERSION or lead not in ("vt", "tv"):
         raise ValueError("not a frame of this version")
     cls = MESSAGE_TYPES[name]
     dec = DECODERS.get(cls) or decoder(cls)
-    session = frame.get(SESSION_KEY, "")
-    if session:
-        if type(session) is not str or len(session) > MAX_SESSION_CHARS:
-            raise ValueError("not a session")
-        if frame.keys() != dec.frame_keys_session:
-            raise ValueError("not the message's fields")
-    elif frame.keys() != dec.frame_keys:
-        raise ValueError("not the message's fields")
-    message = dec.cls(*[convert(frame[n], name, n) for n, convert in dec.converters])
-    if dec.nested:
+    skipped: list[str] = []
+    session, minor = "", 0
+    if frame.keys() == dec.frame_keys:  # a frame of this version without a session
+        message = dec.cls(*[convert(frame[n], name, n, skipped) for n, convert in dec.converters])
+    else:
+        if SESSION_KEY in frame:
+            session = frame[SESSION_KEY]
+            if type(session) is not str or not 0 < len(session) <= MAX_SESSION_CHARS:
+                raise ValueError("not a session")
+        if MINOR_KEY in frame:
+            minor = frame[MINOR_KEY]
+            if type(minor) is not int or minor < 0:
+                raise ValueError("not a minor version")
+        if frame.keys() == dec.frame_keys_session:
+            values = [convert(frame[n], name, n, skipped) for n, convert in dec.converters]
+            message = dec.cls(*values)
+        else:  # another minor version's: fields left out or not known here
+            fields = {k: v for k, v in frame.items() if k not in FRAME_KEYS}
+            message = dec.build(fields, name, skipped)
+    if dec.nested or skipped:
         # maps inside: unpack again, refusing a repeated key in any of them (only once the frame
         # proved valid, so that junk never costs a Python call per map)
         msgpack.unpackb(data, object_pairs_hook=_unique_map, **_WHOLE_OPTIONS)
-    return message, session
+    return _decoded(message, session, minor, skipped)

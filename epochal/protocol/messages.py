@@ -6,47 +6,59 @@ registers it under its wire name, the class name in snake case (``EpochReady`` t
 :class:`CoordinatorMessage`, or both. Everything else is derived from that registry: the codec's
 decoders, :data:`MESSAGE_TYPES`, the names ``epochal.protocol`` exports, the message names a fault
 filter accepts. A field's own constraint is declared on its type (``epoch: NonNeg``, that is
-``Annotated[int, Ge(0)]``; ``code: Annotated[str, OneOf(RejectCode)]``) and checked whenever a
-message is made, by its sender as by the codec (raising ``ValueError``); a check between fields
-lives in the class's ``_validate``. The codec in :mod:`epochal.protocol.codec` checks field types
-and turns any failure into :class:`~epochal.errors.MalformedMessage`. ``docs/protocol.md``
-describes the exchange, and a test holds it to these classes.
+``Annotated[int, Ge(0)]``; ``code: Annotated[str, OneOf(RejectCode)]``; a list's bound,
+``Annotated[tuple[Metric, ...], Items(MAX_METRICS)]``) and checked whenever a message is made,
+by its sender as by the codec (raising ``ValueError``); a check between fields lives in the
+class's ``_validate``. The codec in :mod:`epochal.protocol.codec` checks field types and turns
+any failure into :class:`~epochal.errors.MalformedMessage`. ``docs/protocol.md`` describes the
+exchange, and a test holds it to these classes.
 
-This module's imports are private (underscored): ``from epochal.protocol.messages import *``
-exports exactly the protocol's names.
+Evolving them: a new field within a major version has a default (a frame from an older peer
+leaves it out and stands for the default; an older peer skips it) and bumps
+:data:`PROTOCOL_MINOR`; a new message type, a field without a default, a field removed or a
+changed meaning bumps :data:`PROTOCOL_VERSION` (``tests/protocol/test_versions.py`` holds the
+required fields of the major version).
+
+The parts they are made of live by job: the version and every bound in
+:mod:`~epochal.protocol.limits`, the closed sets of strings and the rules for names in
+:mod:`~epochal.protocol.strings`, the constraints and field types in
+:mod:`~epochal.protocol.constraints`, the registry in :mod:`~epochal.protocol.registry`; all are
+re-exported here. This module's imports are private (underscored) or the parts' own names:
+``from epochal.protocol.messages import *`` exports exactly the protocol's names.
 """
 
 import dataclasses as _dataclasses
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-from epochal.protocol.records import *  # noqa: F403  (the parts, re-exported with the messages)
-from epochal.protocol.records import (
-    MAX_METRICS,
-    MAX_PAGE_PARAMS,
-    MAX_PARAMS,
-    MAX_SHAPE_DIMS,
-    Awaiting,
-    Backend,
-    CoordinatorMessage,
-    Device,
+# the parts, re-exported with the messages: ``from epochal.protocol import X`` finds them all
+from epochal.protocol.constraints import *  # noqa: F403
+from epochal.protocol.constraints import (
     Finite,
+    Items,
     MaybeName,
     MaybePath,
     Name,
     NonNeg,
     OneOf,
-    Phase,
     Port,
     Positive,
-    Record,
-    RejectCode,
     Session,
     Text,
     Within,
-    WorkerMessage,
+)
+from epochal.protocol.limits import *  # noqa: F403
+from epochal.protocol.limits import MAX_METRICS, MAX_PAGE_PARAMS, MAX_PARAMS, MAX_SHAPE_DIMS
+from epochal.protocol.registry import *  # noqa: F403
+from epochal.protocol.registry import CoordinatorMessage, Record, WorkerMessage, message
+from epochal.protocol.strings import *  # noqa: F403
+from epochal.protocol.strings import (
+    Awaiting,
+    Backend,
+    Device,
+    Phase,
+    RejectCode,
     check_metric_name,
-    message,
 )
 
 # ------------------------------------------------------------------------ shared parts
@@ -58,12 +70,10 @@ class ParamSpec(Record):
     :class:`ModelPage`)."""
 
     name: Name
-    shape: tuple[int, ...]
+    shape: _Annotated[tuple[int, ...], Items(MAX_SHAPE_DIMS)]
     dtype: Name
 
     def _validate(self) -> None:
-        if len(self.shape) > MAX_SHAPE_DIMS:
-            raise ValueError(f"shape of {self.name} has more than {MAX_SHAPE_DIMS} dimensions")
         if not all(d >= 0 for d in self.shape):
             raise ValueError(f"shape of {self.name} has a negative size")
 
@@ -93,9 +103,11 @@ class Metric(Record):
     count: NonNeg
 
 
+Metrics = _Annotated[tuple[Metric, ...], Items(MAX_METRICS)]
+"""The named metrics of one split of an epoch, each name once."""
+
+
 def _check_metrics(field: str, metrics: tuple[Metric, ...]) -> None:
-    if len(metrics) > MAX_METRICS:
-        raise ValueError(f"{field} holds over {MAX_METRICS} metrics")
     names = [m.name for m in metrics]
     if len(set(names)) != len(names):
         raise ValueError(f"{field} names a metric twice")
@@ -203,9 +215,9 @@ class EpochReport(WorkerMessage):
     valid_loss_sum: float
     valid_count: NonNeg
     # 0 when the worker did not validate this epoch
-    train_metrics: tuple[Metric, ...] = ()
+    train_metrics: Metrics = ()
     # the training code's named metrics of the training split, as sums and counts
-    valid_metrics: tuple[Metric, ...] = ()
+    valid_metrics: Metrics = ()
     # the same of the validation split (empty when the worker did not validate)
     ready: EpochReady | None = None
     # this worker's batch counts for epoch + 1, so that the Decision can carry its Go;
@@ -267,11 +279,9 @@ class ModelPage(WorkerMessage):
     # the index of params[0] in the model's list of parameters and buffers
     entries: NonNeg
     # how many entries the whole list has (the hello's fingerprint.entries)
-    params: tuple[ParamSpec, ...]
+    params: _Annotated[tuple[ParamSpec, ...], Items(MAX_PAGE_PARAMS)]
 
     def _validate(self) -> None:
-        if len(self.params) > MAX_PAGE_PARAMS:
-            raise ValueError(f"a page holds at most {MAX_PAGE_PARAMS} entries")
         if self.first + len(self.params) > self.entries:
             raise ValueError(
                 f"entries {self.first}..{self.first + len(self.params) - 1} are past the "
@@ -378,9 +388,9 @@ class Decision(CoordinatorMessage):
     # write a checkpoint of the state after this epoch
     stop: bool
     # no further epoch; a Finish follows
-    train_metrics: tuple[Metric, ...] = ()
+    train_metrics: Metrics = ()
     # every named metric summed over all ranks, with the total sample count
-    valid_metrics: tuple[Metric, ...] = ()
+    valid_metrics: Metrics = ()
     go: Go | None = None
     # the Go of epoch + 1, planned from the batch counts the reports carried; None exactly when
     # the decision stops the run

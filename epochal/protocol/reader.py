@@ -2,7 +2,11 @@
 
 Used for a frame that failed the whole-frame path, to name the path of what is wrong. It never
 decodes a container the message does not have, nor a list longer than its field allows, so an
-adversarial frame costs no more memory than a valid one of its message.
+adversarial frame costs no more memory than a valid one of its message. A field it does not know
+(a newer minor version's) it reads past value by value, holding none of it, within the bounds of
+:mod:`epochal.protocol.limits`: a list of at most MAX_LIST_ITEMS, a map of at most MAX_FIELDS,
+at most MAX_DEPTH deep, at most MAX_SKIPPED_VALUES values in all the unknown fields of one map,
+every value counted.
 """
 
 from __future__ import annotations
@@ -13,22 +17,38 @@ from typing import Any
 import msgpack
 
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch
-from epochal.protocol.decoders import RESERVED, Decoder, decoder
+from epochal.protocol.decoders import SKIPPED, Budget, Decoder, decoder
 from epochal.protocol.limits import (
-    LIST_LIMITS,
+    FRAME_KEYS,
+    MAX_DEPTH,
     MAX_FIELDS,
     MAX_FRAME_OBJECTS,
     MAX_KEY_CHARS,
-    SESSION_KEY,
-)
-from epochal.protocol.messages import (
+    MAX_LIST_ITEMS,
     MAX_SESSION_CHARS,
     MAX_TEXT_CHARS,
-    MESSAGE_TYPES,
+    MINOR_KEY,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
-    FieldSpec,
-    Record,
+    SESSION_KEY,
+    TYPE_KEY,
+    VERSION_KEY,
 )
+from epochal.protocol.registry import MESSAGE_TYPES, FieldSpec, Message, Record
+
+LEAD = (VERSION_KEY, TYPE_KEY)
+"""The keys a frame starts with, in either order."""
+
+
+def version_mismatch(theirs: object) -> ProtocolVersionMismatch:
+    """The refusal of a frame whose ``v`` is not this process's major version."""
+    return ProtocolVersionMismatch(
+        f"peer speaks protocol version {theirs!r}, this process speaks "
+        f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR} (only peers of one major version interoperate): "
+        "install the same epochal version on the coordinator and every worker",
+        theirs=theirs,
+        ours=PROTOCOL_VERSION,
+    )
 
 
 def _kind(byte: int) -> str:
@@ -138,41 +158,43 @@ class Reader:
         if kind != "map":
             raise MalformedMessage(f"frame is a {_KIND_NAMES[kind]}, expected a map")
         n = int(self.unpacker.read_map_header())
-        if n > MAX_FIELDS + len(RESERVED) + 1:
-            raise MalformedMessage(f"frame is a map of {n} entries, more than any message has")
+        if n > MAX_FIELDS + len(FRAME_KEYS):
+            raise MalformedMessage(f"frame is a map of {n} entries, more than a frame may hold")
         head: dict[str, Any] = {}
         for _ in range(min(n, 2)):  # "v" and "t" come first, so the rest is read by its schema
             name = self.key("frame")
-            if name not in RESERVED or name in head:
+            if name not in LEAD or name in head:
                 break
-            if name == "t" and self.peek() in ("map", "list"):
+            if name == TYPE_KEY and self.peek() in ("map", "list"):
                 raise MalformedMessage("unknown message type: a container, not a name")
             head[name] = self.scalar(f"frame.{name}")
         else:
             name = None
-        version = head.get("v")
+        version = head.get(VERSION_KEY)
         if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ProtocolVersionMismatch(
-                f"peer speaks protocol version {version!r}, this process speaks "
-                f"{PROTOCOL_VERSION}: install the same epochal version on the coordinator and "
-                "every worker",
-                theirs=version,
-                ours=PROTOCOL_VERSION,
-            )
-        type_name = head.get("t")
+            raise version_mismatch(version)
+        type_name = head.get(TYPE_KEY)
         if not isinstance(type_name, str) or type_name not in MESSAGE_TYPES:
             raise MalformedMessage(f"unknown message type {type_name!r}")
         return n, len(head), type_name, name
 
-    def frame(self) -> tuple[Any, str]:
+    def frame(self) -> tuple[Message, str, int, list[str]]:
+        """The frame's message, its session ("" when none), its minor version and the paths of
+        the fields it carried that this version does not know (skipped)."""
         n, read, type_name, name = self.head()
         dec = decoder(MESSAGE_TYPES[type_name])
-        session = ""
+        session: str | None = None
+        minor: int | None = None
         fields: dict[str, Any] = {}
+        budget = Budget()
         for i in range(n - read):
             if i > 0 or name is None:
                 name = self.key(type_name)
-            if name == SESSION_KEY and not session:
+            if name in LEAD or (name == SESSION_KEY and session is not None):
+                raise MalformedMessage(f"{type_name}: field {name!r} appears twice")
+            if name == MINOR_KEY and minor is not None:
+                raise MalformedMessage(f"{type_name}: field {name!r} appears twice")
+            if name == SESSION_KEY:
                 value = self.scalar(f"{type_name}.{name}")
                 if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
                     raise MalformedMessage(
@@ -180,21 +202,31 @@ class Reader:
                         "characters"
                     )
                 session = value
+            elif name == MINOR_KEY:
+                value = self.scalar(f"{type_name}.{name}")
+                if type(value) is not int or value < 0:
+                    raise MalformedMessage(
+                        f"{type_name}: the minor version must be an int >= 0, got {value!r}"
+                    )
+                minor = value
             else:
-                self.field(dec, fields, name, type_name)
-        return dec.build(fields, type_name), session
+                self.field(dec, fields, name, type_name, budget)
+        skipped: list[str] = []
+        message = dec.build(fields, type_name, skipped)
+        return message, session or "", minor or 0, skipped
 
-    def field(self, dec: Decoder, fields: dict[str, Any], name: str, where: str) -> None:
-        """Read the raw value of field ``name`` of ``dec``'s record into ``fields``."""
-        spec = dec.by_name.get(name)
+    def field(
+        self, dec: Decoder, fields: dict[str, Any], name: str, where: str, budget: Budget
+    ) -> None:
+        """Read the raw value of field ``name`` of ``dec``'s record into ``fields``; a field the
+        record does not have is read past (:meth:`skip`, spending its map's ``budget``) and kept
+        as SKIPPED."""
         if name in fields:
             raise MalformedMessage(f"{where}: field {name!r} appears twice")
+        spec = dec.by_name.get(name)
         if spec is None:
-            # an unknown field is named with the others by Decoder.build; its value is read only
-            # when it is a plain value, so no unknown field makes the decoder build a structure
-            if self._next_kind() in ("map", "list"):
-                raise MalformedMessage(f"{where}: unexpected {name!r}")
-            fields[name] = self.scalar(f"{where}.{name}")
+            self.skip(f"{where}.{name}", 0, budget)
+            fields[name] = SKIPPED
             return
         fields[name] = self.value(spec, f"{where}.{name}")
 
@@ -208,18 +240,52 @@ class Reader:
             if kind != "list":
                 raise MalformedMessage(f"{where}: expected a list, got {_KIND_NAMES[kind]}")
             n = int(self.unpacker.read_array_header())
-            most = LIST_LIMITS.get(spec.name, 0)
-            if n > most:
-                raise MalformedMessage(f"{where}: a list of {n} items, at most {most} allowed")
+            if n > spec.max_items:
+                raise MalformedMessage(
+                    f"{where}: a list of {n} items, at most {spec.max_items} allowed"
+                )
             return [self.value(spec.item, f"{where}[{i}]") for i in range(n)]
         if issubclass(spec.kind, Record):
             dec = decoder(spec.kind)
-            n = self.map_header(where, len(dec.specs) + 1)
+            n = self.map_header(where, MAX_FIELDS)
             fields: dict[str, Any] = {}
+            budget = Budget()
             for _ in range(n):
-                self.field(dec, fields, self.key(where), where)
+                self.field(dec, fields, self.key(where), where, budget)
             return fields
         return self.scalar(where)
+
+    def skip(self, where: str, depth: int, budget: Budget) -> None:
+        """Read past one value of a field this version does not know, building nothing of it:
+        plain values, and lists and maps of them within the frame's bounds, at most
+        MAX_SKIPPED_VALUES values in all the unknown fields of a map together."""
+        budget.spend(where)
+        kind = self._next_kind()
+        if kind not in ("list", "map"):
+            self.scalar(where)
+            return
+        if depth >= MAX_DEPTH:
+            raise MalformedMessage(
+                f"{where}: an unknown field's value nested deeper than {MAX_DEPTH} containers"
+            )
+        if kind == "list":
+            self.peek()
+            n = int(self.unpacker.read_array_header())
+            if n > MAX_LIST_ITEMS:
+                raise MalformedMessage(
+                    f"{where}: a list of {n} items, at most {MAX_LIST_ITEMS} allowed"
+                )
+            for i in range(n):
+                self.skip(f"{where}[{i}]", depth + 1, budget)
+            return
+        n = self.map_header(where, MAX_FIELDS)
+        seen: set[str] = set()
+        for _ in range(n):
+            name = self.key(where)
+            if name in seen:
+                raise MalformedMessage(f"{where}: field {name!r} appears twice")
+            seen.add(name)
+            self.skip(f"{where}.{name}", depth + 1, budget)
 
     def _next_kind(self) -> str:
         at = int(self.unpacker.tell())

@@ -681,8 +681,8 @@ def test_counts_that_overflow_the_wire_abort_every_worker_through_the_real_codec
     ]
     actions: list[Action] = []
     for peer, frame in zip(run.peers, frames, strict=True):
-        message, session = decode_frame(frame)
-        actions += run.machine.on_message(2.0, peer, message, session=session)
+        got = decode_frame(frame)
+        actions += run.machine.on_message(2.0, peer, got.message, session=got.session)
     reason = aborted(actions)
     assert reason is not None and "training metric 'hits' sample counts of ranks 0-1" in reason
     sent = [a for a in actions if isinstance(a, Send | Broadcast)]

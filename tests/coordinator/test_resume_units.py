@@ -482,6 +482,7 @@ MAY_CHANGE: dict[str, Any] = {
     "tensorboard": "tb",
     "metrics_address": "127.0.0.1:9400",
     "status": False,
+    "min_workers": 1,
 }
 
 

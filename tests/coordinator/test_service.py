@@ -184,10 +184,10 @@ async def test_a_retried_hello_is_known_by_its_bytes_and_its_fingerprint_is_not_
     decoded: list[str] = []
     build = Decoder.build
 
-    def counting(self: Decoder, raw: object, where: str) -> object:
+    def counting(self: Decoder, raw: object, where: str, skipped: list[str]) -> object:
         if self.cls is Fingerprint:
             decoded.append(where)
-        return build(self, raw, where)
+        return build(self, raw, where, skipped)
 
     monkeypatch.setattr(Decoder, "build", counting)
     coordinator, task = await serve(ctx, token="s3cret")
@@ -318,10 +318,10 @@ async def test_a_hello_with_a_huge_fingerprint_and_no_token_builds_no_parameter(
     built: list[str] = []
     build = Decoder.build
 
-    def counting(self: Decoder, raw: object, where: str) -> object:
+    def counting(self: Decoder, raw: object, where: str, skipped: list[str]) -> object:
         if self.cls is ParamSpec:
             built.append(where)
-        return build(self, raw, where)
+        return build(self, raw, where, skipped)
 
     monkeypatch.setattr(Decoder, "build", counting)
     lines: list[str] = []

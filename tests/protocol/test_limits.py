@@ -10,13 +10,11 @@ which must fit too, whatever the entries.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 
 from epochal.protocol import decode, encode
-from epochal.protocol.limits import LIST_LIMITS
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
     MAX_NAME_CHARS,
@@ -25,79 +23,13 @@ from epochal.protocol.messages import (
     MAX_SHAPE_DIMS,
     MESSAGE_TYPES,
     TYPE_NAMES,
-    Chars,
-    Decision,
-    EpochReport,
-    FieldSpec,
-    Ge,
     Hello,
-    Joined,
-    Length,
-    Liveness,
-    Metric,
     ModelPage,
-    OneOf,
     ParamSpec,
-    Status,
-    Welcome,
-    Within,
     WorkerMessage,
-    fields_of,
 )
 from epochal.protocol.paging import PAGE_BYTES, entry, model_page
-
-WIDE = "\U0001f600"  # four bytes in UTF-8
-UINT64 = 2**64 - 1  # the widest integer msgpack packs (9 bytes)
-
-
-def _largest_value(spec: FieldSpec, owner: type) -> Any:
-    choices = [c.choices for c in spec.constraints if isinstance(c, OneOf)]
-    if choices:
-        return max((member.value for member in choices[0]), key=len)
-    if spec.kind is int:
-        for c in spec.constraints:
-            if isinstance(c, Within):
-                return c.highest
-        return UINT64 - 1 if any(isinstance(c, Ge) for c in spec.constraints) else -(2**63)
-    if spec.kind is float:
-        return 1e308
-    if spec.kind is bool:
-        return True
-    if spec.kind is str:
-        for c in spec.constraints:
-            if isinstance(c, Chars | Length):
-                return WIDE * c.most
-        raise AssertionError(f"{owner.__name__}.{spec.name}: a string without a bound")
-    if spec.kind is tuple:
-        assert spec.item is not None
-        most = LIST_LIMITS[spec.name]
-        if spec.item.kind is Metric:  # names are ASCII, distinct: 64 characters each
-            return tuple(Metric(f"m{i:063d}", 1e308, UINT64) for i in range(most))
-        if spec.item.kind is int:
-            return (UINT64,) * most
-        raise AssertionError(f"{owner.__name__}.{spec.name}: pages are model_page's")
-    return largest(spec.kind)
-
-
-def largest(cls: type) -> Any:
-    """The largest instance of a record the declared fields allow (fields that depend on each
-    other set to agree)."""
-    values = {spec.name: _largest_value(spec, cls) for spec in fields_of(cls)}
-    if cls is Welcome:
-        values["rank"] = values["world_size"] - 1
-    if cls is Joined:
-        values["joined"] = values["world_size"]
-    if cls is Liveness:  # any float takes 9 bytes; the interval must be below the timeout
-        values["interval"] = values["timeout"] / 2
-    if cls is Status:
-        values["phase"], values["awaiting"] = "waiting", "decision"
-    if cls is EpochReport:
-        values["epoch"] = UINT64 - 2
-        values["ready"] = dataclasses.replace(values["ready"], epoch=UINT64 - 1)
-    if cls is Decision:
-        values["epoch"], values["stop"] = UINT64 - 2, False
-        values["go"] = dataclasses.replace(values["go"], epoch=UINT64 - 1)
-    return cls(**values)
+from tests.protocol.examples import UINT64, WIDE, largest_examples
 
 
 def frame_size(message: Any) -> int:
@@ -109,9 +41,12 @@ def frame_size(message: Any) -> int:
     "cls", [c for c in MESSAGE_TYPES.values() if c is not ModelPage], ids=TYPE_NAMES.get
 )
 def test_the_largest_message_of_each_type_fits_in_a_frame(cls: type):
-    message = largest(cls)
-    assert frame_size(message) <= MAX_FRAME_BYTES
-    assert decode(encode(message)) == message
+    # every value at its largest, as the fields declare it: each string at its bound in
+    # four-byte characters, each int the widest msgpack packs, each list at its declared Items
+    # bound (tests/protocol/examples.py), in every member of each closed set
+    for message in largest_examples(cls):
+        assert frame_size(message) <= MAX_FRAME_BYTES
+        assert decode(encode(message)) == message
 
 
 LONGEST_ENTRY = ParamSpec(

@@ -4,7 +4,8 @@ Each row of the two message tables names a message type and lists its fields, ea
 backticked name followed by its type or range; the rows must be exactly the messages each side
 sends, every field must be listed in the class's order, and what the row says of a field must
 agree with its declared type (nil where None is allowed, every value of a closed set, the bound
-of a constrained int). So a new field or message fails here until the page says it.
+of a constrained int, "optional" exactly where the field has a default). So a new field or
+message fails here until the page says it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from epochal.protocol.messages import (
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     CoordinatorMessage,
     FieldSpec,
@@ -92,8 +94,10 @@ def test_each_row_lists_the_fields_of_its_class_in_order(
 
 
 def what_it_must_say(spec: FieldSpec) -> list[str]:
-    """Words a field's description must contain, from its declared type."""
+    """Words a field's description must contain, from its declared type and default."""
     words = ["nil"] if spec.nilable else []
+    if not spec.required:
+        words.append("optional")
     choices = [c.choices for c in spec.constraints if isinstance(c, OneOf)]
     if choices:
         return words + [member.value for member in choices[0]]
@@ -103,7 +107,7 @@ def what_it_must_say(spec: FieldSpec) -> list[str]:
                 words.append(f"≥ {constraint.least}")
             elif isinstance(constraint, Within):
                 words.append(f"{constraint.lowest}..{constraint.highest}")
-        return words if len(words) > spec.nilable else [*words, "int"]
+        return words if len(words) > spec.nilable + (not spec.required) else [*words, "int"]
     if spec.kind is tuple:
         return [*words, "list"]
     if issubclass(spec.kind, Record):
@@ -128,6 +132,7 @@ def test_each_field_is_described_as_its_type_declares_it(
             continue  # a range between fields: "1..world_size"
         missing = [word for word in what_it_must_say(spec) if word not in said]
         assert not missing, f"{heading}: {name}.{field} is described as {said!r}, without {missing}"
+        assert spec.required != ("optional" in said), f"{name}.{field} has no default"
 
 
 def test_the_fingerprint_and_entry_maps_name_their_keys_in_order():
@@ -142,5 +147,7 @@ def test_the_page_states_the_frame_limit():
 
 
 def test_the_page_states_the_current_version():
-    assert TEXT.startswith(f"# The epochal control protocol, version {PROTOCOL_VERSION}\n")
-    assert f'{{"v": {PROTOCOL_VERSION}, "t": "<type>"' in TEXT
+    version = f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR}"
+    assert TEXT.startswith(f"# The epochal control protocol, version {version}\n")
+    assert f'{{"v": {PROTOCOL_VERSION}, "t": "<type>", ["m": <minor>,]' in TEXT
+    assert f"this page describes version {version}" in TEXT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Iterator
+from typing import Annotated
 
 import pytest
 
@@ -12,18 +13,26 @@ import epochal.protocol
 from epochal.errors import MalformedMessage
 from epochal.protocol import decode, encode
 from epochal.protocol.messages import (
+    MAX_LIST_ITEMS,
+    MAX_METRICS,
     MESSAGE_TYPES,
     TYPE_NAMES,
     CoordinatorMessage,
     Heartbeat,
+    Items,
     Message,
+    Metric,
+    Name,
     NonNeg,
+    Record,
     Text,
     WorkerMessage,
+    fields_of,
     message,
     names_sent_by,
     wire_name,
 )
+from tests.protocol.examples import CannotDerive, examples
 
 
 @pytest.fixture
@@ -78,6 +87,102 @@ def test_a_new_message_is_one_class(registry: None):
     frame = encode(ping).replace(b"\xa5count\x03", b"\xa5count\xff")  # -1
     with pytest.raises(MalformedMessage, match="ping_back: count must be >= 0, got -1"):
         decode(frame)
+    # the codec tests' examples follow from the declaration too: none is written for it
+    derived = examples(PingBack)
+    assert {m.count for m in derived} == {0, 2**64 - 1}
+    assert all(decode(encode(m)) == m for m in derived)
+
+
+def test_a_list_field_declares_its_bound_and_the_codec_holds_it(registry: None):
+    @message
+    class Scores(WorkerMessage):
+        scores: Annotated[tuple[Metric, ...], Items(3)]
+        tags: Annotated[tuple[str, ...], Items(MAX_METRICS)] = ()
+
+    (spec, tags) = fields_of(Scores)
+    assert (spec.max_items, spec.item and spec.item.kind) == (3, Metric)
+    assert (tags.max_items, tags.required, tags.default) == (MAX_METRICS, False, ())
+    scores = tuple(Metric(f"m{i}", 1.0, 1) for i in range(3))
+    assert decode(encode(Scores(scores))) == Scores(scores)
+    with pytest.raises(ValueError, match="scores holds 4 items, at most 3 allowed"):
+        Scores((*scores, Metric("m3", 1.0, 1)))
+    frame = encode(Scores(scores)).replace(b"\x93", b"\x94", 1) + b"\x80"
+    with pytest.raises(MalformedMessage, match=r"scores: a list of 4 items, at most 3 allowed"):
+        decode(frame)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Part(Record):
+    """A record with a list that declares no bound (never part of a registered message)."""
+
+    sizes: tuple[int, ...]
+
+
+def test_a_list_field_without_a_bound_is_refused_where_it_is_declared(registry: None):
+    with pytest.raises(TypeError, match=r"Unbounded.names: a list field declares its bound"):
+
+        @message
+        class Unbounded(WorkerMessage):
+            names: tuple[str, ...]
+
+    with pytest.raises(TypeError, match=r"Part.sizes: a list field declares its bound"):
+
+        @message
+        class Holder(CoordinatorMessage):  # a record inside fails where its user is declared
+            part: Part
+
+    assert "unbounded" not in MESSAGE_TYPES and "holder" not in MESSAGE_TYPES
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"),
+    [
+        (Annotated[int, Items(3)], "Items bounds a list"),
+        (Annotated[tuple[int, ...], Items(3), Items(4)], "declares its bound on its type, once"),
+        (dict[str, int], "cannot be of type"),
+    ],
+)
+def test_a_field_the_codec_cannot_carry_is_refused_where_it_is_declared(
+    registry: None, annotation: object, expected: str
+):
+    with pytest.raises(TypeError, match=expected):
+        message(type("Odd", (WorkerMessage,), {"__annotations__": {"odd": annotation}}))
+
+
+def test_a_list_bound_is_at_most_what_any_frame_holds():
+    assert Items(MAX_LIST_ITEMS).most == MAX_LIST_ITEMS
+    with pytest.raises(TypeError, match=rf"a list holds 0..{MAX_LIST_ITEMS} items"):
+        Items(MAX_LIST_ITEMS + 1)
+
+
+@pytest.mark.parametrize("key", ["v", "t", "m", "s"])
+def test_a_field_cannot_take_the_name_of_a_frames_own_key(registry: None, key: str):
+    with pytest.raises(TypeError, match=f"{key} is a frame's own key"):
+        message(type("Clash", (WorkerMessage,), {"__annotations__": {key: Name}}))
+
+
+def test_a_default_is_a_value_not_a_factory(registry: None):
+    with pytest.raises(TypeError, match="a default value, not a factory"):
+
+        @message
+        class Factory(WorkerMessage):
+            note: Text = dataclasses.field(default_factory=lambda: "x")
+
+
+def test_a_message_whose_examples_cannot_be_derived_names_itself(registry: None):
+    # a check between fields is not declared on the types: the derived values may break it, and
+    # then the round trip over every registered message fails, naming the message
+    @message
+    class Window(WorkerMessage):
+        first: NonNeg
+        last: NonNeg
+
+        def _validate(self) -> None:
+            if self.last <= self.first:
+                raise ValueError("last not after first")
+
+    with pytest.raises(CannotDerive, match=r"Window: .*last not after first.*AGREE"):
+        examples(Window)
 
 
 def test_a_message_must_say_who_sends_it(registry: None):

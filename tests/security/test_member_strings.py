@@ -38,7 +38,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from epochal.protocol.records import MAX_NAME_CHARS, MAX_TEXT_CHARS
+from epochal.protocol.limits import MAX_NAME_CHARS, MAX_TEXT_CHARS
 from epochal.text import REASON_CHARS
 
 FORGED_LINE = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J"

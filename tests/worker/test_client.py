@@ -27,7 +27,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from epochal.protocol.records import MAX_TEXT_CHARS
+from epochal.protocol.limits import MAX_TEXT_CHARS
 from epochal.worker.control.client import ABORT_CHARS, ControlClient
 from epochal.worker.options import JoinOptions
 

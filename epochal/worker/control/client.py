@@ -54,11 +54,12 @@ from epochal.protocol import (
     Welcome,
     WorkerMessage,
     clip,
-    decode,
     encode,
 )
+from epochal.protocol.codec import decode_frame
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.protocol.paging import model_page
+from epochal.protocol.skipped import SkippedFields
 from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
@@ -140,6 +141,8 @@ class ControlClient:
         self._security = security
         self._session = ""
         # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
+        self._skipped = SkippedFields("worker")
+        # the fields a newer coordinator's frames carried that this version skips, logged once
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
@@ -389,10 +392,14 @@ class ControlClient:
             self._last_heard = time.monotonic()
             self._disconnected = None
             try:
-                message = decode(data)
+                decoded = decode_frame(data)
             except MalformedMessage as exc:
                 self._fail(f"the coordinator sent a malformed message: {exc}")
                 continue
+            message = decoded.message
+            if decoded.skipped:
+                for line in self._skipped.news(decoded):
+                    WORKER.info(line)
             if isinstance(message, Heartbeat):
                 continue
             if isinstance(message, DescribeModel):  # answered here, whatever the main thread does

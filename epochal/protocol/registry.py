@@ -1,0 +1,195 @@
+"""The registry of messages: :func:`message` makes a class a message, and what each field declares.
+
+A message is a frozen dataclass deriving from :class:`WorkerMessage` or :class:`CoordinatorMessage`
+and decorated with :func:`message`, which registers it under its wire name
+(:data:`MESSAGE_TYPES`, :data:`TYPE_NAMES`). :func:`fields_of` reads each field's declared type
+into a :class:`FieldSpec`: its kind, whether None is allowed, its constraints
+(:mod:`epochal.protocol.constraints`), a list's bound and its default. The codec compiles its
+decoders from these, and a field the codec could not carry, or a list without a declared bound,
+is a TypeError where its message is declared.
+
+This module's imports are private (underscored): ``from epochal.protocol.registry import *``
+exports exactly the protocol's names.
+"""
+
+import dataclasses as _dataclasses
+import enum as _enum
+import re as _re
+import types as _types
+import typing as _typing
+from typing import Annotated as _Annotated
+from typing import Any as _Any
+
+from epochal.protocol import constraints as _constraints
+from epochal.protocol import limits as _limits
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One field of a record as its declared type describes it; the codec compiles these."""
+
+    name: str
+    kind: type
+    # int, float, bool, str, a StrEnum, tuple (then ``item`` and ``max_items``) or a Record
+    nilable: bool
+    # None is a value of this field
+    constraints: tuple[_constraints.Constraint, ...]
+    item: "FieldSpec | None" = None
+    # the type of a tuple's items
+    max_items: int = 0
+    # most items of a tuple, as its type declares it (Items)
+    required: bool = True
+    # every frame must carry the field: it has no default
+    default: _Any = None
+    # otherwise the value a frame that leaves the field out stands for
+
+
+def _spec(owner: str, name: str, tp: _Any) -> FieldSpec:
+    where = f"{owner}.{name}"
+    nilable = False
+    if _typing.get_origin(tp) in (_typing.Union, _types.UnionType):
+        options = [o for o in _typing.get_args(tp) if o is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"{where}: only X | None unions are supported, got {tp!r}")
+        nilable, tp = True, options[0]
+    constraints: list[_constraints.Constraint] = []
+    if _typing.get_origin(tp) is _Annotated:
+        tp, *metadata = _typing.get_args(tp)
+        constraints.extend(metadata)
+    bounds = [c for c in constraints if isinstance(c, _constraints.Items)]
+    if _typing.get_origin(tp) is tuple:
+        if len(bounds) != 1:
+            raise TypeError(
+                f"{where}: a list field declares its bound on its type, once: "
+                "Annotated[tuple[X, ...], Items(MAX_...)]"
+            )
+        item = _spec(owner, name, _typing.get_args(tp)[0])
+        return FieldSpec(name, tuple, nilable, tuple(constraints), item, bounds[0].most)
+    if bounds:
+        raise TypeError(f"{where}: Items bounds a list, not {tp!r}")
+    if isinstance(tp, type) and issubclass(tp, _enum.StrEnum):
+        constraints.insert(0, _constraints.OneOf(tp))
+        return FieldSpec(name, tp, nilable, tuple(constraints))
+    if isinstance(tp, type) and issubclass(tp, Record):
+        fields_of(tp)  # a nested record's own fields fail here, where its user is declared
+        return FieldSpec(name, tp, nilable, tuple(constraints))
+    if tp in (int, float, bool, str):
+        return FieldSpec(name, tp, nilable, tuple(constraints))
+    raise TypeError(f"{where}: a message field cannot be of type {tp!r}")
+
+
+_FIELDS: dict[type, tuple[FieldSpec, ...]] = {}
+
+
+def fields_of(cls: type) -> tuple[FieldSpec, ...]:
+    """The declared fields of a record (message or part), in order."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        hints = _typing.get_type_hints(cls, include_extras=True)
+        specs = []
+        for f in _dataclasses.fields(cls):
+            if f.default_factory is not _dataclasses.MISSING:
+                raise TypeError(
+                    f"{cls.__name__}.{f.name}: give the field a default value, not a factory "
+                    "(a frame that leaves the field out stands for that value)"
+                )
+            spec = _spec(cls.__name__, f.name, hints[f.name])
+            if f.default is not _dataclasses.MISSING:
+                spec = _dataclasses.replace(spec, required=False, default=f.default)
+            specs.append(spec)
+        if len(specs) > _limits.MAX_FIELDS:
+            raise TypeError(f"{cls.__name__}: a record has at most {_limits.MAX_FIELDS} fields")
+        found = _FIELDS[cls] = tuple(specs)
+    return found
+
+
+_Checks = tuple[tuple[str, bool, tuple[_constraints.Constraint, ...]], ...]
+_CHECKS: dict[type, _Checks] = {}
+
+
+def _checks(cls: type) -> _Checks:
+    """The constrained fields of ``cls``: name, whether None is allowed, the constraints."""
+    found = _CHECKS.get(cls)
+    if found is None:
+        found = _CHECKS[cls] = tuple(
+            (spec.name, spec.nilable, spec.constraints)
+            for spec in fields_of(cls)
+            if spec.constraints
+        )
+    return found
+
+
+class Record:
+    """A frozen dataclass whose fields' constraints are declared on their types."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        for name, nilable, constraints in _checks(type(self)):
+            value = original = getattr(self, name)
+            if value is None and nilable:
+                continue
+            for constraint in constraints:
+                value = constraint(name, value)
+            if value is not original:  # a string become its enum member
+                object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Checks between fields; raises ValueError. Each field's own check is on its type."""
+
+
+class Message(Record):
+    """Any control message."""
+
+    __slots__ = ()
+
+
+class WorkerMessage(Message):
+    """A message a worker sends to the coordinator."""
+
+    __slots__ = ()
+
+
+class CoordinatorMessage(Message):
+    """A message the coordinator sends to a worker."""
+
+    __slots__ = ()
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+"""Wire name of every message type, filled by :func:`message`; the codec refuses any other."""
+
+TYPE_NAMES: dict[type, str] = {}
+"""Each message class's wire name."""
+
+_M = _typing.TypeVar("_M", bound=Message)
+
+
+def wire_name(class_name: str) -> str:
+    """The wire name of a message class: its name in snake case (``OpenStore``: ``open_store``)."""
+    return _re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", class_name).lower()
+
+
+@_typing.dataclass_transform(frozen_default=True)
+def message(cls: type[_M]) -> type[_M]:
+    """Make ``cls`` a frozen dataclass and register it as the message named after it."""
+    if not issubclass(cls, WorkerMessage | CoordinatorMessage):
+        raise TypeError(f"{cls.__name__} must derive from WorkerMessage or CoordinatorMessage")
+    made = _dataclasses.dataclass(frozen=True, slots=True)(cls)
+    # a field of a type the codec cannot carry, or a list without its bound, fails here
+    specs = fields_of(made)
+    clash = [spec.name for spec in specs if spec.name in _limits.FRAME_KEYS]
+    if clash:
+        raise TypeError(f"{cls.__name__}: {', '.join(clash)} is a frame's own key, not a field")
+    name = wire_name(cls.__name__)
+    if name in MESSAGE_TYPES:
+        raise TypeError(f"two messages are named {name!r}")
+    MESSAGE_TYPES[name] = made
+    TYPE_NAMES[made] = name
+    return made
+
+
+def names_sent_by(sender: type[Message]) -> tuple[str, ...]:
+    """Wire names of the messages ``sender`` (WorkerMessage or CoordinatorMessage) may send."""
+    return tuple(name for name, cls in MESSAGE_TYPES.items() if issubclass(cls, sender))
