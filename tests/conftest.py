@@ -1,17 +1,40 @@
-"""What every test shares: a configuration directory of its own, never the real home's.
+"""What every test shares: a configuration directory of its own, never the real home's, and
+the worker's hello that the coordinator and security tests send.
 
 Checkpoints are signed with a key that epochal makes on first use in ``$XDG_CONFIG_HOME/epochal``
 (:mod:`epochal.checkpointkey`). For the whole session that variable names a private temporary
 directory, so the tests and every process they start (which inherit it) share one key there and
-nothing is written under the home of whoever runs the tests.
+nothing is written under the home of whoever runs the tests. Under pytest-xdist each worker
+process has a session, and so a directory and a key, of its own.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from epochal.protocol import Fingerprint, Hello
+
+FINGERPRINT = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
+"""A model's fingerprint as a hello carries it: a digest of the wire's length, one entry."""
+
+
+def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **fields: Any) -> Hello:
+    """A worker's hello: job ``epochal``, no token, pid 1 on ``testhost``, no rank asked for, on
+    the CPU, with ``fingerprint``; any other field as given."""
+    given: dict[str, Any] = {
+        "job": "epochal",
+        "token": "",
+        "host": "testhost",
+        "pid": 1,
+        "rank_hint": None,
+        "device": "cpu",
+        **fields,
+    }
+    return Hello(worker_id=worker_id, fingerprint=fingerprint, **given)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -36,11 +36,9 @@ from epochal.protocol import (
     EpochReady,
     EpochReport,
     Failed,
-    Fingerprint,
     Finish,
     Go,
     Heartbeat,
-    Hello,
     Joined,
     Liveness,
     Message,
@@ -51,21 +49,7 @@ from epochal.protocol import (
     Welcome,
 )
 from epochal.protocol.codec import decode_frame, encode
-
-FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
-
-
-def hello(worker_id: str) -> Hello:
-    return Hello(
-        job="epochal",
-        token="",
-        worker_id=worker_id,
-        host="testhost",
-        pid=1,
-        rank_hint=None,
-        device="cpu",
-        fingerprint=FP,
-    )
+from tests.conftest import hello
 
 
 def aborted(actions: list[Action]) -> str | None:

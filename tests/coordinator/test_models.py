@@ -10,11 +10,13 @@ another model is refused naming its parameter.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tests.conftest
 from epochal.coordinator import CoordinatorConfig, resume
 from epochal.coordinator.actions import Aborted, Action, Log, Send
 from epochal.coordinator.machine import RunMachine
@@ -27,7 +29,6 @@ from epochal.protocol import (
     Abort,
     DescribeModel,
     Fingerprint,
-    Hello,
     Joined,
     OpenStore,
     ParamSpec,
@@ -90,8 +91,7 @@ def test_fingerprints_alone_name_the_torch_version_else_the_digests():
 # ----------------------------------------------------------------------------- the machine
 
 
-def hello(worker_id: str, fingerprint: Fingerprint = FP) -> Hello:
-    return Hello("epochal", "", worker_id, "host", 1, None, "cpu", fingerprint)
+hello = partial(tests.conftest.hello, fingerprint=FP, host="host")
 
 
 def machine(world_size: int = 2, record: Any = None) -> RunMachine:
@@ -140,7 +140,7 @@ def test_two_models_that_differ_are_named_from_both_lists_before_the_abort():
     m = machine(world_size=3)
     a_session = session_of(m.on_message(0.0, b"a", hello("w0")), b"a")
     other = Fingerprint(digest="model-b", torch_version="2.4.0", entries=2)
-    actions = m.on_message(1.0, b"b", hello("w1", other))
+    actions = m.on_message(1.0, b"b", hello("w1", fingerprint=other))
     assert asked(actions) == {b"a": 0, b"b": 0}
     assert aborted(actions) is None and not m.over
     changed = (ParamSpec("weight", (1, 5), "torch.float32"), BIAS)
@@ -164,8 +164,8 @@ def test_a_long_list_is_fetched_page_after_page():
     changed = (*params[:-1], ParamSpec("layers.2999.weight", (512, 256), "float32"))
     fp = Fingerprint(digest="big-a", torch_version="x", entries=len(params))
     m = machine()
-    a_session = session_of(m.on_message(0.0, b"a", hello("w0", fp)), b"a")
-    m.on_message(0.0, b"b", hello("w1", Fingerprint("big-b", "x", len(params))))
+    a_session = session_of(m.on_message(0.0, b"a", hello("w0", fingerprint=fp)), b"a")
+    m.on_message(0.0, b"b", hello("w1", fingerprint=Fingerprint("big-b", "x", len(params))))
     pages = 0
     first: int | None = 0
     while first is not None:
@@ -181,7 +181,7 @@ def test_lists_that_do_not_come_in_time_are_named_by_their_digests():
     m = machine()
     m.on_message(0.0, b"a", hello("w0"))
     other = Fingerprint(digest="model-b", torch_version="2.4.0", entries=3)
-    m.on_message(0.0, b"b", hello("w1", other))
+    m.on_message(0.0, b"b", hello("w1", fingerprint=other))
     assert aborted(m.on_tick(LIST_TIMEOUT - 0.1)) is None
     reason = aborted(m.on_tick(LIST_TIMEOUT))
     assert reason is not None
@@ -195,7 +195,7 @@ def test_pages_nobody_asked_for_are_ignored_and_counted():
     m.on_message(0.0, b"a", hello("w0"))
     # before any difference: a stranger's page
     assert m.on_message(0.5, b"x", model_page(MODEL, 0)) == []
-    m.on_message(1.0, b"b", hello("w1", Fingerprint("model-b", "2.4.0", 2)))
+    m.on_message(1.0, b"b", hello("w1", fingerprint=Fingerprint("model-b", "2.4.0", 2)))
     # a page from a peer not asked, and one from the asked newcomer under another key
     assert m.on_message(1.5, b"x", model_page(MODEL, 0)) == []
     assert m.on_message(1.5, b"b", model_page(MODEL, 0), user_id="another-key") == []
@@ -207,12 +207,15 @@ def test_pages_nobody_asked_for_are_ignored_and_counted():
 def test_hellos_meanwhile_are_admitted_but_the_store_waits_for_the_verdict():
     m = machine(world_size=2)
     a_session = session_of(m.on_message(0.0, b"a", hello("w0")), b"a")
-    m.on_message(0.0, b"b", hello("w1", Fingerprint("model-b", "2.4.0", 2)))
+    m.on_message(0.0, b"b", hello("w1", fingerprint=Fingerprint("model-b", "2.4.0", 2)))
     actions = m.on_message(0.5, b"c", hello("w2"))  # completes the rendezvous
     assert m.rendezvous.complete
     assert not any(isinstance(a, Send) and isinstance(a.message, OpenStore) for a in actions)
     # a third model while the difference is being named asks nothing more
-    assert asked(m.on_message(0.6, b"d", hello("w3", Fingerprint("model-c", "2.4.0", 2)))) == {}
+    assert (
+        asked(m.on_message(0.6, b"d", hello("w3", fingerprint=Fingerprint("model-c", "2.4.0", 2))))
+        == {}
+    )
     answer(m, 1.0, b"a", MODEL, a_session)
     assert aborted(answer(m, 1.0, b"b", (WEIGHT, ParamSpec("scale", (1,), "f")))) is not None
 
@@ -262,8 +265,8 @@ def test_a_resume_with_another_model_is_refused_naming_the_parameter(tmp_path):
     answer(first, 0.5, b"a", MODEL, a_session)
     other = Fingerprint(digest="model-b", torch_version="2.4.0", entries=2)
     m = machine(record=model_file(tmp_path))
-    a = m.on_message(0.0, b"a", hello("w0", other))
-    actions = m.on_message(0.0, b"b", hello("w1", other))
+    a = m.on_message(0.0, b"a", hello("w0", fingerprint=other))
+    actions = m.on_message(0.0, b"b", hello("w1", fingerprint=other))
     assert asked(actions) == {b"a": 0}
     changed = (ParamSpec("weight", (3, 5), "torch.float32"), BIAS)
     reason = aborted(answer(m, 0.5, b"a", changed, session_of(a, b"a")))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 
+import tests.conftest
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.rendezvous import (
     Admitted,
@@ -14,32 +16,12 @@ from epochal.coordinator.rendezvous import (
     Refused,
     Rendezvous,
 )
-from epochal.protocol import Fingerprint, Hello
+from epochal.protocol import Fingerprint
 
 MODEL = Fingerprint(digest="model-a", torch_version="2.4.0", entries=2)
 
 
-def hello(
-    worker_id: str = "w0",
-    *,
-    rank_hint: int | None = None,
-    job: str = "epochal",
-    token: str = "",
-    device: str = "cpu",
-    fingerprint: Fingerprint = MODEL,
-    host: str = "node1",
-    pid: int = 100,
-) -> Hello:
-    return Hello(
-        job=job,
-        token=token,
-        worker_id=worker_id,
-        host=host,
-        pid=pid,
-        rank_hint=rank_hint,
-        device=device,
-        fingerprint=fingerprint,
-    )
+hello = partial(tests.conftest.hello, fingerprint=MODEL, host="node1", pid=100)
 
 
 def rendezvous(world_size: int = 2, **config: object) -> Rendezvous:

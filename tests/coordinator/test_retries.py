@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from epochal.coordinator.retries import HelloRetries
 from epochal.protocol import encode
-from tests.coordinator.test_service import hello
+from tests.conftest import hello
 
 
 def test_only_the_same_bytes_from_the_same_peer_are_the_same_hello():

@@ -8,7 +8,6 @@ test_watchdog.py; these tests check that the service carries frames and actions 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
@@ -45,26 +44,12 @@ from epochal.protocol import (
 )
 from epochal.protocol.decoders import Decoder
 from epochal.protocol.paging import model_page
+from tests.conftest import hello
+from tests.coordinator.conftest import serve
 
-FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 PARAMS = (ParamSpec("w", (2, 3), "float32"),)
 OTHER_FP = Fingerprint(digest="b" * 64, torch_version="x", entries=1)
 OTHER_PARAMS = (ParamSpec("w", (3, 3), "float32"),)
-
-
-def hello(worker_id: str, **changes: object) -> Hello:
-    fields: dict[str, object] = dict(
-        job="epochal",
-        token="",
-        worker_id=worker_id,
-        host="testhost",
-        pid=1,
-        rank_hint=None,
-        device="cpu",
-        fingerprint=FP,
-    )
-    fields.update(changes)
-    return Hello(**fields)  # type: ignore[arg-type]
 
 
 class FakeWorker:
@@ -106,20 +91,6 @@ class FakeWorker:
                 continue
             if not isinstance(message, Heartbeat):
                 return message
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-async def serve(ctx: zmq.asyncio.Context, **config: object) -> tuple[Coordinator, asyncio.Task]:
-    cfg = CoordinatorConfig(**{"world_size": 2, "epochs": 2, **config})  # type: ignore[arg-type]
-    coordinator = Coordinator(cfg, context=ctx, log=lambda line: None)
-    await coordinator.start()
-    return coordinator, asyncio.create_task(coordinator.run())
 
 
 async def join_all(ctx, coordinator, n: int) -> list[FakeWorker]:

@@ -31,9 +31,9 @@ from epochal.protocol import (
     Finish,
     Go,
 )
-from tests.coordinator.test_service import FakeWorker, ctx, hello, join_all
-
-__all__ = ["ctx"]  # the fixture, used by name
+from tests.conftest import hello
+from tests.coordinator.conftest import serve
+from tests.coordinator.test_service import FakeWorker, join_all
 
 
 class Recorder(RunObserver):
@@ -63,17 +63,6 @@ class Recorder(RunObserver):
 
     def args(self, name: str) -> list[Any]:
         return [a for n, a in self.calls if n == name]
-
-
-async def serve(
-    ctx: zmq.asyncio.Context, observer: RunObserver, *, attempt: int = 0, **config: object
-) -> tuple[Coordinator, asyncio.Task[Any]]:
-    cfg = CoordinatorConfig(**{"world_size": 2, "epochs": 2, **config})  # type: ignore[arg-type]
-    coordinator = Coordinator(
-        cfg, context=ctx, log=lambda line: None, observers=observer, attempt=attempt
-    )
-    await coordinator.start()
-    return coordinator, asyncio.create_task(coordinator.run())
 
 
 async def run_epochs(

@@ -30,9 +30,9 @@ from epochal.protocol import (
     Welcome,
     encode,
 )
-from tests.coordinator.test_service import OTHER_FP, FakeWorker, ctx, hello, serve
-
-__all__ = ["ctx"]
+from tests.conftest import hello
+from tests.coordinator.conftest import serve
+from tests.coordinator.test_service import OTHER_FP, FakeWorker
 
 
 async def until(condition, what: str, timeout: float = 5.0) -> None:

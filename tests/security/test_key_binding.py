@@ -18,7 +18,7 @@ from epochal.errors import RunAborted
 from epochal.protocol import Failed, Heartbeat, Joined, decode, encode
 from epochal.security import KeyDirectory
 from epochal.security.curve import ClientSecurity, ServerSecurity, secure_client
-from tests.coordinator.test_service import hello
+from tests.conftest import hello
 
 
 async def test_a_frame_from_another_allowed_key_under_a_members_identity_is_dropped(

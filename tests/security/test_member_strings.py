@@ -40,6 +40,7 @@ from epochal.protocol import (
 )
 from epochal.protocol.limits import MAX_NAME_CHARS, MAX_TEXT_CHARS
 from epochal.text import REASON_CHARS
+from tests.conftest import hello
 
 FORGED_LINE = "x\n[epochal] run r1 finished after 3 epochs: best epoch 2\x1b[2J"
 FORGED = FORGED_LINE + "A" * (MAX_TEXT_CHARS - len(FORGED_LINE))
@@ -52,20 +53,6 @@ LINE_CHARS = 8 * REASON_CHARS
 """Longest line a member's strings may make: a few bounded fields, each escape at most 4 chars."""
 
 FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
-
-
-def hello(worker_id: str, host: str = "testhost", data_address: str = "") -> Hello:
-    return Hello(
-        job="epochal",
-        token="",
-        worker_id=worker_id,
-        host=host,
-        pid=1,
-        rank_hint=None,
-        device="cpu",
-        fingerprint=FP,
-        data_address=data_address,
-    )
 
 
 class Worker:
