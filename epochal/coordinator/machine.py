@@ -18,7 +18,7 @@ every worker and ends the run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from epochal.coordinator import ending, resume
 from epochal.coordinator.actions import (
@@ -40,17 +40,13 @@ from epochal.coordinator.batches import (
     plan_epoch,
 )
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.models import Checked, Differ, ModelChecks, ModelRecord, Outcome
+from epochal.coordinator.joining import NOT_MEMBER, Joining
+from epochal.coordinator.models import ModelChecks, ModelRecord
 from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
 from epochal.coordinator.rendezvous import (
-    Admitted,
-    Differs,
-    Fatal,
     JoinLog,
     Member,
-    Refused,
     Rendezvous,
-    models_differ,
 )
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
@@ -67,27 +63,21 @@ from epochal.protocol import (
     Go,
     Heartbeat,
     Hello,
-    Joined,
     Message,
     ModelPage,
-    OpenStore,
     Reject,
     Status,
     StoreReady,
-    Welcome,
     clip,
 )
 from epochal.protocol.messages import TYPE_NAMES
 from epochal.text import REASON_CHARS, printable
 
-NOT_MEMBER = "not a member of this run: send hello first"
-"""What a peer outside the run hears when it sends anything but a hello."""
-
 UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
 """Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
-class RunMachine:
+class RunMachine(Joining):
     """One run's control-plane state and rules; see the module docstring."""
 
     def __init__(
@@ -307,167 +297,6 @@ class RunMachine:
                     "are out of step (a bug, or mixed epochal versions)"
                 )
 
-    def _from_outside(self, peer: bytes, message: Message) -> list[Action]:
-        """A message from a peer without a rank: a member still in rendezvous, or a stranger."""
-        if isinstance(message, Heartbeat | Status):
-            return []
-        joined = self.rendezvous.members.get(peer)
-        if joined is not None and isinstance(message, Failed):
-            self.rendezvous.leave(peer)
-            self.gate.sessions.forget(peer)
-            self.watchdog.drop(peer)
-            reason = printable(message.reason, REASON_CHARS)
-            return [Log(f"{joined.describe()} failed before the run started: {reason}")]
-        return [Send(peer, Reject(reason=NOT_MEMBER, code="not_member"))]
-
-    def _on_hello(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
-        refused = self.gate.hello_refused(now, peer, hello, user_id)
-        if refused is not None:
-            return refused
-        verdict = self.rendezvous.offer(peer, hello)
-        match verdict:
-            case Refused(reason=reason):
-                self.refused += 1
-                line = (
-                    f"refused worker {printable(hello.worker_id)} from {printable(hello.host)}: "
-                    f"{reason}"
-                )
-                return self.gate.refusal(now, line) + self.gate.reject(peer, reason, "refused")
-            case Fatal(reason=reason):
-                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
-            case Differs(reference=ref):
-                other = Member(peer, hello)
-                asks, outcome = self.models.differ(
-                    now,
-                    (ref.peer, ref.hello.fingerprint, ref.describe()),
-                    (peer, hello.fingerprint, other.describe()),
-                    user_id,
-                )
-                return asks + self._checked(now, outcome)
-            case Admitted(again=again):
-                self.watchdog.heard(peer, now)
-                session = self.gate.sessions.issue(peer, user_id)
-                joined = len(self.rendezvous.members)
-                if again and peer in self._ranks:
-                    if self._store is None or self.models.busy:
-                        return []
-                    return [Send(peer, self._welcome_for(peer)), *self._rehello(now, peer)]
-                world = self.config.world_size
-                actions: list[Action] = [
-                    Send(
-                        peer,
-                        Joined(
-                            joined=joined,
-                            world_size=world,
-                            session=session,
-                            liveness=self.config.liveness,
-                        ),
-                    )
-                ]
-                if again:
-                    return actions
-                actions += [Log(line) for line in self._joins.joined(now, hello, joined)]
-                if self.rendezvous.complete:
-                    actions += self._complete(now)
-                return actions
-        raise AssertionError(f"unknown verdict {verdict!r}")
-
-    def _rehello(self, now: float, peer: bytes) -> list[Action]:
-        """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
-        if self._joins.crossed(now, self.config.heartbeat_timeout):
-            return []  # a retry that crossed its Joined, not a worker that lost the coordinator
-        rank = self._ranks[peer]
-        if not self.watchdog.rehello_due(rank, now):
-            return []
-        return [
-            Log(
-                f"rank {rank} ({self.members[rank].describe()}) said hello again: it heard "
-                "nothing from this coordinator for its own heartbeat timeout (was the "
-                "coordinator not running?) and re-attached; it carries on where it was"
-            )
-        ]
-
-    # ------------------------------------------------------------------ the model
-
-    def _complete(self, now: float) -> list[Action]:
-        """Every worker is in: open the store and meanwhile check (or record) the run directory's
-        model, fetching rank 0's list when the record needs it; the welcome waits for both."""
-        if self.models.busy:
-            return []  # a model difference is being named: the run ends with it
-        actions = self._open_store(now)
-        rank0 = self.members[0]
-        asks, outcome = self.models.complete(
-            now, (rank0.peer, rank0.hello.fingerprint, rank0.describe())
-        )
-        return actions + asks + self._checked(now, outcome)
-
-    def _on_page(self, now: float, peer: bytes, page: ModelPage, user_id: str) -> list[Action]:
-        taken, asks, outcome = self.models.on_page(peer, page, user_id)
-        if not taken:
-            self.gate.ignored_frames += 1  # a page nobody asked for
-        return asks + self._checked(now, outcome)
-
-    def _checked(self, now: float, outcome: Outcome | None) -> list[Action]:
-        """What a model check's ``outcome`` makes the run do."""
-        match outcome:
-            case Differ(difference=difference, peer=peer):
-                reason = models_differ(difference)
-                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
-            case Checked(problem=str(problem)):
-                return self.abort(problem)
-            case Checked(note=note):
-                actions: list[Action] = [] if note is None else [Log(note)]
-                if self._store is not None:  # rank 0's store was ready first: welcome now
-                    actions += self._welcome_all(now)
-                return actions
-        return []
-
-    # ------------------------------------------------------------------ phases
-
-    def _set_phase(self, phase: RunPhase, now: float) -> None:
-        self.phase = phase
-        self.watchdog.phase_began(now)
-
-    def _open_store(self, now: float) -> list[Action]:
-        self._ranks, self._backend = self.rendezvous.assign()
-        by_rank: list[Member | None] = [None] * self.config.world_size
-        for peer, rank in self._ranks.items():
-            by_rank[rank] = self.rendezvous.members[peer]
-        self.members = [m for m in by_rank if m is not None]
-        self._set_phase(RunPhase.STORE, now)
-        return [Send(self.members[0].peer, OpenStore(run_id=self.run_id))]
-
-    def _welcome_for(self, peer: bytes) -> Welcome:
-        assert self._store is not None
-        return Welcome(
-            rank=self._ranks[peer],
-            world_size=self.config.world_size,
-            run_id=self.run_id,
-            backend=self._backend,
-            store_host=self._store.host,
-            store_port=self._store.port,
-            start_epoch=self._state.start_epoch,
-            epochs=self.config.epochs,
-            resume_epoch=self._state.resume_epoch,
-            checkpoint_dir=str(self._checkpoint_dir or ""),
-            session=self.gate.sessions.issue(peer, ""),
-            liveness=self.config.liveness,
-            store_key=self._store.key,
-        )
-
-    def _welcome_all(self, now: float) -> list[Action]:
-        assert self._store is not None
-        actions: list[Action] = [Send(m.peer, self._welcome_for(m.peer)) for m in self.members]
-        actions.append(
-            Log(
-                f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
-                f"data-plane store at {printable(self._store.host)}:{self._store.port}"
-            )
-        )
-        actions += [Log(line) for line in placement_lines(self.members)]
-        self._set_phase(RunPhase.READY, now)
-        return actions
-
     def _start_epoch(self, now: float) -> list[Action]:
         """Every rank's epoch_ready is in (the first epoch of a run or of a resume): its Go."""
         if self._loop.history and self._loop.history[-1].stop:
@@ -603,53 +432,3 @@ class RunMachine:
             )
             return actions + self._end()
         return actions
-
-    def _check_rendezvous(self, now: float, waited: float) -> list[Action]:
-        actions: list[Action] = []
-        for peer in self.watchdog.silent(now):
-            member = self.rendezvous.members.get(peer)
-            if member is not None:
-                actions.append(Log(f"{member.describe()} went silent during rendezvous; dropped"))
-                self.rendezvous.leave(peer)
-                self.gate.sessions.forget(peer)
-            self.watchdog.drop(peer)
-        if waited > self.config.rendezvous_timeout and not self.models.busy:
-            cfg = self.config
-            joined = len(self.rendezvous.members)
-            return actions + self.abort(
-                f"only {joined} of {cfg.world_size} workers joined within "
-                f"{cfg.rendezvous_timeout:g} s: start the missing workers, or lower "
-                f"--world-size{self._rendezvous_note()}"
-            )
-        return actions
-
-
-PLACEMENT_LINES = 8
-"""Lines that say where the ranks are, at most: a run of thousands of ranks gets a summary."""
-
-
-def placement_lines(members: Sequence[Member], most: int = PLACEMENT_LINES) -> list[str]:
-    """Where each rank runs: one line per run of consecutive ranks on one host and data-plane
-    address ("ranks 0-7: node1, data plane at 10.0.0.1"), at most ``most`` lines, then how many
-    ranks the rest hold and on how many hosts."""
-    groups: list[tuple[int, int, str, str]] = []  # (first rank, last rank, host, address)
-    for rank, member in enumerate(members):
-        host = printable(member.hello.host)
-        where = printable(member.hello.data_address) if member.hello.data_address else "?"
-        if groups and groups[-1][1] == rank - 1 and groups[-1][2:] == (host, where):
-            groups[-1] = (groups[-1][0], rank, host, where)
-        else:
-            groups.append((rank, rank, host, where))
-    lines = [
-        f"{f'rank {a}' if a == b else f'ranks {a}-{b}'}: {host}, data plane at {where}"
-        for a, b, host, where in groups[:most]
-    ]
-    rest = groups[most:]
-    if rest:
-        ranks = sum(b - a + 1 for a, b, _, _ in rest)
-        hosts = len({host for _, _, host, _ in rest})
-        lines.append(
-            f"... and {ranks} more ranks on {hosts} host{'s' if hosts != 1 else ''} "
-            "(`epochal status RUN_DIR` lists every rank)"
-        )
-    return lines

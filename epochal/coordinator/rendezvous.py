@@ -7,13 +7,14 @@ tell which side is wrong; the coordinator first fetches both parameter lists to 
 difference, see :mod:`.models`). Job and token are checked before anything else of a hello is
 looked at. When ``world_size`` workers are in, :meth:`Rendezvous.assign` gives ranks and picks the
 data-plane backend. :class:`JoinLog` says who joined in a few lines, however many workers there
-are.
+are, and :func:`placement_lines` where the ranks run.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epochal.coordinator.config import CoordinatorConfig
@@ -237,3 +238,34 @@ class Rendezvous:
             all_cuda = all(m.hello.device == "cuda" for m in self.members.values())
             backend = "nccl" if all_cuda else "gloo"
         return ranks, backend
+
+
+PLACEMENT_LINES = 8
+"""Lines that say where the ranks are, at most: a run of thousands of ranks gets a summary."""
+
+
+def placement_lines(members: Sequence[Member], most: int = PLACEMENT_LINES) -> list[str]:
+    """Where each rank runs: one line per run of consecutive ranks on one host and data-plane
+    address ("ranks 0-7: node1, data plane at 10.0.0.1"), at most ``most`` lines, then how many
+    ranks the rest hold and on how many hosts."""
+    groups: list[tuple[int, int, str, str]] = []  # (first rank, last rank, host, address)
+    for rank, member in enumerate(members):
+        host = printable(member.hello.host)
+        where = printable(member.hello.data_address) if member.hello.data_address else "?"
+        if groups and groups[-1][1] == rank - 1 and groups[-1][2:] == (host, where):
+            groups[-1] = (groups[-1][0], rank, host, where)
+        else:
+            groups.append((rank, rank, host, where))
+    lines = [
+        f"{f'rank {a}' if a == b else f'ranks {a}-{b}'}: {host}, data plane at {where}"
+        for a, b, host, where in groups[:most]
+    ]
+    rest = groups[most:]
+    if rest:
+        ranks = sum(b - a + 1 for a, b, _, _ in rest)
+        hosts = len({host for _, _, host, _ in rest})
+        lines.append(
+            f"... and {ranks} more ranks on {hosts} host{'s' if hosts != 1 else ''} "
+            "(`epochal status RUN_DIR` lists every rank)"
+        )
+    return lines

@@ -25,8 +25,13 @@ from epochal.coordinator.actions import (
     RunPhase,
     Send,
 )
-from epochal.coordinator.machine import RunMachine, placement_lines
-from epochal.coordinator.rendezvous import JOIN_PROGRESS_SECONDS, NAMED_JOINS, Member
+from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.rendezvous import (
+    JOIN_PROGRESS_SECONDS,
+    NAMED_JOINS,
+    Member,
+    placement_lines,
+)
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.protocol import (
     Abort,
