@@ -44,26 +44,21 @@ from epochal.coordinator.connections import (
     open_files,
 )
 from epochal.coordinator.feed import ObserverFeed, snapshot
+from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.retries import HelloRetries
-from epochal.errors import MalformedMessage, ProtocolVersionMismatch, RunAborted
+from epochal.errors import RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
 from epochal.nofile import raise_nofile_limit
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
 from epochal.protocol import (
     MAX_FRAME_BYTES,
-    TYPE_NAMES,
     CoordinatorMessage,
     Heartbeat,
-    Hello,
-    Message,
     encode,
 )
-from epochal.protocol.codec import decode_frame, message_type
-from epochal.protocol.skipped import SkippedFields
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
@@ -80,23 +75,10 @@ RECEIVE_HWM = 64
 LINGER_MS = 2000
 """How long closing the socket may wait to flush the last Abort or Finish."""
 
-HELLO = TYPE_NAMES[Hello]
-
 
 def new_run_id() -> str:
     """A fresh, short, unique run id."""
     return uuid.uuid4().hex[:12]
-
-
-def _user_id(frame: Any, secured: bool) -> str:
-    """The ZAP user id (under CURVE: the sender's public key) of a received frame; "" without
-    (``secured`` False: no frame has one, and asking raises, which costs more than the frame)."""
-    if not secured or isinstance(frame, bytes):
-        return ""
-    try:
-        return str(frame.get("User-Id"))
-    except zmq.ZMQError:  # no security mechanism on this connection: no user id
-        return ""
 
 
 def _log_line(line: str) -> None:
@@ -143,8 +125,6 @@ class Coordinator:
         self.endpoint: str | None = None
         self.run_id = run_id or new_run_id()
         self._log = log
-        self._skipped = SkippedFields("coordinator")
-        # the fields newer workers' frames carried that this version skips, logged once each
         self._fresh = fresh
         self._security = security
         # one ZAP authenticator per context: a secured coordinator gets a context of its own
@@ -171,8 +151,8 @@ class Coordinator:
         self._journal: RunJournal | None = None
         self._clock_read = time.monotonic()
         # the last reading of the service's clock (see clock.lost_time)
-        self._retries = HelloRetries()
-        # each member's last admitted hello, known again by its bytes without decoding them
+        self._intake = Intake(security is not None, self._log, world_size=config.world_size)
+        # frames read, decoded (a member's retried hello known by its bytes) and handed on
 
     # ------------------------------------------------------------------ what others read
 
@@ -229,6 +209,7 @@ class Coordinator:
             model_record=None if run_dir is None else resume.ModelFile(run_dir),
             rendezvous_note=self._rendezvous_note,
         )
+        self._intake.attach(self._machine)
 
     def _rendezvous_note(self) -> str:
         """Why a rendezvous may fall short besides missing workers."""
@@ -256,6 +237,7 @@ class Coordinator:
             files=open_files(),
         )
         guard = self._guard = ConnectionGuard(Connections(limits, self._accept_failures), self._log)
+        self._intake.attach(machine, guard)
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         # a peer announcing a larger frame is disconnected before libzmq holds any of it
@@ -406,7 +388,7 @@ class Coordinator:
                             frames = io.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:  # read all that was queued
                             break
-                        actions = self._receive(frames, time.monotonic())
+                        actions = self._intake.receive(frames, time.monotonic())
                         if actions:  # most frames (heartbeats) change nothing to carry out or tell
                             await self._apply(actions)
                         if time.monotonic() > batch_end:
@@ -436,86 +418,6 @@ class Coordinator:
             raise self._outcome
         assert self._outcome is not None
         return self._outcome
-
-    # ------------------------------------------------------------------ receiving
-
-    def _receive(self, frames: list[Any], now: float) -> list[Action]:
-        machine = self.machine
-        if len(frames) != 2:
-            machine.gate.dropped_frames += 1
-            return []
-        peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
-        data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
-        size = len(data) if isinstance(data, bytes) else data.nbytes
-        if not machine.reads(now, peer, size):
-            return []  # a stranger past its own or the strangers' budget: not even read
-        user_id = _user_id(frames[1], self._security is not None)
-        members = machine.rendezvous.members
-        retried = self._retries.match(peer, data, size) if peer in members else None
-        if retried is not None:  # the same bytes decode to the same hello: act on that one
-            hello, session = retried
-            actions = machine.on_message(now, peer, hello, session=session, user_id=user_id)
-            self._from_member(frames[1], peer, hello, session, user_id)
-            return actions
-        try:
-            if not machine.knows(peer):  # a stranger: only its hello is worth decoding
-                kind = message_type(data)
-                if kind != HELLO:
-                    return machine.on_stranger(peer, kind)
-            decoded = decode_frame(data)
-        except ProtocolVersionMismatch as exc:
-            return machine.on_unreadable(now, peer, str(exc), version=True)
-        except MalformedMessage as exc:
-            return machine.on_unreadable(now, peer, str(exc), version=False, user_id=user_id)
-        message, session = decoded.message, decoded.session
-        if decoded.skipped:
-            for line in self._skipped.news(decoded):
-                self._log(line)
-        actions = machine.on_message(now, peer, message, session=session, user_id=user_id)
-        self._from_member(frames[1], peer, message, session, user_id)
-        if isinstance(message, Hello):
-            self._remember(peer, data, size, message, session, user_id)
-        return actions
-
-    def _from_member(
-        self, frame: Any, peer: bytes, message: Message, session: str, user_id: str
-    ) -> None:
-        """Tell the guard when a frame the run acted on as a member's (an admitted hello, or one
-        with the member's session) came on a connection it does not know yet: that connection
-        is then never dropped."""
-        fd = None if self._guard is None else self._guard.unknown(frame)
-        if fd is None:  # a known member's connection: nothing to check
-            return
-        sessions = self.machine.gate.sessions
-        if peer in sessions and (
-            sessions.same_sender(peer, user_id)
-            if isinstance(message, Hello)
-            else sessions.check(peer, session, user_id)
-        ):
-            assert self._guard is not None
-            self._guard.admit(fd)
-
-    def _remember(
-        self,
-        peer: bytes,
-        data: bytes | memoryview,
-        size: int,
-        hello: Hello,
-        session: str,
-        user_id: str,
-    ) -> None:
-        """Remember a hello the run admitted for ``peer`` (it is a member under that worker id,
-        bound to the key the hello came with), to know its retries by their bytes."""
-        machine = self.machine
-        member = machine.rendezvous.members.get(peer)
-        if (
-            member is None
-            or member.hello.worker_id != hello.worker_id
-            or not machine.gate.sessions.same_sender(peer, user_id)
-        ):
-            return
-        self._retries.admitted(peer, data, size, member.hello, session)  # its shared fingerprint
-        self._retries.prune(machine.rendezvous.members, self.config.world_size)
 
     # ------------------------------------------------------------------ applying
 
