@@ -94,15 +94,16 @@ def test_every_flag_reaches_its_field():
         "stall_abort": ("0", None),
         "tensorboard": ("tb", Path("tb")),
         "metrics_address": ("127.0.0.1:9400", "127.0.0.1:9400"),
-        "min_workers": ("1", 1),
+        "min_workers": ("2", 2),
     }
     options = {o.dest: o for o in field_options(CoordinatorConfig)}
-    assert set(options) == {*values, "restore_best", "status"}
-    argv = ["run", "--nproc", "2", "--no-restore-best", "--no-status"]
+    assert set(options) == {*values, "restore_best", "status", "replica_check"}
+    argv = ["run", "--nproc", "2", "--no-restore-best", "--no-status", "--no-replica-check"]
     for name, (text, _) in values.items():
         argv += [options[name].flag, text]
     config = _config(build_parser().parse_args([*argv, "s.py"]), 2, "", "RUN")
     assert config.restore_best is False and config.status is False
+    assert config.replica_check is False
     for name, (_, value) in values.items():
         assert getattr(config, name) == value, name
 

@@ -85,11 +85,20 @@ class CoordinatorConfig:
     min_workers: int | None = field(
         default=None,
         metadata=setting(
-            help="the fewest workers the run goes on with: a lost worker's peers carry on from "
-            "the start of the interrupted epoch while at least M remain, and a worker that "
-            "joins later is admitted at the next epoch boundary, up to the world size",
+            help="the fewest workers the run goes on with; this version accepts only the world "
+            "size itself (a run that goes on with fewer workers is not available yet)",
             on_resume="may_change",
             flag=Flag(FAILURES, metavar="M", type=positive_int, shown="the world size"),
+        ),
+    )
+    replica_check: bool = field(
+        default=True,
+        metadata=setting(
+            help="do not compare a checksum of every rank's weights after each epoch; by default "
+            "the run aborts, naming the ranks, when ranks that should hold the same model "
+            "(modes replicated and main) do not, as a training loop without DDP would",
+            on_resume="may_change",
+            flag=Flag(FAILURES, negated=True),
         ),
     )
     epochs: int = field(
@@ -398,6 +407,12 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"--min-workers {self.min_workers} must be between 1 and the world size "
                 f"({self.world_size})"
+            )
+        if self.elastic:
+            raise ConfigError(
+                f"--min-workers {self.min_workers} is below the world size ({self.world_size}): "
+                "a run that goes on with fewer workers is not available in this version; leave "
+                "--min-workers out, or use --max-restarts K to resume after a lost worker"
             )
         if self.backend not in BACKEND_CHOICES:
             raise ConfigError(

@@ -228,6 +228,7 @@ class Joining:
             session=self.gate.sessions.issue(peer, ""),
             liveness=self.config.liveness,
             store_key=self._store.key,
+            replica_check=self.config.replica_check,
         )
 
     def _welcome_all(self, now: float) -> list[Action]:

@@ -48,6 +48,7 @@ from epochal.coordinator.rendezvous import (
     Member,
     Rendezvous,
 )
+from epochal.coordinator.replicas import replicas_differ
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
 from epochal.coordinator.sums import aggregate as aggregate_losses
@@ -113,6 +114,8 @@ class RunMachine(Joining):
         # phase ready: the batch counts of every rank's epoch_ready so far
         self._reports: dict[int, LossSums] = {}
         self._next: dict[int, BatchCounts] = {}
+        self._checksums: dict[int, int | None] = {}
+        # phase running: each rank's checksum of its weights after the epoch, where it sent one
         # phase running: the batch counts for the next epoch that the loss reports carried
         self._done: set[int] = set()
         self._plan: EpochPlan | None = None
@@ -272,6 +275,7 @@ class RunMachine(Joining):
                     {m.name: (m.total, m.count) for m in message.train_metrics},
                     {m.name: (m.total, m.count) for m in message.valid_metrics},
                 )
+                self._checksums[rank] = message.checksum
                 if message.ready is not None:
                     ready = message.ready
                     self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
@@ -329,6 +333,11 @@ class RunMachine(Joining):
         self._epoch_started = now
 
     def _decide(self, now: float) -> list[Action]:
+        checksums, self._checksums = self._checksums, {}
+        if self.config.replica_check:
+            differ = replicas_differ(self.epoch, checksums)
+            if differ is not None:  # before the decision: nothing of this epoch is kept
+                return self.abort(differ)
         try:
             train_loss, valid_loss = aggregate_losses(self._reports)
             sums = aggregate_metrics(self._reports)

@@ -222,6 +222,9 @@ class EpochReport(WorkerMessage):
     ready: EpochReady | None = None
     # this worker's batch counts for epoch + 1, so that the Decision can carry its Go;
     # None: epoch + 1 is past the run's last epoch
+    checksum: _Annotated[int, Within(0, 2**32 - 1)] | None = None
+    # CRC-32 of this rank's parameters after the epoch, where every rank holds the whole model
+    # and Welcome.replica_check asks for it; None: not compared
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)
@@ -326,6 +329,8 @@ class Welcome(CoordinatorMessage):
     # the run's heartbeat interval and timeout, as in its Joined
     store_key: MaybeName = ""
     # the secret rank 0 put every data-plane store key under (StoreReady.key)
+    replica_check: bool = True
+    # report a checksum of the weights with every epoch (EpochReport.checksum)
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":

@@ -151,4 +151,5 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
         endpoint=endpoint,
         reattach_timeout=options.reattach_timeout,
         store_timeout=timeout,
+        model=model,
     )

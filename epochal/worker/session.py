@@ -50,6 +50,7 @@ from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointe
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.rendezvous import StillRunning, StoreRef, rendezvous
+from epochal.worker.training.replicas import weights_checksum
 from epochal.worker.training.results import (
     EpochContext,
     EpochRecord,
@@ -76,8 +77,12 @@ class Session:
         endpoint: str,
         reattach_timeout: float,
         store_timeout: float,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.client = client
+        self.model = model
+        # the model whose weights every rank compares after each epoch (the one given to join);
+        # None: nothing compared
         self.rank = welcome.rank
         self.world_size = welcome.world_size
         self.backend = welcome.backend
@@ -96,6 +101,7 @@ class Session:
         self.start_epoch = welcome.start_epoch
         self.epochs = welcome.epochs
         self.resume_epoch = welcome.resume_epoch
+        self._replica_check = welcome.replica_check
         self.checkpointer = (
             Checkpointer(Path(welcome.checkpoint_dir), rank=self.rank, run_id=self.run_id)
             if welcome.checkpoint_dir
@@ -290,6 +296,7 @@ class Session:
                 valid_metrics=wire_metrics("validation", valid),
                 # the next epoch's counts, so that the decision can carry its Go
                 ready=_ready(epoch + 1, batches, valid_epoch) if epoch + 1 < self.epochs else None,
+                checksum=self._checksum(),
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
@@ -307,6 +314,12 @@ class Session:
             self.client.at(Phase.CHECKPOINT, epoch)
             self._save(decision.epoch, state, [*curve, record])
         return decision, record
+
+    def _checksum(self) -> int | None:
+        """This rank's weights' checksum for its epoch report, when the run compares them."""
+        if not self._replica_check or self.model is None:
+            return None
+        return weights_checksum(self.model)
 
     def _resume(self, state: Stateful | None) -> list[EpochRecord]:
         """Load the checkpoint the coordinator resumes from; the learning curve up to it."""

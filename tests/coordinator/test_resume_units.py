@@ -482,7 +482,8 @@ MAY_CHANGE: dict[str, Any] = {
     "tensorboard": "tb",
     "metrics_address": "127.0.0.1:9400",
     "status": False,
-    "min_workers": 1,
+    "min_workers": 2,
+    "replica_check": False,
 }
 
 

@@ -121,3 +121,53 @@ def test_ctrl_c_says_so_once_without_tracebacks(spawn: Spawner, tmp_path: Path):
     assert "Traceback" not in output and "GLHF" not in output, output
     assert output.count("SIGINT") == 2, output  # the coordinator's abort, the launcher's last line
     assert len(after) <= 4, output
+
+
+def custom_loop(spawn: Spawner, tmp_path: Path, *args: str) -> tuple[int, str, Path]:
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        *args,
+        str(SCRIPTS / "custom_loop.py"),
+        *(["--plain"] if "plain" in tmp_path.name else []),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    return code, output, run_dir
+
+
+def test_a_custom_loop_without_ddp_is_stopped_naming_the_ranks_that_differ(
+    spawn: Spawner, tmp_path: Path
+):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    code, output, run_dir = custom_loop(spawn, plain)
+    assert code != 0, output
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "aborted"
+    assert result["reason"].startswith(
+        "after epoch 0 the ranks' weights differ (rank 0 holds one; rank 1 holds another)"
+    ), result
+    assert "DistributedDataParallel" in result["reason"]
+    assert not (run_dir / "epochs.jsonl").read_text().count('"kind": "epoch"'), "decided anyway"
+    assert "done after" not in output
+
+    # --no-replica-check: the ranks are meant to differ; the run finishes
+    off = tmp_path / "plain-off"
+    off.mkdir()
+    code, output, run_dir = custom_loop(spawn, off, "--no-replica-check")
+    assert code == 0, output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
+
+
+def test_a_custom_loop_with_ddp_passes_the_replica_check(spawn: Spawner, tmp_path: Path):
+    code, output, run_dir = custom_loop(spawn, tmp_path)
+    assert code == 0, output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
+    assert "rank 0: done after 2 epochs" in output and "rank 1: done after 2 epochs" in output
