@@ -74,8 +74,8 @@ MAX_METRIC_NAME_CHARS = 64
 MAX_KEY_CHARS = 64
 """Longest field name, known or not; every declared one is far shorter."""
 
-MAX_FIELDS = 16
-"""Most fields one map may hold, known and unknown together (Welcome declares 12): a frame besides
+MAX_FIELDS = 24
+"""Most fields one map may hold, known and unknown together (Welcome declares 17): a frame besides
 its own keys (:data:`FRAME_KEYS`), a nested record, a map inside a skipped value."""
 
 MAX_LIST_ITEMS = MAX_PAGE_PARAMS

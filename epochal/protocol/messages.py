@@ -58,6 +58,7 @@ from epochal.protocol.strings import (
     Device,
     Phase,
     RejectCode,
+    Restore,
     check_metric_name,
 )
 
@@ -189,6 +190,8 @@ class StoreReady(WorkerMessage):
     host: Name
     port: Port
     key: MaybeName = ""
+    generation: NonNeg = 0
+    # the world whose store this is (OpenStore.generation)
     # the secret every data-plane store key lives under; sent on to each rank in Welcome
 
 
@@ -203,6 +206,8 @@ class EpochReady(WorkerMessage):
     train_batches: NonNeg
     valid_batches: NonNeg | None
     # None: this worker has no validation loader at all
+    generation: NonNeg = 0
+    # the world this worker is in (Welcome.generation): one of an older world is dropped
 
 
 @message
@@ -225,6 +230,8 @@ class EpochReport(WorkerMessage):
     checksum: _Annotated[int, Within(0, 2**32 - 1)] | None = None
     # CRC-32 of this rank's parameters after the epoch, where every rank holds the whole model
     # and Welcome.replica_check asks for it; None: not compared
+    generation: NonNeg = 0
+    # the world this worker is in (Welcome.generation): a report of an older world is dropped
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)
@@ -246,6 +253,16 @@ class Checkpointed(WorkerMessage):
 class Failed(WorkerMessage):
     """The worker hit an error it cannot recover from; the run must stop."""
 
+    reason: Text
+
+
+@message
+class Broken(WorkerMessage):
+    """A collective of ``epoch`` failed in world ``generation`` (a peer is probably gone); the
+    worker has left its process group and waits for a new world (Regroup, Welcome) or Abort."""
+
+    epoch: NonNeg
+    generation: NonNeg
     reason: Text
 
 
@@ -305,6 +322,8 @@ class OpenStore(CoordinatorMessage):
     """Sent to rank 0 only: open the data-plane store on port 0 and answer with StoreReady."""
 
     run_id: Name
+    generation: NonNeg = 0
+    # the world the store is for (0: the run's first); StoreReady says it back
 
 
 @message
@@ -331,6 +350,12 @@ class Welcome(CoordinatorMessage):
     # the secret rank 0 put every data-plane store key under (StoreReady.key)
     replica_check: bool = True
     # report a checksum of the weights with every epoch (EpochReport.checksum)
+    generation: NonNeg = 0
+    # the world this welcome forms: 0 for the run's first, one more for each change
+    restore: _Annotated[str, OneOf(Restore)] = "none"
+    # where the state of start_epoch comes from in this world (see Restore)
+    elastic: bool = False
+    # the run goes on without a lost worker: keep an in-memory copy of each epoch's start
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":
@@ -420,6 +445,15 @@ class Finish(CoordinatorMessage):
     epochs_run: NonNeg
     restore_best: bool
     # load the best epoch's weights (else keep the last epoch's)
+
+
+@message
+class Regroup(CoordinatorMessage):
+    """The world changes before ``epoch`` is (re)done: leave the process group now, between two
+    batches, and wait for the Welcome of world ``generation`` (rank 0 of it: first OpenStore)."""
+
+    generation: Positive
+    epoch: NonNeg
 
 
 @message

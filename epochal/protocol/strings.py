@@ -131,6 +131,20 @@ class RejectCode(_enum.StrEnum):
     # the frame is of another major protocol version
 
 
+class Restore(_enum.StrEnum):
+    """Where the members of a world take the state of the epoch they start from
+    (:class:`~epochal.protocol.messages.Welcome`)."""
+
+    NONE = "none"
+    # the first world of a run: the checkpoint of resume_epoch, if any, as before
+    MEMORY = "memory"
+    # each survivor from its in-memory copy of the epoch's start (nothing read from disk)
+    CHECKPOINT = "checkpoint"
+    # every member from the checkpoint of resume_epoch, resharded to the new size
+    PEERS = "peers"
+    # the members keep their state; newcomers receive rank 0's over the data plane
+
+
 class Backend(_enum.StrEnum):
     """The torch.distributed backend every rank initialises
     (:class:`~epochal.protocol.messages.Welcome`)."""

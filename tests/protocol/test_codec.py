@@ -433,6 +433,7 @@ def test_wire_format_is_a_flat_map_with_version_and_type():
         "host": "h",
         "port": 5,
         "key": "k",
+        "generation": 0,
     }
     assert frame_of(Done()) == {"v": PROTOCOL_VERSION, "t": "done"}
     assert frame_of(HAND_BUILT[Hello])["fingerprint"] == {
@@ -473,7 +474,12 @@ GOES_ON = Decision(
 
 def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
     report = HAND_BUILT[EpochReport]
-    assert frame_of(report)["ready"] == {"epoch": 4, "train_batches": 48, "valid_batches": None}
+    assert frame_of(report)["ready"] == {
+        "epoch": 4,
+        "train_batches": 48,
+        "valid_batches": None,
+        "generation": 0,
+    }
     assert frame_of(GOES_ON)["go"] == {
         "epoch": 4,
         "train_batches": 48,

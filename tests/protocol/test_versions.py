@@ -333,6 +333,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "epoch_report": ("epoch", "train_loss_sum", "train_count", "valid_loss_sum", "valid_count"),
     "checkpointed": ("epoch",),
     "failed": ("reason",),
+    "broken": ("epoch", "generation", "reason"),
     "done": (),
     "status": ("phase", "epoch", "step", "where"),
     "model_page": ("first", "entries", "params"),
@@ -366,6 +367,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "stop",
     ),
     "finish": ("best_epoch", "best_loss", "epochs_run", "restore_best"),
+    "regroup": ("generation", "epoch"),
     "abort": ("reason",),
     "describe_model": ("first",),
     # the records messages are made of
