@@ -85,8 +85,8 @@ class CoordinatorConfig:
     min_workers: int | None = field(
         default=None,
         metadata=setting(
-            help="the fewest workers the run goes on with; this version accepts only the world "
-            "size itself (a run that goes on with fewer workers is not available yet)",
+            help="the fewest workers the run goes on with: a lost worker's peers carry on from "
+            "the start of the interrupted epoch while at least M remain",
             on_resume="may_change",
             flag=Flag(FAILURES, metavar="M", type=positive_int, shown="the world size"),
         ),
@@ -407,12 +407,6 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"--min-workers {self.min_workers} must be between 1 and the world size "
                 f"({self.world_size})"
-            )
-        if self.elastic:
-            raise ConfigError(
-                f"--min-workers {self.min_workers} is below the world size ({self.world_size}): "
-                "a run that goes on with fewer workers is not available in this version; leave "
-                "--min-workers out, or use --max-restarts K to resume after a lost worker"
             )
         if self.backend not in BACKEND_CHOICES:
             raise ConfigError(

@@ -397,9 +397,17 @@ class ConnectionGuard:
     every turn of the service; :meth:`close` after the socket.
     """
 
-    def __init__(self, connections: Connections, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        connections: Connections,
+        log: Callable[[str], None],
+        on_member_closed: Callable[[bytes], None] = lambda peer: None,
+    ) -> None:
         self.connections = connections
         self._log = log
+        self._on_member_closed = on_member_closed
+        self._members: dict[int, bytes] = {}
+        # a member's connection's descriptor -> its routing id, to tell when it closes
         self._port: int | None = None
         self._scratch: Scratch | None = None
 
@@ -422,6 +430,9 @@ class ConnectionGuard:
         connections, now = self.connections, time.monotonic()
         if event & zmq.EVENT_DISCONNECTED:
             connections.closed(value)
+            peer = self._members.pop(value, None)
+            if peer is not None:
+                self._on_member_closed(peer)
         elif event & zmq.EVENT_ACCEPTED:
             self._carry_out(connections.accepted(now, value, inode_of(value)))
         elif event & zmq.EVENT_ACCEPT_FAILED:
@@ -435,8 +446,10 @@ class ConnectionGuard:
         fd = frame.get(zmq.SRCFD)
         return None if fd < 0 or self.connections.knows(fd) else fd
 
-    def admit(self, fd: int) -> None:
-        """A member's frame came on ``fd``: its connection is never dropped."""
+    def admit(self, fd: int, peer: bytes) -> None:
+        """A frame of member ``peer`` came on ``fd``: its connection is never dropped, and its
+        closing is told (``on_member_closed``)."""
+        self._members[fd] = peer
         inode = inode_of(fd)
         if inode is not None:
             self.connections.admitted(fd, inode)

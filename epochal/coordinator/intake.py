@@ -119,7 +119,7 @@ class Intake:
             else sessions.check(peer, session, user_id)
         ):
             assert self._guard is not None
-            self._guard.admit(fd)
+            self._guard.admit(fd, peer)
 
     def _remember(
         self,

@@ -17,6 +17,7 @@ from epochal.coordinator import resume
 from epochal.coordinator.actions import Action, Log, RunPhase, Send
 from epochal.coordinator.batches import BatchCounts
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.membership import Membership
 from epochal.coordinator.models import Checked, Differ, ModelChecks, Outcome
 from epochal.coordinator.rendezvous import (
     Admitted,
@@ -76,6 +77,9 @@ class Joining:
     _checkpoint_dir: Path | None
     _rendezvous_note: Callable[[], str]
     _ready: dict[int, BatchCounts]
+    membership: Membership
+    generation: int
+    epoch: int
 
     def abort(self, reason: str, *, force: bool = False) -> list[Action]:
         raise NotImplementedError  # the machine's
@@ -119,6 +123,9 @@ class Joining:
                     user_id,
                 )
                 return asks + self._checked(now, outcome)
+            case Admitted(again=False) if self.phase is not RunPhase.RENDEZVOUS:
+                self.rendezvous.leave(peer)  # a world that lost ranks has room; not for this
+                return self.gate.reject(peer, self._no_newcomer(hello), "refused")
             case Admitted(again=again):
                 self.watchdog.heard(peer, now)
                 session = self.gate.sessions.issue(peer, user_id)
@@ -146,6 +153,20 @@ class Joining:
                     actions += self._complete(now)
                 return actions
         raise AssertionError(f"unknown verdict {verdict!r}")
+
+    def _no_newcomer(self, hello: Hello) -> str:
+        """Why a new worker may not join a run under way."""
+        why = self.membership.dropped(hello.worker_id, hello.host, hello.pid)
+        if why is not None:
+            return (
+                f"this worker was dropped from the run (it {printable(why, REASON_CHARS)}) and "
+                "the others went on without it: its process group is gone. Start it again as a "
+                "new worker once the run admits newcomers, or leave it stopped"
+            )
+        return (
+            "the run is under way with its workers and admits no newcomer in this version: "
+            "start the worker with the next run"
+        )
 
     def _rehello(self, now: float, peer: bytes) -> list[Action]:
         """Log (once per heartbeat timeout) a rank saying hello again in the middle of the run."""
@@ -209,26 +230,31 @@ class Joining:
         for peer, rank in self._ranks.items():
             by_rank[rank] = self.rendezvous.members[peer]
         self.members = [m for m in by_rank if m is not None]
+        self.membership.form(tuple(self.members))
         self._set_phase(RunPhase.STORE, now)
         return [Send(self.members[0].peer, OpenStore(run_id=self.run_id))]
 
     def _welcome_for(self, peer: bytes) -> Welcome:
         assert self._store is not None
+        first = self.generation == 0  # the run's first world: from its start or its checkpoint
         return Welcome(
             rank=self._ranks[peer],
-            world_size=self.config.world_size,
+            world_size=len(self.members),
             run_id=self.run_id,
             backend=self._backend,
             store_host=self._store.host,
             store_port=self._store.port,
-            start_epoch=self._state.start_epoch,
+            start_epoch=self._state.start_epoch if first else self.epoch,
             epochs=self.config.epochs,
-            resume_epoch=self._state.resume_epoch,
+            resume_epoch=self._state.resume_epoch if first else None,
             checkpoint_dir=str(self._checkpoint_dir or ""),
             session=self.gate.sessions.issue(peer, ""),
             liveness=self.config.liveness,
             store_key=self._store.key,
             replica_check=self.config.replica_check,
+            generation=self.generation,
+            restore="none" if first else "memory",
+            elastic=self.config.elastic,
         )
 
     def _welcome_all(self, now: float) -> list[Action]:
@@ -236,7 +262,7 @@ class Joining:
         actions: list[Action] = [Send(m.peer, self._welcome_for(m.peer)) for m in self.members]
         actions.append(
             Log(
-                f"run {self.run_id}: {self.config.world_size} workers, backend {self._backend}, "
+                f"run {self.run_id}: {len(self.members)} workers, backend {self._backend}, "
                 f"data-plane store at {printable(self._store.host)}:{self._store.port}"
             )
         )

@@ -89,11 +89,15 @@ def check_record(record: Any) -> None:
     if not isinstance(record, dict):
         raise ValueError(f"a record is a JSON object, this is a {type(record).__name__}")
     kind = record.get("kind")
-    if kind not in ("epoch", "checkpoint"):
-        raise ValueError(f"kind is {kind!r}, not 'epoch' or 'checkpoint'")
+    if kind not in ("epoch", "checkpoint", "world"):
+        raise ValueError(f"kind is {kind!r}, not 'epoch', 'checkpoint' or 'world'")
     _field(record, "epoch", int)
     if record["epoch"] < 0:
         raise ValueError(f"epoch is {record['epoch']}, below 0")
+    if kind == "world":  # a change of the world before this epoch was (re)done
+        for name in ("generation", "from", "to"):
+            _field(record, name, int)
+        return
     if kind == "epoch":
         _field(record, "train_loss", float)
         _field(record, "valid_loss", float, optional=True)

@@ -19,6 +19,7 @@ every worker and ends the run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from epochal.coordinator import ending, resume
 from epochal.coordinator.actions import (
@@ -40,9 +41,11 @@ from epochal.coordinator.batches import (
     plan_epoch,
 )
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.joining import NOT_MEMBER, Joining
+from epochal.coordinator.joining import NOT_MEMBER
+from epochal.coordinator.membership import Membership, NewWorld
 from epochal.coordinator.models import ModelChecks, ModelRecord
 from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
+from epochal.coordinator.regrouping import Regrouping
 from epochal.coordinator.rendezvous import (
     JoinLog,
     Member,
@@ -56,6 +59,7 @@ from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
     Abort,
     Awaiting,
+    Broken,
     Checkpointed,
     Done,
     EpochReady,
@@ -78,7 +82,7 @@ UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
 """Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
-class RunMachine(Joining):
+class RunMachine(Regrouping):
     """One run's control-plane state and rules; see the module docstring."""
 
     def __init__(
@@ -114,9 +118,9 @@ class RunMachine(Joining):
         # phase ready: the batch counts of every rank's epoch_ready so far
         self._reports: dict[int, LossSums] = {}
         self._next: dict[int, BatchCounts] = {}
+        # phase running: the batch counts for the next epoch that the loss reports carried
         self._checksums: dict[int, int | None] = {}
         # phase running: each rank's checksum of its weights after the epoch, where it sent one
-        # phase running: the batch counts for the next epoch that the loss reports carried
         self._done: set[int] = set()
         self._plan: EpochPlan | None = None
         self._validates = False
@@ -131,6 +135,13 @@ class RunMachine(Joining):
         self._round_started = now
         self.round_seconds: float | None = None
         # the last epoch's control round: from its first loss report to its decision
+        self.membership = Membership(config.least_workers, config.world_size)
+        self.generation = 0
+        # the world's: one more with each change (regrouping.py)
+        self.world_changes: list[dict[str, Any]] = []
+        self._change: NewWorld | None = None
+        # the change whose world is forming
+        self._redo: int | None = None
 
     # ------------------------------------------------------------------ entry points
 
@@ -254,13 +265,19 @@ class RunMachine(Joining):
             case Status():
                 self.watchdog.note_status(rank, message, now)
                 return []
-            case StoreReady() if self.phase is RunPhase.STORE and rank == 0:
+            case StoreReady() if (
+                self.phase is RunPhase.STORE and rank == 0 and message.generation == self.generation
+            ):
                 self._store = message
                 return [] if self.models.busy else self._welcome_all(now)
+            case EpochReady() | EpochReport() | StoreReady() if (
+                message.generation != self.generation
+            ):
+                return []  # of an older world: its epoch is being redone
             case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
                 self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
-                if len(self._ready) == self.config.world_size:
+                if len(self._ready) == len(self.members):
                     return self._start_epoch(now)
                 return []
             case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
@@ -279,21 +296,25 @@ class RunMachine(Joining):
                 if message.ready is not None:
                     ready = message.ready
                     self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
-                if len(self._reports) == self.config.world_size:
+                if len(self._reports) == len(self.members):
                     return self._decide(now)
                 return []
             case Checkpointed() if rank == 0 and message.epoch <= self.epoch:
                 return self._on_checkpointed(message.epoch)
             case Done() if self.phase is RunPhase.FINISHING:
                 self._done.add(rank)
-                if len(self._done) == self.config.world_size:
+                if len(self._done) == len(self.members):
                     return self._end()
                 return []
             case Failed():
                 reason = printable(message.reason, REASON_CHARS)
+                if self.lose(now, rank, f"failed: {reason}"):
+                    return []
                 line = f"rank {rank} ({self.members[rank].describe()}) failed: {reason}"
                 self.report_failure(now, self.watchdog.after_lost_time(now, line))
                 return []
+            case Broken():
+                return self._on_broken(now, rank, message)
             case _:
                 return self.abort(
                     f"rank {rank} sent {type(message).__name__} while the coordinator was in "
@@ -302,17 +323,27 @@ class RunMachine(Joining):
                 )
 
     def _start_epoch(self, now: float) -> list[Action]:
-        """Every rank's epoch_ready is in (the first epoch of a run or of a resume): its Go."""
+        """Every rank's epoch_ready is in (the first epoch of a run, of a resume or of a new
+        world): its Go."""
+        formed = self._world_formed(now)
         if self._loop.history and self._loop.history[-1].stop:
             self._ready.clear()  # resumed after the last decision: only the finish is left
-            return self._finish(now)
+            return formed + self._finish(now)
         try:
             go = self._go(self.epoch, self._ready)
         except PolicyViolation as exc:
-            return self.abort(f"epoch {self.epoch}: {exc}")
+            return formed + self.abort(f"epoch {self.epoch}: {exc}")
         self._ready.clear()
         self._run(now)
-        return [Broadcast(self._recipients(), go)]
+        return [*formed, Broadcast(self._recipients(), go)]
+
+    def _clear_round(self) -> None:
+        """Forget what the ranks of a world that is gone said of the current epoch."""
+        self._ready.clear()
+        self._reports.clear()
+        self._next.clear()
+        self._checksums.clear()
+        self._done.clear()
 
     def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> Go:
         """Plan ``epoch`` from every rank's batch ``counts`` (or raise PolicyViolation): its Go."""
@@ -360,6 +391,7 @@ class RunMachine(Joining):
         record = outcome.record(
             validates=self._validates, checkpoint=checkpoint, plan=plan, seconds=seconds
         )
+        record.update(world_size=len(self.members), generation=self.generation)
         actions: list[Action] = [Journal("epoch", record)]
         said = Log(format_epoch_line(outcome, self.config.epochs, seconds))
         if outcome.stop:
@@ -367,8 +399,8 @@ class RunMachine(Joining):
             actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
             return actions + self._finish(now)
         following = self.epoch + 1
-        if len(counts) < self.config.world_size:
-            missing = sorted(set(range(self.config.world_size)) - set(counts))
+        if len(counts) < len(self.members):
+            missing = sorted(set(range(len(self.members))) - set(counts))
             reason = (
                 f"{format_ranks(missing)} reported epoch {self.epoch} without its batch counts for "
                 f"epoch {following}: the worker and coordinator are out of step (a bug, or mixed "
@@ -403,6 +435,8 @@ class RunMachine(Joining):
 
     def _end(self) -> list[Action]:
         summary, result = ending.result(self._loop, self.run_id)
+        if self.config.elastic:
+            result["world_changes"] = self.world_changes
         self.over = True
         return [Journal("result", result), Finished(summary)]
 
@@ -410,6 +444,15 @@ class RunMachine(Joining):
 
     def _check_clock(self, now: float) -> list[Action]:
         dog, cfg = self.watchdog, self.config
+        losses = self._check_losses(now)
+        if losses is not None:
+            return losses
+        if self.elastic:
+            silent = dog.first_silent(now, self._ranks)
+            if silent is not None:
+                peer, seconds = silent
+                self.lose(now, self._ranks[peer], f"sent nothing for {seconds:.1f} s")
+                return []
         failed = dog.failure_due(now)
         if failed is not None:
             return self.abort(failed)

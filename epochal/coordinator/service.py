@@ -236,7 +236,9 @@ class Coordinator:
             frame_bytes=MAX_FRAME_BYTES,
             files=open_files(),
         )
-        guard = self._guard = ConnectionGuard(Connections(limits, self._accept_failures), self._log)
+        guard = self._guard = ConnectionGuard(
+            Connections(limits, self._accept_failures), self._log, self._member_closed
+        )
         self._intake.attach(machine, guard)
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -337,6 +339,20 @@ class Coordinator:
         """Ask the running service to abort the run (from the same event loop)."""
         if self._requested_abort is None:
             self._requested_abort = reason
+
+    def _member_closed(self, peer: bytes) -> None:
+        if self._machine is not None:
+            self._machine.connection_closed(time.monotonic(), peer)
+
+    def worker_exited(self, pid: int, what: str, failure: str) -> bool:
+        """A worker process this coordinator's launcher started (``pid``) exited (``what``: "was
+        killed by SIGKILL"): in an elastic run its rank is lost and the others carry on (True);
+        else the run fails, saying ``failure`` (False)."""
+        machine = self._machine
+        if machine is not None and machine.process_exited(time.monotonic(), pid, what):
+            return True
+        self.report_failure(failure, cause=True)
+        return False
 
     def report_failure(self, what: str, *, cause: bool = False) -> None:
         """A worker failed; abort after a short settle window that lets its cause come in

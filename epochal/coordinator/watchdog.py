@@ -311,7 +311,24 @@ class Watchdog:
             rows.append((rank, host, s.phase, s.epoch, s.step, now - s.since, where))
         return rows
 
+    def new_world(self, now: float) -> None:
+        """The ranks were renumbered (a world without its lost ranks): what each said is of
+        another rank now, so it is forgotten; the survivors are heard from again by ``now``."""
+        self.status.clear()
+        self.where.clear()
+        self._suspects.clear()
+        self.newest = None
+        for peer in self.last_seen:  # every value alike: the order stays
+            self.last_seen[peer] = now
+        self.phase_began(now)
+
     # ------------------------------------------------------------------ failures
+
+    def clear_failures(self) -> None:
+        """The failures reported so far are explained (a lost rank's peers): no abort."""
+        self._failures.clear()
+        self._failures_dropped = 0
+        self.failure_deadline = None
 
     def report_failure(self, now: float, what: str, *, cause: bool = False) -> None:
         self._failures.append((0 if cause else 1, what))

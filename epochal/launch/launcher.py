@@ -268,12 +268,13 @@ async def _attempt(
                 else f"was killed by {signal.Signals(-code).name}"
             )
             hint = NEVER_CALLED_HINT if code == 0 and phase == "rendezvous" else ""
-            coordinator.report_failure(
-                f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}",
-                cause=True,
-            )
+            failure = f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}"
+            if coordinator.worker_exited(proc.pid, what, failure):
+                lost.append(index)  # the others carry on without it
         return code
 
+    lost: list[int] = []
+    # workers whose rank was lost while the others carried on (an elastic run)
     watchers = [asyncio.create_task(watch(i, p)) for i, p in enumerate(procs)]
     summary: RunSummary | None = None
     reason = ""
@@ -318,7 +319,7 @@ async def _attempt(
             logging.ERROR,
         )
         return Outcome(EXIT_FAILED, "workers did not exit after the finish")
-    bad = [(i, c) for i, c in enumerate(codes) if c != 0]
+    bad = [(i, c) for i, c in enumerate(codes) if c != 0 and i not in lost]
     if bad:
         listed = ", ".join(f"worker {i}: status {c}" for i, c in bad)
         _say(
@@ -327,7 +328,12 @@ async def _attempt(
             logging.ERROR,
         )
         return Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
-    _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}", logging.INFO)
+    without = (
+        f" (without {_workers(lost).removesuffix(' was').removesuffix(' were')}, lost)"
+        if lost
+        else ""
+    )
+    _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
 
 

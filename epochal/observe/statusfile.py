@@ -151,6 +151,9 @@ class StatusFile(RunObserver):
         if record.get("kind") == "checkpoint":
             self._data["last_checkpoint"] = record.get("epoch")
             return
+        if record.get("kind") == "world":  # the world changed: the snapshot says its size
+            self._write()
+            return
         self._data["last"] = {k: record.get(k) for k in _LAST_FIELDS}
         self._data["best_epoch"] = record.get("best_epoch")
         self._data["best_loss"] = record.get("best_loss")

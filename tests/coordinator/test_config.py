@@ -158,11 +158,8 @@ def test_min_workers_outside_one_to_the_world_size_is_refused_naming_both(least:
         CoordinatorConfig(world_size=4, min_workers=least)
 
 
-def test_a_run_that_would_go_on_with_fewer_workers_is_refused_for_now_saying_what_to_use():
+def test_a_run_is_elastic_only_when_it_may_go_on_with_fewer_workers():
     assert not CoordinatorConfig(world_size=4).elastic
     assert not CoordinatorConfig(world_size=4, min_workers=4).elastic
-    assert CoordinatorConfig(world_size=4, min_workers=4).least_workers == 4
-    with pytest.raises(
-        ConfigError, match=r"--min-workers 3 is below the world size \(4\).*--max-restarts K"
-    ):
-        CoordinatorConfig(world_size=4, min_workers=3)
+    elastic = CoordinatorConfig(world_size=4, min_workers=3)
+    assert elastic.elastic and elastic.least_workers == 3

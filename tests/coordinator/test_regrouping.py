@@ -1,0 +1,207 @@
+"""An elastic run at the coordinator, on a clock the test sets: a lost rank's peers form a new
+world of the next generation and redo the interrupted epoch; too few left end the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from epochal.coordinator import resume
+from epochal.coordinator.actions import Action, Journal, RunPhase, Send
+from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.membership import LOSS_SETTLE
+from epochal.coordinator.watchdog import FAILURE_SETTLE
+from epochal.protocol import (
+    Abort,
+    Broken,
+    Decision,
+    EpochReady,
+    Failed,
+    Go,
+    Heartbeat,
+    OpenStore,
+    Regroup,
+    Reject,
+    StoreReady,
+    Welcome,
+)
+from tests.conftest import hello
+from tests.coordinator.test_machine import Run, aborted, broadcast, report
+
+SETTLED = max(LOSS_SETTLE, FAILURE_SETTLE) + 0.01
+
+
+def sent(actions: list[Action], kind: type) -> list[tuple[bytes, Any]]:
+    return [
+        (a.peer, a.message) for a in actions if isinstance(a, Send) and isinstance(a.message, kind)
+    ]
+
+
+def elastic(world: int = 4, least: int = 3, **settings: Any) -> Run:
+    """A run of ``world`` workers (pid 100 + index) that goes on with ``least``, welcomed and
+    training epoch 0."""
+    config = CoordinatorConfig(world_size=world, min_workers=least, epochs=5, **settings)
+    run = Run(RunMachine(config, resume.inspect(config, None), run_id="r1", now=0.0))
+    actions: list[Action] = []
+    for i in range(world):
+        actions += run.send(0.0, f"w{i}".encode(), hello(f"w{i}", pid=100 + i))
+    ((opener, _),) = sent(actions, OpenStore)
+    welcome = run.send(0.0, opener, StoreReady(host="127.0.0.1", port=4242, key="k"))
+    ranks = {peer: w.rank for peer, w in sent(welcome, Welcome)}
+    assert all(w.generation == 0 and w.elastic for _, w in sent(welcome, Welcome))
+    run.peers = sorted(ranks, key=ranks.__getitem__)
+    go = broadcast(run.all(1.0, lambda r: EpochReady(0, 5, 2)), Go)
+    assert go and run.machine.phase is RunPhase.RUNNING
+    return run
+
+
+def regroup(run: Run, now: float, actions: list[Action], generation: int) -> list[Action]:
+    """Carry a new world through: its rank 0's store, the welcomes; the members' new order is
+    set on ``run``; returns the actions of the last epoch_ready (the Go)."""
+    regroups = sent(actions, Regroup)
+    ((opener, open_store),) = sent(actions, OpenStore)
+    assert open_store.generation == generation
+    assert {r.generation for _, r in regroups} == {generation}
+    welcome = run.send(now, opener, StoreReady(host="h", port=1, key="k2", generation=generation))
+    welcomes = sent(welcome, Welcome)
+    assert {w.generation for _, w in welcomes} == {generation}
+    ranks = {peer: w.rank for peer, w in welcomes}
+    run.peers = sorted(ranks, key=ranks.__getitem__)
+    epoch = run.machine.epoch
+    return run.all(now, lambda r: EpochReady(epoch, 5, 2, generation=generation))
+
+
+def test_a_killed_rank_leaves_a_world_of_the_survivors_in_their_order_that_redoes_the_epoch():
+    run = elastic()
+    before = list(run.peers)
+    # epoch 0 decided; epoch 1 under way when worker 2 (pid 102) dies
+    run.all(2.0, lambda r: report(1.0, 0))
+    assert run.machine.epoch == 1
+    run.send(2.5, run.peers[0], dataclasses.replace(report(1.0, 1), generation=0))  # in early
+    assert run.machine.process_exited(3.0, 102, "was killed by SIGKILL")
+    # the survivors' collectives break: consequences, not failures of their own
+    for rank in (1, 3):
+        assert run.send(3.01, run.peers[rank], Broken(1, 0, "Connection closed by peer")) == []
+    settling = run.machine.on_tick(3.0 + LOSS_SETTLE / 2)
+    assert aborted(settling) is None and not sent(settling, Regroup)  # settling
+    actions = run.machine.on_tick(3.0 + SETTLED)
+    assert aborted(actions) is None
+    survivors = [before[0], before[1], before[3]]
+    assert [peer for peer, _ in sent(actions, Regroup)] == survivors
+    assert sent(actions, Regroup)[0][1] == Regroup(generation=1, epoch=1)
+    lines = [a.line for a in actions if hasattr(a, "line")]
+    assert any(
+        line.startswith(
+            "rank 2 (worker w2 (host testhost, pid 102)) was killed by SIGKILL in epoch 1: "
+            "continuing with 3 workers from the start of epoch 1"
+        )
+        for line in lines
+    ), lines
+
+    # a report of the broken world arrives late: dropped, not out of step
+    assert run.send(3.3, before[3], report(1.0, 1)) == []
+    opener = sent(actions, OpenStore)[0][0]
+    assert opener == before[0]
+    welcome = run.send(3.4, opener, StoreReady(host="h", port=1, key="k2", generation=1))
+    welcomes = dict(sent(welcome, Welcome))
+    assert [welcomes[p].rank for p in survivors] == [0, 1, 2]
+    assert {
+        (w.world_size, w.start_epoch, w.restore, w.resume_epoch) for w in welcomes.values()
+    } == {(3, 1, "memory", None)}
+    run.peers = survivors
+    go = run.all(3.5, lambda r: EpochReady(1, 5, 2, generation=1))
+    assert broadcast(go, Go) == [Go(epoch=1, train_batches=5, valid_batches=2, lr_factor=1.0)]
+    (world,) = [a.record for a in go if isinstance(a, Journal)]
+    assert world["kind"] == "world" and (world["from"], world["to"], world["generation"]) == (
+        4,
+        3,
+        1,
+    )
+    assert world["epoch"] == 1 and world["seconds"] == pytest.approx(0.5)
+
+    decided = run.all(4.0, lambda r: dataclasses.replace(report(1.0, 1), generation=1))
+    (decision,) = broadcast(decided, Decision)
+    assert decision.epoch == 1
+    (record,) = [a.record for a in decided if isinstance(a, Journal)]
+    assert (record["world_size"], record["generation"]) == (3, 1)
+
+
+def test_rank_0_lost_makes_the_next_survivor_host_the_store():
+    run = elastic()
+    before = list(run.peers)
+    assert run.machine.process_exited(2.0, 100, "exited with status 1")
+    actions = run.machine.on_tick(2.0 + SETTLED)
+    assert sent(actions, OpenStore)[0][0] == before[1]
+    go = regroup(run, 3.0, actions, 1)
+    assert broadcast(go, Go)
+    assert run.peers == before[1:]
+
+
+def test_a_failed_rank_is_lost_and_the_others_carry_on():
+    run = elastic()
+    run.send(2.0, run.peers[3], Failed(reason="CUDA error: an illegal memory access"))
+    actions = run.machine.on_tick(2.0 + SETTLED)
+    assert aborted(actions) is None and len(sent(actions, Regroup)) == 3
+
+
+def test_a_silent_rank_is_lost_after_the_heartbeat_timeout():
+    run = elastic(heartbeat_timeout=5.0)  # every rank last heard at 1.0
+    for t in (3.0, 5.0, 6.5):
+        for peer in run.peers[:3]:
+            run.send(t, peer, Heartbeat())
+    assert aborted(run.machine.on_tick(5.9)) is None
+    assert run.machine.membership.lost_ranks() == frozenset()
+    assert aborted(run.machine.on_tick(6.6)) is None  # rank 3 silent for 5.6 s
+    assert run.machine.membership.lost_ranks() == {3}
+    actions = run.machine.on_tick(6.6 + SETTLED)
+    assert aborted(actions) is None
+    assert [peer for peer, _ in sent(actions, Regroup)] == run.peers[:3]
+
+
+def test_broken_collectives_without_a_lost_rank_abort_with_their_reason():
+    run = elastic()
+    run.send(2.0, run.peers[1], Broken(0, 0, "RuntimeError: a bug in the loss"))
+    actions = run.machine.on_tick(2.0 + SETTLED)
+    reason = aborted(actions)
+    assert reason is not None and "rank 1" in reason and "a bug in the loss" in reason
+
+
+def test_two_lost_at_once_make_one_change_and_one_more_below_the_least_ends_the_run():
+    run = elastic(world=4, least=2)
+    before = list(run.peers)
+    run.machine.process_exited(2.0, 101, "was killed by SIGKILL")
+    run.machine.process_exited(2.1, 103, "was killed by SIGKILL")
+    actions = run.machine.on_tick(2.0 + SETTLED)
+    assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[2]]
+    regroup(run, 3.0, actions, 1)
+    run.machine.process_exited(4.0, 102, "exited with status 1")
+    actions = run.machine.on_tick(4.0 + SETTLED)
+    reason = aborted(actions)
+    assert reason is not None
+    assert "rank 1 (worker w2 (host testhost, pid 102)) exited with status 1" in reason
+    assert "1 worker left, fewer than --min-workers 2" in reason
+    assert broadcast(actions, Abort)
+
+
+def test_a_dropped_process_that_comes_back_is_refused_naming_why():
+    run = elastic()
+    stopped = run.peers[2]
+    run.machine.lose(2.0, 2, "sent nothing for 15.0 s")
+    regroup(run, 3.0, run.machine.on_tick(2.0 + SETTLED), 1)
+    # it wakes: its frames are a stranger's, and its hello again is refused
+    assert sent(run.send(4.0, stopped, report(1.0, 1)), Reject)
+    refusal = sent(run.send(4.1, stopped, hello("w2", pid=102)), Reject)
+    assert refusal and "dropped from the run (it sent nothing for 15.0 s)" in refusal[0][1].reason
+    assert run.machine.phase is RunPhase.RUNNING and len(run.machine.members) == 3
+
+
+def test_without_min_workers_a_lost_worker_is_a_failure_as_before():
+    config = CoordinatorConfig(world_size=2, epochs=3)
+    assert not config.elastic
+    run = Run(RunMachine(config, resume.inspect(config, None), run_id="r1", now=0.0))
+    for i in range(2):
+        run.send(0.0, f"w{i}".encode(), hello(f"w{i}", pid=100 + i))
+    assert run.machine.process_exited(1.0, 101, "was killed by SIGKILL") is False
