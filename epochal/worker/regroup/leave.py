@@ -79,15 +79,21 @@ def leave(strategy: Strategy | None = None, error: BaseException | None = None) 
     no ZeroRedundancyOptimizer, FSDP2 undone, its model and the options kept for
     :func:`rebuild`). ``error``, the collective's failure that made this rank leave, has the frames
     its traceback keeps cleared. On NCCL the group is aborted first. Then the group is destroyed
-    (and torch's own import-time references to it dropped) and the garbage collected. Anything else of the caller's that refers to the group must be
-    gone by then: the objects the strategy handed out before (``strategy.module``,
-    ``strategy.optimizer``, ``strategy.state``), local variables holding a wrapper, an autograd
-    graph of the broken step (a loss). No communication: it works with peers dead or blocked.
+    (and torch's own import-time references to it dropped) and the garbage collected. Anything
+    else of the caller's that refers to the group must be gone by then: the objects the strategy
+    handed out before (``strategy.module``, ``strategy.optimizer``, ``strategy.state``), local
+    variables holding a wrapper, an autograd graph of the broken step (a loss). No
+    communication: it works with peers dead or blocked.
     """
     start = time.perf_counter()
     if error is not None:
         clear_frames(error)
     if strategy is not None:
+        # the broken step's gradients mean nothing in the next world; and an optimizer without
+        # state whose parameters hold gradients is one DCP will not initialise, so a restore
+        # (memory or checkpoint) would load no optimizer state into it, silently (torch 2.13)
+        strategy.model.zero_grad(set_to_none=True)
+        strategy.optimizer.zero_grad(set_to_none=True)
         strategy.release_group()
     if dist.is_initialized():
         _abort_and_forget()
