@@ -23,7 +23,7 @@ Survivors of a lost rank: ``leave`` (with the collective's error), a new process
 ``rebuild``, then ``Snapshot.restore`` or the last checkpoint (``Checkpointer.load(epoch,
 strategy.state, rng=False)`` and ``Snapshot.restore_generators``), and the epoch again. A world
 that grows: ``consolidate``, ``leave``, a new group, ``rebuild`` (``wrap`` on the newcomer),
-``share``. docs/elastic-data-plane.md says what each costs.
+``share``. docs/elastic.md says what each costs and restores from.
 """
 
 from epochal.worker.regroup.leave import clear_frames, leave, rebuild

@@ -4,7 +4,7 @@
 (``Strategy.state``: the model, the optimizer as the mode holds it, and with fp16 the loss scaler)
 and every random-number generator (:func:`~epochal.worker.checkpoints.checkpoint.rng_state`);
 :meth:`Snapshot.restore` loads that copy into a strategy of the same mode, possibly rebuilt over
-another process group (:func:`~epochal.worker.regroup.rebuild.rebuild`), bit for bit. It goes
+another process group (:func:`~epochal.worker.regroup.leave.rebuild`), bit for bit. It goes
 through the same Stateful a checkpoint goes through, so a world restored from memory and one
 resumed from the checkpoint of the same epoch hold the same values.
 
@@ -71,6 +71,8 @@ class Snapshot:
     # bytes of the tensors in state: the host memory the snapshot takes
     seconds: float
     # how long take() took
+    fresh_optimizer: bool = False
+    # the optimizer had no state yet (the first epoch): a restore leaves it without any
 
     @classmethod
     def take(cls, strategy: Strategy) -> Snapshot:
@@ -83,8 +85,14 @@ class Snapshot:
         start = time.perf_counter()
         rng = rng_state()
         state = None
+        optimizer = strategy.optimizer
+        fresh = not optimizer.state
         if strategy.snapshot_scope is not SnapshotScope.SHARD:
             state = host_copy(strategy.state.state_dict())
+            if fresh:
+                # DCP read it by giving it a state first (one step at lr 0: an Adam step count
+                # of 1); training on from that would not be the run without a snapshot
+                optimizer.state.clear()
         return cls(
             mode=strategy.mode,
             rank=strategy.layout.rank,
@@ -92,6 +100,7 @@ class Snapshot:
             rng=rng,
             nbytes=0 if state is None else tensor_bytes(state),
             seconds=time.perf_counter() - start,
+            fresh_optimizer=fresh,
         )
 
     def restore(self, strategy: Strategy) -> None:
@@ -120,6 +129,8 @@ class Snapshot:
             )
         # a fresh copy: optimizers load tensors of their own device and dtype without copying
         strategy.state.load_state_dict(host_copy(self.state))
+        if self.fresh_optimizer:  # as it was: no state (the hyperparameters are the copy's)
+            strategy.optimizer.state.clear()
         self.restore_generators()
 
     def restore_generators(self) -> None:
