@@ -10,13 +10,15 @@ every rank rank ``src``'s model, optimizer and loss-scaler state:
   with rank 0, which must be ``src``.
 - ``sharded`` and ``fully_sharded``: no rank holds the whole state, and the old group, where the
   shards were, is gone once the new one forms. So before leaving it the old members call
-  :func:`consolidate`, which gathers the whole state onto rank 0's CPU (ZeRO's
-  ``consolidate_state_dict``; DCP's full state dict for FSDP2), and rank 0 passes that to
-  :func:`share` in the new group. ``sharded`` sends it whole and each rank keeps the optimizer
-  state of the parameters it now owns; ``fully_sharded`` hands it to DCP's ``set_model_state_dict``
-  and ``set_optimizer_state_dict`` with ``broadcast_from_rank0``, which sends one tensor at a
-  time and keeps each rank's shard of it. (One ``set_state_dict`` call with an empty state on the
-  other ranks skips the model there in torch 2.13, and rank 0 waits for them forever.)
+  :func:`consolidate`, which gathers the whole state onto rank 0's CPU (each ZeRO shard in turn
+  over the same wire; DCP's full state dict for FSDP2), and rank 0 passes that to :func:`share`
+  in the new group. It travels a chunk at a time, and each rank keeps only its part as it
+  arrives: in ``sharded`` the model and the optimizer state of the parameters it now owns, in
+  ``fully_sharded`` its shard of each tensor, which DCP then loads as a sharded state.
+
+Neither ZeRO's ``consolidate_state_dict`` nor DCP's ``broadcast_from_rank0`` is used: both
+unpickle what a peer sent (torch 2.13), and a newcomer's state must not depend on trusting
+pickles.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from epochal.errors import ConfigError
@@ -33,6 +36,7 @@ from epochal.worker.regroup.snapshot import host_copy, tensor_bytes
 from epochal.worker.regroup.wire import broadcast_tree
 from epochal.worker.strategies.base import Mode, SnapshotScope, Strategy
 from epochal.worker.strategies.sharded import Sharded
+from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.precision import SCALER_KEY
 
 
@@ -66,10 +70,12 @@ class Transfer:
 def consolidate(strategy: Strategy) -> FullState | None:
     """In the OLD group, before leaving it: the whole state of a ``sharded`` or ``fully_sharded``
     strategy gathered onto rank 0, on the CPU, returned there (None on the other ranks).
-    Collective. ``replicated`` and ``main`` need none (rank 0 holds the whole state): None."""
+    Collective; nothing a peer sends is unpickled. ``replicated`` and ``main`` need none (rank 0
+    holds the whole state): None."""
     if strategy.snapshot_scope is not SnapshotScope.SHARD:
         return None
-    scaler = strategy.policy.scaler
+    if strategy.released:
+        raise ConfigError("consolidate() runs in the old group, before leave()")
     if isinstance(strategy, Sharded):
         full = _consolidate_zero(strategy)
     else:
@@ -83,46 +89,59 @@ def consolidate(strategy: Strategy) -> FullState | None:
         full = {"model": model_sd, "optim": optim_sd} if strategy.layout.is_root else None
     if full is None:
         return None
+    scaler = strategy.policy.scaler
     if scaler is not None:
         full[SCALER_KEY] = scaler.state_dict()
     return FullState(mode=strategy.mode, state=full, nbytes=tensor_bytes(full))
 
 
+def _to_host(path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _nothing(path: tuple[Any, ...], tensor: torch.Tensor) -> None:
+    return None
+
+
 def _consolidate_zero(strategy: Sharded) -> dict[str, Any] | None:
-    """ZeRO's whole optimizer state on rank 0, keyed by parameter name as ShardedState keys it."""
+    """ZeRO's whole optimizer state on rank 0, keyed by parameter name as ShardedState keys it:
+    each rank in turn broadcasts its shard (:func:`broadcast_tree`), rank 0 keeps a host copy,
+    the others drop what passes. (ZeRO's own ``consolidate_state_dict`` would unpickle every
+    peer's shard.)"""
     zero = strategy.zero
     assert zero is not None
-    zero.consolidate_state_dict(to=strategy.layout.root)
-    if not strategy.layout.is_root:
+    layout = strategy.layout
+    own = ShardedState(strategy.model, zero).state_dict()  # this rank's shard, by name
+    gathered: dict[str, Any] = {}
+    for rank in range(layout.world_size):
+        src = rank if layout.group is None else dist.get_global_rank(layout.group, rank)
+        shard, _ = broadcast_tree(
+            own["optim"]["state"] if layout.rank == rank else None,
+            src=src,
+            group=layout.group,
+            device=layout.device,
+            keep=_to_host if layout.is_root else _nothing,
+        )
+        if layout.is_root:
+            gathered.update(shard)
+    if not layout.is_root:
         return None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    gathered = zero.state_dict()  # keyed by index over zero.param_groups, already on the CPU
-    names = ShardedState(strategy.model, zero).names
-    order = [names[id(p)] for g in zero.param_groups for p in g["params"]]
-    optim = {
-        "state": {order[i]: s for i, s in gathered["state"].items()},
-        "param_groups": [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [order[i] for i in g["params"]],
-            }
-            for g in gathered["param_groups"]
-        ],
-    }
-    return {"model": host_copy(get_model_state_dict(strategy.model)), "optim": optim}
+    groups = host_copy(own["optim"]["param_groups"])
+    return {"model": host_copy(own["model"]), "optim": {"state": gathered, "param_groups": groups}}
 
 
 def _live_state(strategy: Strategy) -> dict[str, Any]:
     """``src``'s state in ``replicated`` and ``main``: the model, the optimizer where every rank
-    holds one (replicated), the loss scaler. Tensors are the live ones; no communication."""
+    holds one (replicated) and it has state, the loss scaler. Tensors are the live ones; no
+    communication. (An optimizer without state is not sent: reading it through DCP would give it
+    a state, an Adam step count of 1, that the run it came from never had.)"""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
     state: dict[str, Any] = {"model": get_model_state_dict(strategy.model)}
-    if strategy.snapshot_scope is SnapshotScope.WHOLE:
+    if strategy.snapshot_scope is SnapshotScope.WHOLE and strategy.optimizer.state:
         state["optim"] = get_optimizer_state_dict(strategy.model, strategy.optimizer)
     if strategy.policy.scaler is not None:
         state[SCALER_KEY] = strategy.policy.scaler.state_dict()
@@ -149,13 +168,14 @@ def _load_scaler(strategy: Strategy, state: dict[str, Any]) -> None:
 
 def share(strategy: Strategy, src: int = 0, full: FullState | None = None) -> Transfer:
     """Give every rank of the strategy's (new) group rank ``src``'s model, optimizer and
-    loss-scaler state, over the data plane. Collective; every rank calls it after its strategy
-    was built over the new group, a newcomer included.
+    loss-scaler state, over the data plane, unpickling nothing. Collective; every rank calls it
+    after its strategy was built over the new group, a newcomer included.
 
     ``full``: in ``sharded`` and ``fully_sharded``, what :func:`consolidate` returned on ``src``
     in the old group (None on the other ranks); ``src`` must be 0 there (the rank that
-    consolidated), and in ``main`` (the rank that holds the optimizer). A ``src`` with nothing to
-    share makes every rank raise, none waits.
+    consolidated), and in ``main`` (the rank that holds the optimizer). Each rank keeps only its
+    part as it arrives: its ZeRO shard of the optimizer state, its FSDP2 shards. A ``src`` with
+    nothing to share makes every rank raise, none waits.
     """
     layout = strategy.layout
     if not 0 <= src < layout.world_size:
@@ -180,20 +200,26 @@ def share(strategy: Strategy, src: int = 0, full: FullState | None = None) -> Tr
         )
         if not sending:
             _load_live(strategy, state)
-    elif isinstance(strategy, Sharded):
-        state, nbytes = broadcast_tree(
-            full.state if sending and full is not None else None,
-            src=root,
-            group=group,
-            device=device,
-        )
+        return Transfer(nbytes=nbytes, seconds=time.perf_counter() - start)
+    tree = full.state if sending and full is not None else None
+    if isinstance(strategy, Sharded):
+        assert strategy.zero is not None
+        sharded = ShardedState(strategy.model, strategy.zero)
+        owned = {
+            sharded.names[id(p)] for g in strategy.zero.optim.param_groups for p in g["params"]
+        }
+
+        def keep(path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor | None:
+            other = path[:2] == ("optim", "state") and path[2] not in owned
+            return None if other else tensor  # another rank's shard of the optimizer state
+
+        state, nbytes = broadcast_tree(tree, src=root, group=group, device=device, keep=keep)
         if state is None:  # this rank is src and has nothing: the others raised
             raise ConfigError(_NOTHING)
-        assert strategy.zero is not None
-        ShardedState(strategy.model, strategy.zero).load_state_dict(state)
-        _load_scaler(strategy, state)
+        sharded.load_state_dict(state)
     else:
-        nbytes = _share_fully_sharded(strategy, full if sending else None, root)
+        state, nbytes = _share_fully_sharded(strategy, tree, root)
+    _load_scaler(strategy, state)
     return Transfer(nbytes=nbytes, seconds=time.perf_counter() - start)
 
 
@@ -203,32 +229,49 @@ _NOTHING = (
 )
 
 
-def _share_fully_sharded(strategy: Strategy, full: FullState | None, root: int) -> int:
-    """FSDP2: the loss scaler and the size by our broadcast (which also tells the others when
-    rank 0 has nothing), then DCP's broadcast from rank 0 into each rank's shards."""
+def _share_fully_sharded(
+    strategy: Strategy, tree: dict[str, Any] | None, root: int
+) -> tuple[dict[str, Any], int]:
+    """FSDP2: each whole tensor, as it arrives, becomes this rank's shard of it (placed as the
+    rebuilt model's and optimizer's own DTensors are, cut locally: ``distribute_tensor`` with
+    ``src_data_rank=None``), then DCP loads that sharded state. (DCP's own
+    ``broadcast_from_rank0`` would unpickle rank 0's structure.)"""
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
+        get_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     layout = strategy.layout
-    if root != 0:  # DCP broadcasts from global rank 0
-        raise ConfigError(
-            "mode 'fully_sharded' shares from global rank 0: share within the default group"
+    # the layout of every tensor here, and an optimizer state to load into
+    model_like, optim_sd = get_state_dict(strategy.model, strategy.optimizer)
+    optim_like: dict[str, Any] = dict(optim_sd["state"])  # type: ignore[arg-type]
+
+    def keep(path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
+        like: Any = None
+        if len(path) == 2 and path[0] == "model":
+            like = model_like.get(path[1])
+        elif len(path) == 4 and path[:2] == ("optim", "state"):
+            like = optim_like.get(path[2], {}).get(path[3])
+        if like is None or not is_dtensor(like):
+            return tensor  # whole on every rank: a buffer, a step count
+        part = distribute_tensor(tensor, like.device_mesh, like.placements, src_data_rank=None)
+        return DTensor.from_local(
+            part.to_local().clone(),  # not a view: the whole tensor goes once this returns
+            like.device_mesh,
+            like.placements,
+            shape=like.shape,
+            stride=like.stride(),
+            run_check=False,
         )
-    header = None
-    if full is not None:
-        header = {"nbytes": full.nbytes, "scaler": full.state.get(SCALER_KEY)}
-    header, sent = broadcast_tree(header, src=root, group=layout.group, device=layout.device)
-    if header is None:  # this rank is src and has nothing: the others raised
-        raise ConfigError(_NOTHING)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    state: dict[str, Any] = full.state if full is not None else {}
-    set_model_state_dict(strategy.model, state.get("model", {}), options=options)
-    set_optimizer_state_dict(
-        strategy.model, strategy.optimizer, state.get("optim", {}), options=options
+
+    state, nbytes = broadcast_tree(
+        tree, src=root, group=layout.group, device=layout.device, keep=keep
     )
-    if header["scaler"] is not None:
-        _load_scaler(strategy, {SCALER_KEY: header["scaler"]})
-    return sent + int(header["nbytes"])
+    if state is None:  # this rank is src and has nothing: the others raised
+        raise ConfigError(_NOTHING)
+    set_model_state_dict(strategy.model, state["model"])
+    if state["optim"]["state"]:
+        set_optimizer_state_dict(strategy.model, strategy.optimizer, state["optim"])
+    return state, nbytes

@@ -1,26 +1,32 @@
 """A state dict sent from one rank to all over the data plane: its structure as JSON, its tensors
-by broadcast.
+by broadcast, a bounded amount of them at a time.
 
 :func:`broadcast_tree` sends a nested structure of dicts, lists, tuples, tensors, numbers, strings,
 booleans and None (a model's, an optimizer's or a loss scaler's state) from rank ``src`` to every
 rank of a group. The structure travels as JSON bytes in which each tensor is its index, shape and
-dtype; then the tensors travel in flat buckets per dtype (:func:`broadcast_tensors`), into tensors
-the receivers allocate from those shapes. Nobody unpickles what a peer sent (torch's
-``broadcast_object_list`` would). A source that has nothing to send says so in the same
-collective, so its peers raise instead of waiting for tensors that never come.
+dtype; then the tensors travel in flat buckets (:func:`~epochal.worker.training.initialization.
+broadcast_tensors`), one chunk of about ``cap_bytes`` at a time, into tensors the receivers
+allocate from those shapes. A ``keep`` function may turn each tensor, as it arrives, into what
+this rank holds of it (its shard, a copy on the CPU, or None: nothing), so no rank ever needs
+memory for more than what it keeps plus one chunk. Nobody unpickles what a peer sent (torch's
+``broadcast_object_list`` and ZeRO's ``consolidate_state_dict`` would). A source that has nothing
+to send says so in the same collective, so its peers raise instead of waiting for tensors that
+never come.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from epochal.errors import EpochalError
-from epochal.worker.training.initialization import broadcast_tensors
+from epochal.worker.training.initialization import DEFAULT_BUCKET_BYTES, broadcast_tensors
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -41,6 +47,27 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 """The tensor dtypes a structure may hold, by name."""
 
+Keep = Callable[[tuple[Any, ...], torch.Tensor], Any]
+"""What a rank keeps of one tensor of the tree, given its path (the keys and indices that lead to
+it) and the tensor (on the communication device; the receiver's own, the sender's may be its
+live one): the value the returned tree holds in its place."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A tensor's place in a decoded structure, before its values arrive."""
+
+    index: int
+    # its position among the structure's tensors (the order they travel in)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    path: tuple[Any, ...]
+    # the keys and indices that lead to it
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 def encode(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
     """``tree`` as JSON bytes and the list of its tensors, in the order the bytes name them."""
@@ -56,6 +83,9 @@ def encode(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
             tensors.append(value)
             return {"tensor": [len(tensors) - 1, list(value.shape), name]}
         if isinstance(value, dict):
+            bad = [k for k in value if not (k is None or isinstance(k, bool | int | str | float))]
+            if bad:
+                raise EpochalError(f"{path} has a key of type {type(bad[0]).__name__}")
             return {"dict": [[walk(k, path), walk(v, f"{path}.{k}")] for k, v in value.items()]}
         if isinstance(value, list | tuple):
             kind = "list" if isinstance(value, list) else "tuple"
@@ -72,15 +102,15 @@ def encode(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
     return json.dumps(walk(tree, "state"), allow_nan=False).encode(), tensors
 
 
-def decode(data: bytes, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-    """The structure :func:`encode` made, with new (empty) tensors on ``device`` in its tensors'
-    places, and the list of those tensors in order. Malformed bytes raise EpochalError."""
-    tensors: list[torch.Tensor] = []
+def decode(data: bytes) -> tuple[Any, list[Slot]]:
+    """The structure :func:`encode` made, with a :class:`Slot` in each tensor's place, and the
+    slots in order. Nothing is allocated. Malformed bytes raise EpochalError."""
+    slots: list[Slot] = []
 
     def bad(what: str) -> EpochalError:
         return EpochalError(f"the state a peer sent is malformed: {what}")
 
-    def walk(value: Any) -> Any:
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
         if value is None or isinstance(value, bool | int | str | float):
             return value
         if not (isinstance(value, dict) and len(value) == 1):
@@ -90,12 +120,12 @@ def decode(data: bytes, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
             if not (isinstance(body, list) and len(body) == 3):
                 raise bad("a tensor is not [index, shape, dtype]")
             index, shape, name = body
-            if index != len(tensors) or name not in _DTYPES:
+            if index != len(slots) or name not in _DTYPES:
                 raise bad(f"tensor {index!r} of dtype {name!r}")
             if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
                 raise bad(f"tensor {index} has shape {shape!r}")
-            tensors.append(torch.empty(shape, dtype=_DTYPES[name], device=device))
-            return tensors[-1]
+            slots.append(Slot(index, tuple(shape), _DTYPES[name], path))
+            return slots[-1]
         if kind == "float" and body in ("inf", "-inf", "nan"):
             return float(body)
         if not isinstance(body, list):
@@ -103,17 +133,48 @@ def decode(data: bytes, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
         if kind == "dict":
             if not all(isinstance(pair, list) and len(pair) == 2 for pair in body):
                 raise bad("a dict entry is not a [key, value] pair")
-            return {walk(k): walk(v) for k, v in body}
+            out = {}
+            for k, v in body:
+                key = walk(k, path)
+                if isinstance(key, Slot | dict | list | tuple):
+                    raise bad("a dict key is not a plain value")
+                out[key] = walk(v, (*path, key))
+            return out
         if kind in ("list", "tuple"):
-            items = [walk(v) for v in body]
+            items = [walk(v, (*path, i)) for i, v in enumerate(body)]
             return items if kind == "list" else tuple(items)
         raise bad(f"unknown kind {kind!r}")
 
     try:
-        tree = walk(json.loads(data))
+        tree = walk(json.loads(data), ())
     except (ValueError, TypeError, RecursionError) as exc:
         raise bad(str(exc)) from None
-    return tree, tensors
+    return tree, slots
+
+
+def _fill(tree: Any, values: dict[int, Any]) -> Any:
+    """``tree`` with each slot replaced by its value."""
+    if isinstance(tree, Slot):
+        return values[tree.index]
+    if isinstance(tree, dict):
+        return {k: _fill(v, values) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_fill(v, values) for v in tree)
+    return tree
+
+
+def _chunks(slots: list[Slot], cap_bytes: int) -> list[list[Slot]]:
+    """``slots`` in order, cut into runs of at most ``cap_bytes`` (a larger tensor alone): the
+    same cut on every rank, which all decoded the same bytes."""
+    out: list[list[Slot]] = []
+    used = 0
+    for slot in slots:
+        if not out or (out[-1] and used + slot.nbytes > cap_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(slot)
+        used += slot.nbytes
+    return out
 
 
 def broadcast_tree(
@@ -122,11 +183,19 @@ def broadcast_tree(
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    keep: Keep | None = None,
+    cap_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> tuple[Any, int]:
     """Give every rank of ``group`` global rank ``src``'s ``tree``; return it and the bytes it
-    took (structure and tensors). Collective. On ``src`` the tree is returned as given; None
-    there means it has nothing to send, and every other rank raises EpochalError. ``device``
-    is where the backend communicates (the CPU for gloo, this rank's GPU for NCCL)."""
+    took (structure and tensors). Collective.
+
+    Without ``keep`` the source gets its ``tree`` back as given and the others a copy on
+    ``device``; with it every rank, the source included, gets the structure with what ``keep``
+    returned for each tensor. None as the source's ``tree`` means it has nothing to send: it gets
+    None back and every other rank raises EpochalError. ``device`` is where the backend
+    communicates (the CPU for gloo, this rank's GPU for NCCL); ``cap_bytes`` bounds the tensors in
+    flight at once (beyond the largest one).
+    """
     me = dist.get_rank()
     data, tensors = b"", list[torch.Tensor]()
     if me == src and tree is not None:
@@ -147,10 +216,19 @@ def broadcast_tree(
         else torch.empty(length, dtype=torch.uint8, device=device)
     )
     dist.broadcast(buffer, src=src, group=group)
-    if me == src:
-        moved = [t.detach().to(device) for t in tensors]
-        received = tree
-    else:
-        received, moved = decode(bytes(buffer.cpu().numpy()), device)
-    broadcast_tensors(moved, src=src, group=group)
-    return received, length + sum(t.numel() * t.element_size() for t in moved)
+    skeleton, slots = decode(data if me == src else bytes(buffer.cpu().numpy()))
+    values: dict[int, Any] = {}
+    for chunk in _chunks(slots, cap_bytes):
+        if me == src:
+            moving = [tensors[s.index].detach().to(device) for s in chunk]
+        else:
+            moving = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in chunk]
+        broadcast_tensors(moving, src=src, group=group, cap_bytes=cap_bytes)
+        if me == src and keep is None:
+            continue  # it returns its own tree: nothing of the copies stays
+        for slot, tensor in zip(chunk, moving, strict=True):
+            values[slot.index] = tensor if keep is None else keep(slot.path, tensor)
+    moved = length + sum(s.nbytes for s in slots)
+    if me == src and keep is None:
+        return tree, moved
+    return _fill(skeleton, values), moved
