@@ -8,12 +8,19 @@ optimizer, its options and a :class:`~epochal.worker.strategies.layout.Layout` (
 group, rank, world size), which it keeps and reads those from, never from ``torch.distributed``.
 :mod:`epochal.worker.strategies.registry` lists the modes and checks a call against those
 declarations; nothing else names a mode.
+
+For a world that changes size (:mod:`epochal.worker.regroup`) a mode also declares what one rank's
+copy of its state holds (:class:`SnapshotScope`), so whether the survivors of a lost rank can
+restore from memory, and drops its hold on a process group it leaves
+(:meth:`Strategy.release_group`), keeping what :meth:`Strategy.build` needs to build it again over
+the next one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -39,11 +46,37 @@ class Mode(StrEnum):
     FULLY_SHARDED = "fully_sharded"
 
 
+class SnapshotScope(StrEnum):
+    """What one rank's in-memory copy of a mode's state holds (the values are plain strings, for
+    the coordinator, which decides how a world that lost ranks restores)."""
+
+    WHOLE = "whole"
+    # every rank holds the whole model and optimizer: any survivor's copy restores the epoch
+    ROOT = "root"
+    # every rank holds the model, rank 0 alone the optimizer: memory serves while rank 0 lives
+    SHARD = "shard"
+    # each rank holds its shard of the state: a lost rank takes its shard with it, so the
+    # survivors load the last checkpoint, which DCP reshards to the new world size
+
+
+def restores_from_memory(scope: SnapshotScope, lost: Collection[int]) -> bool:
+    """Whether the survivors of a world that lost the ranks ``lost`` (of the old world) can restore
+    the start of the epoch from their snapshots, rather than from the last checkpoint."""
+    if scope is SnapshotScope.WHOLE:
+        return True
+    if scope is SnapshotScope.ROOT:
+        return 0 not in lost
+    return not lost
+
+
 class Strategy:
     """One mode's way of training ``model`` with ``optimizer``; built by :func:`wrap`."""
 
     mode: ClassVar[Mode]
     # the mode's name
+    snapshot_scope: ClassVar[SnapshotScope]
+    # what one rank's copy of the state holds: whether a world that lost ranks restores from
+    # memory or from the last checkpoint (restores_from_memory)
     options: ClassVar[frozenset[str]] = frozenset()
     # the ModeOptions fields this mode has a use for; the others must keep their defaults
     uses_ddp: ClassVar[bool] = False
@@ -78,6 +111,12 @@ class Strategy:
         self.policy = StepPolicy()
         # autocast, loss scaling and clipping (train's precision and clip_grad_norm): the loop
         # runs its forward under policy.autocast() and its backward through policy.backward()
+        self.opts = ModeOptions()
+        # the mode options it was built with (wrap sets them): a rebuild uses them again
+        self.ddp_options: dict[str, Any] = {}
+        # the further DDP keyword arguments it was built with (wrap sets them)
+        self.released = False
+        # release_group ran: the strategy holds no process group and cannot train any more
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -153,6 +192,27 @@ class Strategy:
     def finish(self) -> None:
         """When training ends, while the process group lives: leave ``model`` whole on every rank,
         a plain module usable without the group. Collective in modes that shard the model."""
+
+    def release_group(self) -> None:
+        """Drop every reference this strategy holds to its process group, so that destroying the
+        group closes its sockets. What :meth:`build` needs to build the mode again over another
+        group stays: :attr:`model`, an :attr:`optimizer` to build from, :attr:`policy`,
+        :attr:`opts`, :attr:`ddp_options` and :attr:`configure`. No communication. A mode that
+        holds more (ZeRO, FSDP2) overrides this and calls it."""
+        self.ddp = None
+        self.module = self.model
+        self._fresh_ddp = None  # its closure reads the layout; a rebuild makes a new one
+        if self.layout.group is not None:  # a group of our own: the layout must not keep it
+            self.layout = dataclasses.replace(self.layout, group=None, root=0)
+        for module in self.model.modules():
+            if isinstance(module, nn.SyncBatchNorm):
+                module.process_group = None
+        self.released = True
+
+    @classmethod
+    def restores_from_memory(cls, lost: Collection[int]) -> bool:
+        """Whether the survivors of losing ranks ``lost`` restore from their snapshots."""
+        return restores_from_memory(cls.snapshot_scope, lost)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's model state, for :meth:`restore` (the best epoch's)."""

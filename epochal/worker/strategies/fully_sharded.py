@@ -3,6 +3,11 @@
 For models whose parameters do not fit one device. The optimizer passed in is rebuilt over the
 sharded parameters; the checkpoint is :class:`~epochal.worker.checkpoints.state.TrainState` over the
 DTensors (DCP reshards on load), and :meth:`FullySharded.finish` gathers the whole model back.
+
+A world that changes size shards the same module object again: :meth:`FullySharded.release_group`
+turns its parameters into plain ones on the meta device (no rank can gather them once a peer is
+lost), and the next build over the new group shards that module and gives each rank empty shards,
+whose values are then loaded (the last checkpoint, or :func:`epochal.worker.regroup.share`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,17 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
-from epochal.worker.strategies.base import Mode, Strategy, constructor_kwargs, groups_by_name
+from epochal.worker.strategies.base import (
+    Mode,
+    SnapshotScope,
+    Strategy,
+    constructor_kwargs,
+    groups_by_name,
+)
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 from epochal.worker.training.initialization import broadcast_module, broadcast_tensors, is_dtensor
@@ -36,6 +48,28 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _values_everywhere(model: nn.Module, layout: Layout) -> bool:
+    """Whether every rank's model has values: not when one was rebuilt after leaving a group
+    (meta parameters, :meth:`FullySharded.release_group`). Collective, so that every rank skips
+    the broadcast of rank 0's weights alike when one has none (a newcomer's are real)."""
+    flag = torch.tensor([1 if _on_meta(model) else 0], dtype=torch.int32, device=layout.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.group)
+    return int(flag.item()) == 0
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give the meta shards of a sharded ``model`` memory on ``device`` (no values), keeping the
+    buffers it holds: FSDP2 shards parameters only, so buffers never went to meta."""
+    kept = [(module, dict(module._buffers)) for module in model.modules()]
+    model.to_empty(device=device)
+    for module, buffers in kept:
+        module._buffers.update(buffers)
+
+
 class FullySharded(Strategy):
     """FSDP2: ``fully_shard`` on each unit and the root; parameters, gradients and optimizer
     state are each split across ranks (the optimizer is rebuilt over the sharded parameters).
@@ -48,6 +82,7 @@ class FullySharded(Strategy):
     """
 
     mode: ClassVar[Mode] = Mode.FULLY_SHARDED
+    snapshot_scope: ClassVar[SnapshotScope] = SnapshotScope.SHARD
     options: ClassVar[frozenset[str]] = frozenset({"reshard_after_forward", "shard_units"})
 
     def __init__(
@@ -61,8 +96,10 @@ class FullySharded(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         groups = groups_by_name(model, optimizer)
-        # start where DDP starts: rank 0's weights
-        broadcast_module(model, src=layout.root, group=layout.group)
+        # start where DDP starts: rank 0's weights; unless a rank has none (rebuilt after a
+        # regroup): every rank then loads its values after the build
+        if _values_everywhere(model, layout):
+            broadcast_module(model, src=layout.root, group=layout.group)
         kind = layout.device.type
         mesh = (
             init_device_mesh(kind, (layout.world_size,))
@@ -74,6 +111,8 @@ class FullySharded(Strategy):
         )
         for unit in [*units, model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=opts.reshard_after_forward)
+        if _on_meta(model):
+            _materialize(model, layout.device)
         params = dict(model.named_parameters())
         try:
             rebuilt = type(optimizer)(
@@ -128,6 +167,24 @@ class FullySharded(Strategy):
         from epochal.worker.training.unshard import unshard
 
         unshard(self.model)
+
+    def release_group(self) -> None:
+        """The parameters are DTensors over the group's mesh, and the optimizer holds them: the
+        model becomes a plain module again, its parameters on the meta device (their values went
+        with the shards), with an optimizer of the same class and groups over them, no state."""
+        from epochal.worker.training.unshard import drop_shards
+
+        if not self.released:
+            groups = groups_by_name(self.model, self.optimizer)
+            kind, kwargs = type(self.optimizer), constructor_kwargs(self.optimizer)
+            self.optimizer.state.clear()
+            drop_shards(self.model)
+            params = dict(self.model.named_parameters())
+            self.optimizer = kind(
+                [{**hyper, "params": [params[n] for n in names]} for hyper, names in groups],
+                **kwargs,
+            )
+        super().release_group()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         # each rank keeps its own shards: no collective, and no rank ever holds the whole model

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.worker.checkpoints.state import MainState, Stateful
-from epochal.worker.strategies.base import Mode, Strategy, state_bytes
+from epochal.worker.strategies.base import Mode, SnapshotScope, Strategy, state_bytes
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 from epochal.worker.training.initialization import (
@@ -32,6 +32,7 @@ class Main(Strategy):
     ``no_sync`` and the batches before a step exchange nothing."""
 
     mode: ClassVar[Mode] = Mode.MAIN
+    snapshot_scope: ClassVar[SnapshotScope] = SnapshotScope.ROOT
     options: ClassVar[frozenset[str]] = frozenset(
         {"bucket_cap_mb", "find_unused_parameters", "sync_batchnorm"}
     )

@@ -121,4 +121,5 @@ def wrap(
         model = _sync_batchnorm(model, layout)
     strategy = cls.build(model, optimizer, layout, opts, extra)
     strategy.policy = policy
+    strategy.opts, strategy.ddp_options = opts, extra  # for a rebuild over another group
     return strategy

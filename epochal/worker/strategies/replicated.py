@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.worker.checkpoints.state import BuffersFromRoot, Stateful
-from epochal.worker.strategies.base import Mode
+from epochal.worker.strategies.base import Mode, SnapshotScope
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
 
@@ -18,6 +18,7 @@ class Replicated(DdpStrategy):
     """DDP: gradients all-reduced in buckets during backward; every rank steps the optimizer."""
 
     mode: ClassVar[Mode] = Mode.REPLICATED
+    snapshot_scope: ClassVar[SnapshotScope] = SnapshotScope.WHOLE
     optimizer_of_model_only: ClassVar[bool] = False  # steps the optimizer it was given, as is
 
     @classmethod

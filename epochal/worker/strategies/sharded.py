@@ -7,7 +7,7 @@ same class, groups and hyperparameters; the checkpoint is
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -15,9 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
 from epochal.worker.checkpoints.state import BuffersFromRoot, ShardedState, Stateful
-from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
+from epochal.worker.strategies.base import Mode, SnapshotScope, constructor_kwargs, state_bytes
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 class Sharded(DdpStrategy):
@@ -25,6 +28,7 @@ class Sharded(DdpStrategy):
     optimizer state of its share of the parameters, then broadcasts their new values."""
 
     mode: ClassVar[Mode] = Mode.SHARDED
+    snapshot_scope: ClassVar[SnapshotScope] = SnapshotScope.SHARD
 
     def __init__(
         self,
@@ -49,7 +53,8 @@ class Sharded(DdpStrategy):
                 "the optimizer again from its class and defaults"
             ) from None
         super().__init__(model, zero, ddp, layout, ddp)
-        self.zero = zero
+        self.zero: ZeroRedundancyOptimizer | None = zero
+        # None once the group is released
 
     @classmethod
     def over_ddp(
@@ -63,8 +68,20 @@ class Sharded(DdpStrategy):
 
     @property
     def mode_state(self) -> Stateful:
-        assert self.ddp is not None
+        assert self.ddp is not None and self.zero is not None
         return BuffersFromRoot(ShardedState(self.model, self.zero), self.ddp)
 
     def optimizer_state_bytes(self) -> int:
+        assert self.zero is not None
         return state_bytes(self.zero.optim)
+
+    def release_group(self) -> None:
+        """ZeRO holds the group: keep, in its place, an optimizer of the class it shards (the
+        same parameter groups and hyperparameters, no state) for the next build to shard anew."""
+        zero = self.zero
+        if zero is not None:
+            groups = [{**g, "params": list(g["params"])} for g in zero.param_groups]
+            self.optimizer = type(zero.optim)(groups, **constructor_kwargs(zero.optim))
+            self.zero = None
+            del zero
+        super().release_group()

@@ -1,0 +1,137 @@
+"""Leaving a broken (or outgrown) process group so that its sockets close, and building the
+same strategy again over the next one.
+
+A process group closes its connections only when the last reference to it goes: destroying it
+drops torch's own, but a DDP wrapper, a ZeroRedundancyOptimizer, an FSDP2 mesh, a local variable
+or the frames an exception's traceback keeps alive all hold one too, and with gloo (torch 2.13)
+nothing else ends a blocked collective: ``ProcessGroup.abort()``, ``shutdown()`` and
+``_abort_process_group()`` return at once and leave it blocked until its timeout. Once the
+sockets close, a peer blocked in a collective with this rank raises at once ("Connection closed
+by peer"), so the survivors of a lost rank all get out of the broken epoch and can meet again.
+:func:`leave` drops every such reference it can reach and destroys the group; :func:`rebuild`
+builds the same mode with the same options over the new group, around the same model object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+import traceback
+import types
+
+import torch.distributed as dist
+from torch import nn
+
+from epochal.errors import ConfigError
+from epochal.worker.strategies.base import Strategy
+from epochal.worker.strategies.layout import Layout
+from epochal.worker.training.placement import LayeredModel
+
+
+def clear_frames(error: BaseException) -> None:
+    """Clear the local variables of every frame ``error``'s traceback keeps (and those of the
+    errors it was raised from or during): they may hold the DDP wrapper, the optimizer or the
+    mesh of the group the error came from. The traceback still prints (files, lines, names)."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        exc = pending.pop()
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # skips the frames still executing
+        pending.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+
+
+def _forget_import_time_group(group: dist.ProcessGroup) -> None:
+    """``torch.distributed.nn.functional`` declares ``group=group.WORLD`` as default arguments,
+    evaluated once, when the module is first imported: DDP imports it (through
+    ``torch.distributed._shard``) the first time one is built, so those defaults hold the group
+    of that moment for the life of the process, and destroying that group closes nothing (torch
+    2.13). None is what those functions read as the default group, whichever it is then."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None:
+        return
+    for fn in list(vars(module).values()):
+        defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
+        if defaults and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def _abort_and_forget() -> None:
+    """NCCL can abort its communicators, which ends their pending kernels (gloo cannot); and no
+    import-time default may keep the group past its destruction."""
+    group = dist.distributed_c10d._get_default_group()
+    _forget_import_time_group(group)
+    if "nccl" in str(dist.get_backend(group)):
+        group.abort()
+
+
+def leave(strategy: Strategy | None = None, error: BaseException | None = None) -> float:
+    """Leave the current default process group, so that its sockets close; return the seconds it
+    took.
+
+    ``strategy``, built over that group, releases it (``Strategy.release_group``: no DDP wrapper,
+    no ZeroRedundancyOptimizer, FSDP2 undone, its model and the options kept for
+    :func:`rebuild`). ``error``, the collective's failure that made this rank leave, has the frames
+    its traceback keeps cleared. On NCCL the group is aborted first. Then the group is destroyed
+    (and torch's own import-time references to it dropped) and the garbage collected. Anything
+    else of the caller's that refers to the group must be gone by then: the objects the strategy
+    handed out before (``strategy.module``, ``strategy.optimizer``, ``strategy.state``), local
+    variables holding a wrapper, an autograd graph of the broken step (a loss). No
+    communication: it works with peers dead or blocked.
+    """
+    start = time.perf_counter()
+    if error is not None:
+        clear_frames(error)
+    if strategy is not None:
+        # the broken step's gradients mean nothing in the next world; and an optimizer without
+        # state whose parameters hold gradients is one DCP will not initialise, so a restore
+        # (memory or checkpoint) would load no optimizer state into it, silently (torch 2.13)
+        strategy.model.zero_grad(set_to_none=True)
+        strategy.optimizer.zero_grad(set_to_none=True)
+        strategy.release_group()
+    if dist.is_initialized():
+        _abort_and_forget()
+        dist.destroy_process_group()
+    gc.collect()  # wrappers caught in reference cycles hold the group until collected
+    return time.perf_counter() - start
+
+
+def rebuild(strategy: Strategy, layout: Layout) -> Strategy:
+    """The mode of ``strategy`` built again over ``layout``'s group (after :func:`leave` and a new
+    ``init_process_group``), with the same options, DDP options and hooks, and the same precision
+    policy (its loss scaler too); collective over the new group, as ``Strategy.build`` is.
+
+    The model object stays the one the user passed in: ``replicated`` and ``main`` also keep the
+    optimizer and its state; ``sharded`` shards the optimizer anew (no state), and
+    ``fully_sharded`` shards the module anew with empty shards. Restore its state next
+    (:meth:`Snapshot.restore`, a checkpoint, or :func:`~epochal.worker.regroup.share.share`).
+    """
+    if not strategy.released:
+        raise ConfigError(
+            "this strategy still holds its process group: leave() it before rebuilding it over "
+            "the next one"
+        )
+    old = strategy.layout
+    if layout.device != old.device:
+        raise ConfigError(
+            f"a strategy trained on {old.device} cannot be rebuilt on {layout.device}: a process "
+            "keeps its device across worlds; build the layout with the same device"
+        )
+    layout = dataclasses.replace(layout, placed=isinstance(strategy.model, LayeredModel))
+    if strategy.opts.sync_batchnorm:
+        for module in strategy.model.modules():
+            if isinstance(module, nn.SyncBatchNorm):
+                module.process_group = layout.group
+    new = type(strategy).build(
+        strategy.model, strategy.optimizer, layout, strategy.opts, strategy.ddp_options
+    )
+    new.policy = strategy.policy
+    new.opts, new.ddp_options = strategy.opts, strategy.ddp_options
+    new.configure = strategy.configure
+    return new
