@@ -328,11 +328,10 @@ async def _attempt(
             logging.ERROR,
         )
         return Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
-    without = (
-        f" (without {_workers(lost).removesuffix(' was').removesuffix(' were')}, lost)"
-        if lost
-        else ""
-    )
+    without = ""
+    if lost:
+        listed = ", ".join(map(str, sorted(lost)))
+        without = f" (worker{'s' if len(lost) > 1 else ''} {listed} lost on the way)"
     _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
 

@@ -36,6 +36,7 @@ from epochal.worker.control.client import ControlClient
 from epochal.worker.control.exits import install as install_excepthook
 from epochal.worker.control.rendezvous import rendezvous, tell_join_failure
 from epochal.worker.dataplane import network
+from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.dataplane.store import scoped
 from epochal.worker.fingerprint import describe
 from epochal.worker.options import (
@@ -126,13 +127,15 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         faults.hit("connect", rank=welcome.rank)
         network.apply(plane, os.environ)  # gloo and NCCL read their interface at init
-        dist.init_process_group(
-            backend=welcome.backend,
-            store=scoped(store.store, welcome.run_id, store.key),
-            rank=welcome.rank,
-            world_size=welcome.world_size,
-            timeout=timedelta(seconds=timeout),
-            device_id=dev if dev.type == "cuda" else None,
+        _, sockets = GroupSockets.opened_by(
+            lambda: dist.init_process_group(
+                backend=welcome.backend,
+                store=scoped(store.store, welcome.run_id, store.key),
+                rank=welcome.rank,
+                world_size=welcome.world_size,
+                timeout=timedelta(seconds=timeout),
+                device_id=dev if dev.type == "cuda" else None,
+            )
         )
         client.at(Phase.SETUP, welcome.start_epoch)
     except CoordinatorUnreachable:
@@ -152,4 +155,5 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
         reattach_timeout=options.reattach_timeout,
         store_timeout=timeout,
         model=model,
+        sockets=sockets,
     )

@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from epochal.errors import (
 from epochal.log import WORKER
 from epochal.protocol import (
     Awaiting,
+    Broken,
     Checkpointed,
     Decision,
     Done,
@@ -42,14 +44,18 @@ from epochal.protocol import (
     Hello,
     Joined,
     Phase,
+    Regroup,
     Welcome,
     clip,
 )
 from epochal.worker import faults
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.checkpoints.state import Stateful
-from epochal.worker.control.client import ControlClient
+from epochal.worker.control.client import ControlClient, RegroupNow
 from epochal.worker.control.rendezvous import StillRunning, StoreRef, rendezvous
+from epochal.worker.control.worlds import Rejoin, leave_group, meet
+from epochal.worker.dataplane.sockets import GroupSockets
+from epochal.worker.dataplane.store import scoped
 from epochal.worker.training.replicas import weights_checksum
 from epochal.worker.training.results import (
     EpochContext,
@@ -60,7 +66,7 @@ from epochal.worker.training.results import (
     wire_metrics,
 )
 
-__all__ = ["EpochContext", "EpochRecord", "LossSum", "RunResult", "Session"]
+__all__ = ["EpochContext", "EpochRecord", "LossSum", "Rejoin", "RunResult", "Session"]
 
 
 class Session:
@@ -78,8 +84,11 @@ class Session:
         reattach_timeout: float,
         store_timeout: float,
         model: torch.nn.Module | None = None,
+        sockets: GroupSockets | None = None,
     ) -> None:
         self.client = client
+        self._sockets = sockets if sockets is not None else GroupSockets({})
+        # the process group's connections, shut when this rank leaves it for a new world
         self.model = model
         # the model whose weights every rank compares after each epoch (the one given to join);
         # None: nothing compared
@@ -98,6 +107,9 @@ class Session:
 
     def _adopt(self, welcome: Welcome) -> None:
         self.run_id = welcome.run_id
+        self.generation = welcome.generation
+        self.elastic = welcome.elastic
+        # the run goes on without a lost rank: each epoch's start is kept (Rejoin)
         self.start_epoch = welcome.start_epoch
         self.epochs = welcome.epochs
         self.resume_epoch = welcome.resume_epoch
@@ -184,6 +196,7 @@ class Session:
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         on_best: Callable[[int], None] | None = None,
         state: Stateful | None = None,
+        rejoin: Rejoin | None = None,
     ) -> RunResult:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
@@ -200,6 +213,11 @@ class Session:
         ``load_state_dict(sd)`` (``torch.distributed.checkpoint``'s Stateful protocol), saved when
         the coordinator asks and loaded before the first epoch when it resumes the run. Without
         it the run is not checkpointed and cannot be resumed.
+
+        ``rejoin`` lets the loop go on in a new world when the run is elastic (``--min-workers``)
+        and a rank is lost: its ``leave()`` drops every reference to the process group, its
+        ``rebuild(epoch)`` builds over the new one and restores the start of ``epoch`` (which is
+        then run again at the new rank and world size). Without it a lost rank ends the run.
         """
         curve: list[EpochRecord] = []
         try:
@@ -219,6 +237,24 @@ class Session:
                 except _TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
                     epoch, stopped, go = self.start_epoch, False, None
+                    curve = [r for r in curve if r.epoch < epoch]
+                    continue
+                except RegroupNow as now:
+                    regroup: Regroup | None = now.regroup
+                    error: BaseException | None = now
+                except (RunAborted, KeyboardInterrupt, CoordinatorLost):
+                    raise
+                except Exception as exc:
+                    if not self.elastic or rejoin is None:
+                        raise
+                    regroup, error = self._broken(epoch, exc), exc
+                else:
+                    regroup = error = None
+                if regroup is not None:  # outside the handler, which holds the old group
+                    epoch, restored = self._regroup(regroup, rejoin, error)
+                    error = None
+                    state = restored if restored is not None else state
+                    stopped, go = False, None
                     curve = [r for r in curve if r.epoch < epoch]
                     continue
                 if isinstance(outcome, Finish):  # a resumed run that had already stopped
@@ -262,7 +298,7 @@ class Session:
         or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
         if go is None:
             self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
-            self.client.send(_ready(epoch, batches, valid_epoch))
+            self.client.send(_ready(epoch, batches, valid_epoch, self.generation))
             answer = self._expect(Go, Finish)
             if isinstance(answer, Finish):
                 return answer
@@ -295,8 +331,13 @@ class Session:
                 train_metrics=wire_metrics("train", train),
                 valid_metrics=wire_metrics("validation", valid),
                 # the next epoch's counts, so that the decision can carry its Go
-                ready=_ready(epoch + 1, batches, valid_epoch) if epoch + 1 < self.epochs else None,
+                ready=(
+                    _ready(epoch + 1, batches, valid_epoch, self.generation)
+                    if epoch + 1 < self.epochs
+                    else None
+                ),
                 checksum=self._checksum(),
+                generation=self.generation,
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
@@ -314,6 +355,68 @@ class Session:
             self.client.at(Phase.CHECKPOINT, epoch)
             self._save(decision.epoch, state, [*curve, record])
         return decision, record
+
+    # ------------------------------------------------------------------ a new world
+
+    def _broken(self, epoch: int, exc: Exception) -> Regroup:
+        """The epoch failed (a collective, most likely, whose peer is gone): tell the
+        coordinator, and wait for the new world it decides (or its abort, raised)."""
+        reason = "".join(traceback.format_exception_only(exc)).strip()
+        self._sockets.shut()  # peers blocked in a collective with this rank raise too
+        self.client.send(Broken(epoch=epoch, generation=self.generation, reason=clip(reason)))
+        WORKER.info(
+            f"epochal: rank {self.rank}: epoch {epoch} broke ({reason}); waiting for the "
+            "coordinator to form a new world"
+        )
+        while True:
+            message = self.client.receive()
+            if isinstance(message, Regroup) and message.generation > self.generation:
+                return message
+
+    def _regroup(
+        self, regroup: Regroup, rejoin: Rejoin | None, error: BaseException | None
+    ) -> tuple[int, Stateful | None]:
+        """Leave the broken world (``error``: what broke the epoch, whose frames may hold the
+        old group), meet the next, rebuild over it: the epoch to redo, and the state a
+        checkpoint holds from now on (None: the same)."""
+        self.client.take_regroup(regroup)
+        if rejoin is None:
+            raise EpochalError(
+                "a rank was lost and the run goes on without it, but this training loop cannot: "
+                "pass rejoin= to Session.run_epochs (epochal.train does), or run without "
+                "--min-workers"
+            )
+        started = time.monotonic()
+        was = self.rank
+        self.client.at(Phase.CONNECT, regroup.epoch)
+        self._sockets.shut()
+        rejoin.leave(error)
+        leave_group()
+        welcome, self._store = meet(
+            self.client, regroup, self._store, endpoint=self._endpoint, timeout=self._store_timeout
+        )
+        self.rank, self.world_size = welcome.rank, welcome.world_size
+        self.client.rank = self.rank
+        self._adopt(welcome)
+        store = self._store
+        _, self._sockets = GroupSockets.opened_by(
+            lambda: dist.init_process_group(
+                backend=welcome.backend,
+                store=scoped(store.store, welcome.run_id, store.key),
+                rank=welcome.rank,
+                world_size=welcome.world_size,
+                timeout=timedelta(seconds=self._store_timeout),
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+        )
+        self.client.at(Phase.SETUP, welcome.start_epoch)
+        state = rejoin.rebuild(welcome.start_epoch)
+        WORKER.info(
+            f"epochal: rank {was} is rank {self.rank} of {self.world_size} in world "
+            f"{self.generation}: epoch {welcome.start_epoch} again "
+            f"({time.monotonic() - started:.2f} s to regroup)"
+        )
+        return welcome.start_epoch, state
 
     def _checksum(self) -> int | None:
         """This rank's weights' checksum for its epoch report, when the run compares them."""
@@ -389,6 +492,10 @@ class Session:
                 message = self._reattach(lost, kinds)
             if isinstance(message, kinds):
                 return message
+            if isinstance(message, Regroup):
+                if message.generation > self.generation:
+                    raise RegroupNow(message)
+                continue  # taken already (between two batches)
             if isinstance(message, Welcome | Joined):
                 continue  # an answer to a retried hello
             expected = " or ".join(k.__name__ for k in kinds)
@@ -420,10 +527,14 @@ def _ready(
     epoch: int,
     batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
     valid_epoch: Callable[[EpochContext], LossSum] | None,
+    generation: int,
 ) -> EpochReady:
-    """This rank's batch counts for ``epoch`` (valid None: it has no validation function)."""
+    """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
+    validation function)."""
     train_batches, valid_batches = batches(epoch) if callable(batches) else batches
-    return EpochReady(epoch, train_batches, None if valid_epoch is None else valid_batches)
+    return EpochReady(
+        epoch, train_batches, None if valid_epoch is None else valid_batches, generation
+    )
 
 
 class _TakenBack(Exception):

@@ -49,6 +49,7 @@ from epochal.protocol import (
     Liveness,
     ParamSpec,
     Phase,
+    Regroup,
     Reject,
     Status,
     Welcome,
@@ -103,6 +104,15 @@ class _Lost:
     reason: str
     reattach: bool = False
     # True: a restarted coordinator may take the worker back (raise CoordinatorLost)
+
+
+class RegroupNow(Exception):
+    """Raised into the training code between two batches (:meth:`ControlClient.check`) or while
+    it waits for the coordinator: the world changes, leave the process group now."""
+
+    def __init__(self, regroup: Regroup) -> None:
+        super().__init__(f"the world changes (generation {regroup.generation})")
+        self.regroup = regroup
 
 
 class ControlClient:
@@ -161,6 +171,9 @@ class ControlClient:
         self.epoch = 0
         self.step = 0
         # where the training code is; set by the main thread, sent with every heartbeat
+        self._regroup: Regroup | None = None
+        # the newest world change the main thread has not taken yet
+        self._regroup_taken = threading.Event()
 
     @property
     def phase(self) -> Phase:
@@ -293,6 +306,14 @@ class ControlClient:
         if reason is not None:
             self._abort_taken.set()
             raise RunAborted(reason)
+        regroup = self._regroup
+        if regroup is not None and not self._regroup_taken.is_set():
+            raise RegroupNow(regroup)
+
+    def take_regroup(self, regroup: Regroup) -> None:
+        """The main thread follows ``regroup`` (it has left its process group, or is leaving)."""
+        if self._regroup is regroup:
+            self._regroup_taken.set()
 
     def close(self, *, flush: float = 2.0) -> None:
         """Send what is queued (waiting up to ``flush`` seconds) and stop the thread."""
@@ -407,6 +428,19 @@ class ControlClient:
                 assert self._outbox is not None
                 self._outbox.put_nowait(model_page(params, min(message.first, len(params))))
                 continue
+            if isinstance(message, Regroup):  # raised by check() until the main thread takes it
+                self._regroup = message
+                self._regroup_taken.clear()
+                threading.Thread(
+                    target=self._exit_if_stuck,
+                    args=(
+                        f"the run's world changes (generation {message.generation}) and this "
+                        "worker must leave its process group",
+                        self._regroup_taken,
+                    ),
+                    name="epochal-regroup",
+                    daemon=True,
+                ).start()
             if isinstance(message, Joined | Welcome):
                 self._session = message.session
                 self.liveness = message.liveness  # the run's heartbeats, from now on

@@ -22,13 +22,20 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
 from epochal.worker import faults
+from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.checkpoints.state import (
     TrainState as TrainState,  # re-exported: importable here too
 )
 from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.session import Session
+from epochal.worker.regroup import Snapshot
+from epochal.worker.regroup import leave as leave_group
+from epochal.worker.regroup import rebuild as rebuild_strategy
+from epochal.worker.session import Rejoin, Session
 from epochal.worker.strategies import ModeOptions, to_device, wrap
+from epochal.worker.strategies.base import Strategy
+from epochal.worker.strategies.layout import Layout
+from epochal.worker.training.elastic import check_elastic_mode
 from epochal.worker.training.initialization import initialize_on_rank
 from epochal.worker.training.precision import check_clip_grad_norm, check_precision
 from epochal.worker.training.results import EpochContext, LossSum, RunResult
@@ -185,34 +192,48 @@ def fit(
     elif given:
         raise TypeError("fit() takes options or keyword arguments, not both")
     accumulate, mode = options.accumulate, options.mode
-    train_data = _resolve(train_loader, session, "train")
-    assert train_data is not None
+    if session.elastic:
+        check_elastic_mode(mode)
+    user_model, user_optimizer = model, optimizer  # a new world wraps them again
+    resolved = _resolve(train_loader, session, "train")
+    assert resolved is not None
+    train_data: Loader = resolved
     valid_data = _resolve(valid_loader, session, "validation")
     device = session.device
     initialize = options.initialize
     if initialize is not None and session.resume_epoch is None:  # a resume loads its weights
         to_device(model, device)
         initialize_on_rank(model, initialize)
-    strategy = wrap(
-        model,
-        optimizer,
-        device,
-        mode=mode,
-        options=options.mode_options,
-        ddp_options=dict(options.ddp_options),
-        precision=options.precision,
-        clip_grad_norm=options.clip_grad_norm,
-    )
+
+    def build() -> Strategy:
+        built = wrap(
+            user_model,
+            user_optimizer,
+            device,
+            mode=mode,
+            options=options.mode_options,
+            ddp_options=dict(options.ddp_options),
+            precision=options.precision,
+            clip_grad_norm=options.clip_grad_norm,
+        )
+        if options.configure_ddp is not None:
+            if built.ddp is None:
+                raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
+            built.configure = options.configure_ddp
+        return built
+
+    strategy = build()
     model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
-    if options.configure_ddp is not None:
-        if strategy.ddp is None:
-            raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
-        strategy.configure = options.configure_ddp
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     show_progress = _progress_enabled(session.rank, options.progress)
     best_state: dict[str, torch.Tensor] | None = None
+    start: tuple[int, Snapshot] | None = None
+    # elastic runs: this rank's state at the start of the epoch under way, and that epoch
 
     def train_epoch(ctx: EpochContext) -> LossSum:
+        nonlocal start
+        if session.elastic and (start is None or start[0] != ctx.epoch):
+            start = (ctx.epoch, Snapshot.take(strategy))
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * ctx.lr_factor
         _set_epoch(train_data, ctx.epoch)
@@ -286,12 +307,31 @@ def fit(
     def counts(epoch: int) -> tuple[int, int | None]:
         return len(train_data), (None if valid_data is None else len(valid_data))  # type: ignore[arg-type]
 
+    def leave(error: BaseException | None) -> None:
+        leave_group(strategy, error)  # the wrappers released; the model and optimizer kept
+
+    def rebuild(epoch: int) -> Stateful:
+        """The new world's group is up: the mode again over it, the loaders for the new rank
+        and world size, and the epoch's start restored."""
+        nonlocal strategy, model, optimizer, policy, train_data, valid_data
+        strategy = rebuild_strategy(strategy, Layout.from_group(device))
+        model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
+        if start is not None and start[0] == epoch:
+            start[1].restore(strategy)
+        # else the epoch had not begun here: what this rank holds is its start already
+        again = _resolve(train_loader, session, "train")
+        assert again is not None
+        train_data = again
+        valid_data = _resolve(valid_loader, session, "validation")
+        return strategy.state
+
     result = session.run_epochs(
         train_epoch,
         valid_epoch if valid_data is not None else None,
         batches=counts,
         on_best=keep_best,
         state=train_state,
+        rejoin=Rejoin(leave, rebuild),
     )
     if result.restore_best and result.best_epoch is not None:
         if best_state is not None:
