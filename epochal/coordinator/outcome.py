@@ -16,7 +16,7 @@ from epochal.coordinator.batches import EpochPlan
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.sums import MetricSums, metric_records
 from epochal.protocol import Decision, Go
-from epochal.rundir import smoothed_label
+from epochal.rundir import DEFAULT_MONITOR, smoothed_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
 
 
 def format_epoch_line(
-    outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = "loss"
+    outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = DEFAULT_MONITOR
 ) -> str:
     """The one line per epoch a person follows a run by; ``smoothed`` and ``best`` are of the
     monitored value, named when it is not the loss (``--monitor``: ``smoothed accuracy``)."""
