@@ -15,6 +15,12 @@ has exited, and then judged by its exception line:
 
 Once the run is aborted or interrupted, whatever else the workers print is hidden too; the
 launcher's last line says how many lines it hid. ``--verbose`` turns all of this off.
+
+torch.distributed prefixes each line of a traceback with ``[rankN]: ``; where N is the rank of
+the line's own prefix, that says nothing new and is dropped (``[rank 1] Traceback ...``, not
+``[rank 1] [rank1]: Traceback ...``). :func:`in_words` says what a data-plane error about a lost
+peer means, for the line that names the cause of an abort (gloo's own text, with its source
+path, peer address and sign-off, stays in the worker's output).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 TRACEBACK_START = "Traceback (most recent call last):"
-_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+_TORCH_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 """torch.distributed's excepthook prefixes every traceback line with ``[rankN]: ``."""
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
 _EPOCHAL_ERROR = re.compile(r"^epochal\.errors\.\w+: ")
@@ -40,6 +46,16 @@ _CONSEQUENCES = (
     "Broken pipe",
 )
 """Exception lines that follow from a cause reported elsewhere (a signal, a dead peer)."""
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+"""What gloo (and NCCL) say when a connection to another rank of the data plane went away."""
+_DATA_PLANE_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError")
+"""The exceptions torch.distributed raises them as (a user's own BrokenPipeError is not one)."""
+PEER_LOST = "its connection to a peer of the data plane closed (the peer process probably died)"
 
 
 class Kind(enum.Enum):
@@ -55,6 +71,29 @@ def classify(exception_line: str) -> Kind:
     if any(mark in exception_line for mark in _CONSEQUENCES):
         return Kind.CONSEQUENCE
     return Kind.USER
+
+
+def in_words(exception_line: str) -> str | None:
+    """What ``exception_line`` (``RuntimeError: [../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:4821``) means, in words, when it is the data plane losing a peer; None for any
+    other error, whose own text says it best."""
+    name, colon, message = exception_line.partition(": ")
+    if not colon or name.rsplit(".", 1)[-1] not in _DATA_PLANE_ERRORS:
+        return None
+    if any(mark in message for mark in _PEER_LOST):
+        return PEER_LOST
+    return None
+
+
+def strip_own_rank(line: str, rank: int | None) -> str:
+    """``line`` without torch.distributed's ``[rankN]: `` prefix when N is ``rank`` (the rank
+    the line is already prefixed with); any other line as it is."""
+    if rank is None:
+        return line
+    match = _TORCH_PREFIX.match(line)
+    if match is None or int(match.group(1)) != rank:
+        return line
+    return line[match.end() :]
 
 
 @dataclass(slots=True)
@@ -77,8 +116,8 @@ class Relay:
         self.hidden = 0
         self._held: list[_Held] = []
 
-    def stream(self, prefix: str) -> RankStream:
-        return RankStream(prefix, self.out, self)
+    def stream(self, prefix: str, rank: int | None = None) -> RankStream:
+        return RankStream(prefix, self.out, self, rank=rank)
 
     def stop(self) -> None:
         """The run was aborted or interrupted: from now on, worker output is noise."""
@@ -119,13 +158,17 @@ class RankStream:
     """Copies one worker's output to ``out`` line by line, each line prefixed with its rank.
 
     Carriage returns (progress bars) are kept, so a bar redraws in place on a terminal. Without a
-    relay every line is copied; with one, the relay's rules above apply.
+    relay every line is copied; with one, the relay's rules above apply. ``rank``: the rank the
+    prefix names, whose ``[rankN]: `` from torch.distributed is dropped.
     """
 
-    def __init__(self, prefix: str, out: TextIO, relay: Relay | None = None) -> None:
+    def __init__(
+        self, prefix: str, out: TextIO, relay: Relay | None = None, *, rank: int | None = None
+    ) -> None:
         self.prefix = prefix
         self.out = out
         self.relay = relay
+        self.rank = rank
         self.pending = ""
         self._held: _Held | None = None
         self._in_frames = False
@@ -151,6 +194,7 @@ class RankStream:
         self.out.flush()
 
     def _line(self, line: str, end: str) -> None:
+        line = strip_own_rank(line, self.rank)
         text = f"{self.prefix}{line}{end}"
         relay = self.relay
         if relay is None or relay.verbose:

@@ -8,12 +8,20 @@ directory is written down once. Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 RUN_FILE = "run.json"
 """The run's settings and where its coordinator listens; written at the start of each attempt."""
 
 EPOCHS_FILE = "epochs.jsonl"
 """The journal: one record per decided epoch and per committed checkpoint, fsynced before the
-workers hear of it."""
+workers hear of it. An epoch's ``smoothed_loss`` and ``best_loss`` are of the monitored value:
+the loss, or the metric that run.json's ``config.monitor`` names (``accuracy``)."""
+
+DEFAULT_MONITOR = "loss"
+"""What a run monitors unless ``--monitor`` names a metric (and what a run recorded before
+``--monitor`` existed monitored)."""
 
 RESULT_FILE = "result.json"
 """How the run ended (finished or aborted)."""
@@ -39,3 +47,19 @@ RECORD_FILE_LIMIT = 16 << 20
 
 STATUS_LIMIT = 64 << 20
 """The largest ``status.json`` a reader takes (one row per rank: a few MiB at 10,000 ranks)."""
+
+
+def monitor_of(config: Mapping[str, Any]) -> str:
+    """The monitored value's name in a run's ``config`` (run.json's): ``loss`` when it names
+    none, or something that is not a name."""
+    name = config.get("monitor")
+    if isinstance(name, str) and name.isidentifier() and name.isascii() and len(name) <= 64:
+        return name
+    return DEFAULT_MONITOR
+
+
+def smoothed_label(monitor: str) -> str:
+    """How the epoch line, ``epochal status`` and the plot name the smoothed monitored value:
+    ``smoothed`` for the loss (beside the train and valid losses it is made of), ``smoothed
+    accuracy`` for a metric."""
+    return "smoothed" if monitor == DEFAULT_MONITOR else f"smoothed {monitor}"

@@ -3,8 +3,9 @@ a peer, a file or another user wrote reaches a log line or a terminal.
 
 A worker id, a host name, a failure reason or a field of ``status.json`` may hold a newline (a
 forged log line), a terminal escape (that drives the reader's terminal) or 60,000 characters;
-:func:`printable` shows control characters escaped and cuts the text to a bound. Standard library
-only: the coordinator, the workers and the observers all use it.
+:func:`printable` shows control characters escaped and cuts the text to a bound. :func:`counted`
+says a count with its noun ("1 line", "3 lines"). Standard library only: the coordinator, the
+workers and the observers all use it.
 """
 
 from __future__ import annotations
@@ -26,3 +27,9 @@ def printable(text: object, limit: int = PRINTABLE_CHARS) -> str:
         return text
     shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
     return shown + ("..." if len(text) > limit else "")
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, the noun in the plural (``plural``, else ``noun + "s"``) unless ``n``
+    is 1: ``"1 line"``, ``"3 lines"``, ``"0 lines"``."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launch.launcher import worker_environment
+from epochal.launch.launcher import hidden_note, worker_environment
 from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.launch.restarts import Outcome, restarting
-from epochal.output import Kind, RankStream, Relay, classify
+from epochal.output import PEER_LOST, Kind, RankStream, Relay, classify, in_words
 
 
 def test_prefixer_splits_lines_and_keeps_carriage_returns():
@@ -145,6 +145,61 @@ def test_chained_exceptions_are_judged_by_the_last_one():
     assert "OSError: disk full" in out.getvalue() and "KeyboardInterrupt" in out.getvalue()
     assert classify("OSError: disk full") is Kind.USER
     assert classify("epochal.errors.CoordinatorLost: gone") is Kind.EPOCHAL
+
+
+def test_a_traceback_says_its_rank_once():
+    for verbose in (False, True):
+        out = io.StringIO()
+        relay = Relay(out, verbose=verbose)
+        own, other = relay.stream("[rank 1] ", rank=1), relay.stream("[rank 2] ", rank=2)
+        own.feed(_traceback(1, "ValueError: boom"))
+        other.feed(_traceback(3, "ValueError: bang"))  # the coordinator made local worker 2 rank 3
+        own.close()
+        other.close()
+        relay.release()
+        shown = out.getvalue().splitlines()
+        assert "[rank 1] Traceback (most recent call last):" in shown
+        assert "[rank 1] ValueError: boom" in shown
+        assert not any(line.startswith("[rank 1] [rank1]") for line in shown)
+        assert "[rank 2] [rank3]: ValueError: bang" in shown  # another rank's word is kept
+
+
+def test_the_hidden_lines_are_counted_in_words():
+    assert hidden_note(0) == ""
+    assert hidden_note(1) == (
+        "; 1 line of worker output that follows from it is hidden (--verbose shows it)"
+    )
+    assert hidden_note(7) == (
+        "; 7 lines of worker output that follow from it are hidden (--verbose shows them)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        (
+            "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:12345",
+            PEER_LOST,
+        ),
+        (
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:4821: Connection reset by peer. This is typically caused by a remote "
+            "worker hanging or bugs in the application. GLHF! \U0001f3d6\ufe0f",
+            PEER_LOST,
+        ),
+        ("torch.distributed.DistBackendError: [pair.cc:1] Write error: Broken pipe", PEER_LOST),
+        (
+            "DistBackendError: NCCL error: remote process exited or there was a network error",
+            PEER_LOST,
+        ),
+        ("BrokenPipeError: [Errno 32] Broken pipe", None),  # the user's own pipe
+        ("ValueError: boom", None),
+        ("RuntimeError: Connection closed", None),
+    ],
+)
+def test_a_lost_data_plane_peer_is_said_in_words(line: str, words: str | None):
+    assert in_words(line) == words
 
 
 def test_workers_get_torchruns_variables_beside_epochals():

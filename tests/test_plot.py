@@ -12,7 +12,13 @@ from matplotlib import image
 from epochal import log
 from epochal.cli import EXIT_USAGE, main
 from epochal.coordinator.journal import Journal
-from epochal.observe.plot import further_metrics, plot_run, restart_marks, write_curve
+from epochal.observe.plot import (
+    figure,
+    further_metrics,
+    plot_run,
+    restart_marks,
+    write_curve,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -76,6 +82,58 @@ def test_a_curve_with_metrics_gets_a_second_panel(tmp_path: Path) -> None:
     plain = plot_run(write_run(tmp_path / "a", [epoch_record(e) for e in range(5)]))
     more = plot_run(write_run(tmp_path / "b", [epoch_record(e, accuracy=e / 10) for e in range(5)]))
     assert image.imread(more).shape[0] > image.imread(plain).shape[0]
+
+
+def drawn_labels(run_dir: Path) -> dict[str, object]:
+    """What the curve of ``run_dir`` says: its title, and each panel's y label and legend."""
+    from matplotlib import pyplot
+
+    records = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    fig = figure(pyplot, run_dir, records)
+    try:
+        panels = [a for a in fig.axes if a.get_ylabel() != "learning-rate factor"]
+        legends = [a.get_legend() for a in fig.axes]
+        return {
+            "title": panels[0].get_title(),
+            "panels": [
+                (a.get_ylabel(), [x.get_label() for x in a.get_lines() if x.get_label()[0] != "_"])
+                for a in panels
+            ],
+            "legend": {t.get_text() for lg in legends if lg for t in lg.get_texts()},
+        }
+    finally:
+        pyplot.close(fig)
+
+
+def test_a_monitored_metric_is_drawn_under_its_name_beside_the_metric(tmp_path: Path) -> None:
+    accuracy = [0.9, 0.95, 0.93]
+    records = [
+        epoch_record(
+            e,
+            smoothed_loss=a,
+            best_loss=max(accuracy[: e + 1]),
+            best_epoch=accuracy.index(max(accuracy[: e + 1])),
+            metrics=["valid_accuracy"],
+            valid_accuracy=a,
+        )
+        for e, a in enumerate(accuracy)
+    ]
+    config = {"monitor": "accuracy", "monitor_mode": "max"}
+    seen = drawn_labels(write_run(tmp_path / "run", records, config=config))
+    assert str(seen["title"]).endswith("3 epochs, best epoch 1 (highest smoothed accuracy)")
+    (loss_axis, losses), (metric_axis, metrics) = seen["panels"]  # type: ignore[misc]
+    assert loss_axis == "loss" and set(losses) == {"train loss", "validation loss"}
+    assert metric_axis == "metrics"
+    assert {"valid_accuracy", "smoothed accuracy", "best epoch 1 (0.95)"} <= set(metrics)
+    assert "smoothed loss" not in seen["legend"]  # type: ignore[operator]
+    assert "smoothed accuracy" in seen["legend"]  # type: ignore[operator]
+
+
+def test_the_loss_monitored_is_drawn_with_the_losses(tmp_path: Path) -> None:
+    seen = drawn_labels(write_run(tmp_path / "run", [epoch_record(e) for e in range(3)]))
+    ((ylabel, lines),) = seen["panels"]  # type: ignore[misc]
+    assert ylabel == "loss" and "smoothed loss" in lines and "best epoch 2 (1.363)" in lines
+    assert str(seen["title"]).endswith("3 epochs, best epoch 2 (lowest smoothed loss)")
 
 
 def test_restarts_come_from_status_json_and_the_latest_resume_from_run_json(

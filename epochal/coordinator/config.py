@@ -133,8 +133,8 @@ class CoordinatorConfig:
     smoothing: float = field(
         default=1.0,
         metadata=setting(
-            help="validation-loss smoothing factor A in (0, 1]: s = A*loss + (1-A)*s_prev; 1.0 "
-            "is no smoothing",
+            help="smoothing factor A in (0, 1] of the monitored value (--monitor; the validation "
+            "loss by default): s = A*value + (1-A)*s_prev; 1.0 is no smoothing",
             flag=Flag(RUN_POLICY, metavar="A", type=float, shown="1.0"),
         ),
     )
@@ -151,8 +151,8 @@ class CoordinatorConfig:
     monitor_mode: MonitorMode = field(
         default="min",
         metadata=setting(
-            help="whether a lower (min: a loss) or higher (max: an accuracy) monitored value "
-            "is better",
+            help="whether a lower (min: a loss) or higher (max: an accuracy, so --monitor "
+            "accuracy wants max) monitored value is better",
             flag=Flag(RUN_POLICY, choices=MONITOR_MODES),
             on_resume="when_known",  # a run recorded before it existed monitored the loss (min)
         ),
@@ -177,14 +177,15 @@ class CoordinatorConfig:
         default=None,
         metadata=setting(
             help="stop early once more than P validated epochs in a row bring no improvement "
-            "of the smoothed loss",
+            "of the smoothed monitored value",
             flag=Flag(RUN_POLICY, metavar="P", type=nonnegative_int, shown="never"),
         ),
     )
     min_delta: float = field(
         default=0.0,
         metadata=setting(
-            help="an improvement must lower the best smoothed loss by more than D",
+            help="an improvement must better the best smoothed monitored value by more than D: "
+            "lower it under --monitor-mode min, raise it under max",
             flag=Flag(RUN_POLICY, metavar="D", type=float),
         ),
     )

@@ -12,6 +12,7 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome, format_loss
 from epochal.protocol import Finish
+from epochal.text import counted
 
 
 def stop_lines(outcome: EpochOutcome, loop: LoopState, config: CoordinatorConfig) -> list[str]:
@@ -20,7 +21,7 @@ def stop_lines(outcome: EpochOutcome, loop: LoopState, config: CoordinatorConfig
         return [f"the learning-rate factor reached {outcome.next_lr_factor:g}: stopping"]
     if outcome.stop_reason == "patience":
         return [
-            f"no improvement for {loop.stale} validated epochs "
+            f"no improvement for {counted(loop.stale, 'validated epoch')} "
             f"(patience {config.patience}): stopping early"
         ]
     return []
@@ -35,7 +36,7 @@ def finish(loop: LoopState, config: CoordinatorConfig, run_id: str) -> tuple[Fin
         restore_best=config.restore_best,
     )
     line = (
-        f"run {run_id} finished after {len(loop.history)} epochs: best epoch "
+        f"run {run_id} finished after {counted(len(loop.history), 'epoch')}: best epoch "
         f"{loop.best_epoch} (smoothed {loop.monitor} {format_loss(loop.best_loss)})"
     )
     return message, line

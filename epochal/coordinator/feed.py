@@ -4,7 +4,8 @@
 service notes what its actions did (a journal record written, a heartbeat sent, the result) and
 calls :meth:`ObserverFeed.tell` once every action of a turn is carried out, so a decision is
 never held up for an observer. After ``on_end`` the observers hear nothing more from this
-coordinator. :func:`snapshot` is the run as they see it.
+coordinator. :func:`snapshot` is the run as they see it: one epoch for the run and its ranks
+(:func:`rank_at`), so status.json's header and its rows never tell two stories.
 """
 
 from __future__ import annotations
@@ -15,20 +16,55 @@ from typing import Any
 from epochal.coordinator.actions import RunPhase
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.watchdog import RankStatus as WatchedStatus
 from epochal.observe import RankStatus, RunObserver, StatusSnapshot, World
+from epochal.protocol import Awaiting, Phase
 from epochal.text import printable
+
+STARTING = "starting"
+"""A rank's phase, as the observers show it, once the coordinator has sent it the Go of the epoch
+it is to train and before the rank has said more (it may write a checkpoint first)."""
+
+UNHEARD = "?"
+"""The phase of a rank not heard from since the ranks were assigned."""
+
+
+def rank_at(said: WatchedStatus | None, run_phase: RunPhase, run_epoch: int) -> tuple[str, int]:
+    """(phase, epoch) of a rank as the coordinator knows it at the moment: what the rank last
+    ``said``, unless that is a wait the coordinator has since answered.
+
+    A rank that reported epoch e waits for e's decision; once the decision is out it carries
+    the Go of e + 1, which the run (``run_epoch``) now runs: the rank is ``starting`` e + 1, not
+    waiting in e. After the last decision (``run_phase`` finishing) it is finishing e. A rank
+    waiting for the Go of the epoch the run now runs has it too. A rank never heard is at the
+    run's epoch, not at epoch 0.
+    """
+    if said is None:
+        return UNHEARD, run_epoch
+    if said.phase != Phase.WAITING:
+        return said.phase, said.epoch
+    if said.awaiting == Awaiting.DECISION:
+        if said.epoch < run_epoch:
+            return STARTING, run_epoch
+        if run_phase in (RunPhase.FINISHING, RunPhase.ENDED):
+            return Phase.FINISHING.value, said.epoch
+    if said.awaiting == Awaiting.GO and said.epoch == run_epoch and run_phase is RunPhase.RUNNING:
+        return STARTING, run_epoch
+    return said.phase, said.epoch
 
 
 def snapshot(
     machine: RunMachine, loop: LoopState, run_id: str, phase: RunPhase, now: float
 ) -> StatusSnapshot:
     """The run at ``now`` as the observers see it: phase, epoch, best so far, every rank's row."""
-    heard = machine.watchdog.last_seen
+    dog = machine.watchdog
+    heard = dog.last_seen
     members = machine.members
-    ranks = [
-        RankStatus.from_row(row, now - heard.get(members[row[0]].peer, now))
-        for row in machine.watchdog.rows(now, members)
-    ]
+    ranks = []
+    for rank, host, _, _, step, idle, where in dog.rows(now, members):
+        rank_phase, rank_epoch = rank_at(dog.status.get(rank), phase, machine.epoch)
+        row = (rank, host, rank_phase, rank_epoch, step, idle, where)
+        ranks.append(RankStatus.from_row(row, now - heard.get(members[rank].peer, now)))
     return StatusSnapshot(
         run_id=run_id,
         state=phase.value,

@@ -16,6 +16,7 @@ from epochal.coordinator.batches import EpochPlan
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.sums import MetricSums, metric_records
 from epochal.protocol import Decision, Go
+from epochal.rundir import DEFAULT_MONITOR, smoothed_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +118,11 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     )
 
 
-def format_epoch_line(outcome: EpochOutcome, epochs: int, seconds: float) -> str:
+def format_epoch_line(
+    outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = DEFAULT_MONITOR
+) -> str:
     """The one line per epoch a person follows a run by; ``smoothed`` and ``best`` are of the
-    monitored value (the loss unless ``--monitor`` names a metric)."""
+    monitored value, named when it is not the loss (``--monitor``: ``smoothed accuracy``)."""
     best = (
         "-"
         if outcome.best_epoch is None
@@ -129,7 +132,8 @@ def format_epoch_line(outcome: EpochOutcome, epochs: int, seconds: float) -> str
     return (
         f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]  "
         f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}"
-        f"{format_metrics(outcome.metrics)}  smoothed {format_loss(outcome.smoothed_loss)}  "
+        f"{format_metrics(outcome.metrics)}  {smoothed_label(monitor)} "
+        f"{format_loss(outcome.smoothed_loss)}  "
         f"lr x{outcome.lr_factor:g}  best {best}  "
         f"{seconds:.2f}s{marker}"
     )

@@ -17,7 +17,8 @@ Specs are written ``NAME`` or ``NAME:key=value,key=value``:
 ``linear:end=E``                               ``1 - epoch / E``: reaches 0 at epoch ``E`` and stops
 ``plateau:patience=P,factor=F,threshold=T,min=M``  multiply by ``F`` after ``P`` validated epochs
                                                without a relative improvement of ``T`` in the
-                                               smoothed loss; never below ``M`` (``F=0`` stops)
+                                               smoothed monitored value; never below ``M``
+                                               (``F=0`` stops)
 =============================================  ==================================================
 """
 

@@ -43,6 +43,7 @@ from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configu
 from epochal.observe import RunObserver
 from epochal.observe import options as observe_options
 from epochal.output import RankStream, Relay
+from epochal.text import counted
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -129,7 +130,8 @@ async def launch(
 
     def give_up(failed: Outcome) -> None:
         _say(
-            f"FAILED: {max_restarts} restarts used up; the last failure: {failed.reason}",
+            f"FAILED: {counted(max_restarts, 'restart')} used up; the last failure: "
+            f"{failed.reason}",
             logging.ERROR,
         )
 
@@ -201,7 +203,7 @@ async def _attempt(
         await coordinator.run()  # says that there is nothing to do
         return Outcome(EXIT_OK)
     _say(
-        f"coordinator at {endpoint}, run {coordinator.run_id}; starting {nproc} workers",
+        f"coordinator at {endpoint}, run {coordinator.run_id}; starting {counted(nproc, 'worker')}",
         logging.INFO,
     )
 
@@ -237,7 +239,9 @@ async def _attempt(
         procs.append(proc)
         assert proc.stdout is not None
         pumps.append(
-            asyncio.create_task(_pump(proc.stdout, relay.stream(f"[rank {index:>{width}}] ")))
+            asyncio.create_task(
+                _pump(proc.stdout, relay.stream(f"[rank {index:>{width}}] ", rank=index))
+            )
         )
 
     interrupted: list[str] = []
@@ -296,12 +300,7 @@ async def _attempt(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         relay.release(known_reasons=reason)
-    hidden = (
-        f"; {relay.hidden} lines of worker output that follow from it are hidden "
-        "(--verbose shows them)"
-        if relay.hidden
-        else ""
-    )
+    hidden = hidden_note(relay.hidden)
     if interrupted and summary is not None:
         bound = ABORT_EXIT_TIMEOUT  # the signal bounded a wait that had none
     killed = f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck else ""
@@ -334,6 +333,17 @@ async def _attempt(
         without = f" (worker{'s' if len(lost) > 1 else ''} {listed} lost on the way)"
     _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
+
+
+def hidden_note(hidden: int) -> str:
+    """What the launcher's last line adds about the ``hidden`` lines of worker output."""
+    if hidden == 0:
+        return ""
+    if hidden == 1:
+        return "; 1 line of worker output that follows from it is hidden (--verbose shows it)"
+    return (
+        f"; {hidden} lines of worker output that follow from it are hidden (--verbose shows them)"
+    )
 
 
 def _workers(indices: list[int]) -> str:

@@ -25,6 +25,7 @@ from epochal.log import COORDINATOR
 from epochal.observe import RunObserver
 from epochal.observe import options as observe_options
 from epochal.security.curve import ServerSecurity
+from epochal.text import counted
 
 EXIT_CRASH = 70
 """The coordinator itself failed (EX_SOFTWARE): unlike an abort (1), worth restarting."""
@@ -138,7 +139,7 @@ async def _serve_runs(
         await _start_again(coordinator)
 
     def give_up(failed: Outcome) -> None:
-        coordinator.log(f"FAILED: {options.max_restarts} restarts used up")
+        coordinator.log(f"FAILED: {counted(options.max_restarts, 'restart')} used up")
 
     return await restarting(attempt, options.max_restarts, restart=restart, give_up=give_up)
 

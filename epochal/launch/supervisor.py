@@ -27,6 +27,7 @@ from epochal.errors import CoordinatorUnreachable
 from epochal.launch.processes import die_with_parent, kill_group
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import LAUNCHER, child_environment, ensure_configured
+from epochal.text import counted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -121,7 +122,8 @@ async def _supervise(
             await asyncio.wait_for(signalled.wait(), restart_delay)
 
     def give_up(failed: Outcome) -> None:
-        _say(f"the worker failed ({failed.reason}); {max_restarts} restarts used up", logging.ERROR)
+        used = counted(max_restarts, "restart")
+        _say(f"the worker failed ({failed.reason}); {used} used up", logging.ERROR)
 
     return await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
 

@@ -1,9 +1,12 @@
 """The learning curve of a run, drawn from its run directory: ``epochal plot RUN_DIR``.
 
-Train, validation and smoothed loss per epoch, any further numeric metric the journal records,
-the learning-rate factor on a second axis, the best epoch, and where the run was restarted or
-resumed. matplotlib (the ``plot`` extra) is imported only when a curve is drawn, with its
-non-interactive Agg backend, so the coordinator does not pay for it otherwise.
+Train and validation loss per epoch, any further numeric metric the journal records, the
+smoothed monitored value and the best epoch, the learning-rate factor on a second axis, and
+where the run was restarted or resumed. The smoothed value is drawn with what it smooths: beside
+the losses when the run monitors the loss, in the metrics' panel under its name (``smoothed
+accuracy``) when ``--monitor`` names a metric (run.json's ``config.monitor``). matplotlib (the
+``plot`` extra) is imported only when a curve is drawn, with its non-interactive Agg backend, so
+the coordinator does not pay for it otherwise.
 
 Where restarts and resumes come from: ``epochs.jsonl`` does not record them (a resumed run
 rewrites it without the epochs that were trained after its checkpoint and lost), and ``run.json``
@@ -30,8 +33,8 @@ from epochal.observe.runfiles import (
     read_run,
     read_status,
 )
-from epochal.rundir import CURVE_FILE
-from epochal.text import printable
+from epochal.rundir import CURVE_FILE, DEFAULT_MONITOR, monitor_of
+from epochal.text import counted, printable
 
 EXTRA_HINT = "pip install 'epochal[plot]'"
 
@@ -139,21 +142,30 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         raise ConfigError(f"{run_dir} has no epoch in its journal (epochs.jsonl) to draw yet")
     plt = _matplotlib()
     with plt.rc_context({"text.parse_math": False}):
-        png = _draw(plt, run_dir, records)
+        fig = figure(plt, run_dir, records)
+        try:
+            buffer = io.BytesIO()
+            fig.savefig(buffer, dpi=110, format="png")
+        finally:
+            plt.close(fig)
+        png = buffer.getvalue()
     if not os.path.lexists(out.parent):
         private_dir(out.parent, kind="directory for the plot")
     write_atomic(out, png, durable=False)
     return out
 
 
-def _draw(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> bytes:
-    """The learning curve as PNG bytes."""
+def figure(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> Any:
+    """The learning curve as a matplotlib figure (the caller saves and closes it)."""
     from matplotlib.ticker import MaxNLocator
 
+    config = (read_run(run_dir) or {}).get("config")
+    config = config if isinstance(config, dict) else {}
+    monitor = monitor_of(config)
     extra = further_metrics(records)
     if len(extra) > MAX_METRICS:
         extra = dict(sorted(extra.items())[:MAX_METRICS])
-    rows = 2 if extra else 1
+    rows = 2 if extra or monitor != DEFAULT_MONITOR else 1
     fig, axes = plt.subplots(
         rows,
         1,
@@ -162,9 +174,9 @@ def _draw(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> bytes:
         squeeze=False,
         gridspec_kw={"height_ratios": [3, 1.4][:rows]},
     )
-    ax = axes[0][0]
     try:
-        _draw_losses(ax, records)
+        ax = axes[0][0]
+        _draw_losses(ax, records, smoothed=monitor == DEFAULT_MONITOR)
         lr = ax.twinx()
         xs, ys = _points(records, "lr_factor")
         lr.step(xs, ys, where="mid", color="0.55", linewidth=1.2, label="lr factor")
@@ -189,8 +201,8 @@ def _draw(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> bytes:
         lr.legend(
             handles + more, labels + more_labels, loc="upper right", fontsize=8, framealpha=0.95
         )
-        ax.set_title(_title(run_dir, records), fontsize=10)
-        if extra:
+        ax.set_title(_title(run_dir, records, config), fontsize=10)
+        if rows == 2:
             mx = axes[1][0]
             for name, points in sorted(extra.items()):
                 mx.plot(
@@ -199,30 +211,36 @@ def _draw(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> bytes:
                     marker=".",
                     label=printable(name, 60),
                 )
+            if monitor != DEFAULT_MONITOR:
+                best = _draw_smoothed(mx, records, f"smoothed {monitor}")
+                if best is not None:  # the best epoch's line crosses the losses too
+                    ax.axvline(best, color="tab:purple", linestyle="-.", linewidth=1, alpha=0.7)
             mx.set_ylabel("metrics")
             mx.legend(loc="best", fontsize=8)
             mx.grid(alpha=0.3)
         axes[-1][0].set_xlabel("epoch")
         axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, dpi=110, format="png")
-    finally:
+    except BaseException:
         plt.close(fig)
-    return buffer.getvalue()
+        raise
+    return fig
 
 
-def _draw_losses(ax: Any, records: list[dict[str, Any]]) -> None:
+def _draw_losses(ax: Any, records: list[dict[str, Any]], *, smoothed: bool) -> None:
+    """The losses; with ``smoothed`` (the run monitors the loss) the smoothed loss and the best
+    epoch on it too."""
     shown: list[float] = []
     for name, label, style in (
         ("train_loss", "train loss", {"color": "tab:blue", "linewidth": 1.6}),
         ("valid_loss", "validation loss", {"color": "tab:orange", "marker": "o", "markersize": 3}),
-        ("smoothed_loss", "smoothed loss", {"color": "tab:green", "linestyle": "--"}),
     ):
         xs, ys = _points(records, name)
         if xs:
             ax.plot(xs, ys, label=label, **style)
             shown.extend(ys)
+    if smoothed:
+        shown.extend(_points(records, "smoothed_loss")[1])
     if shown and min(shown) > 0 and max(shown) / min(shown) >= 10:
         from matplotlib.ticker import FuncFormatter
 
@@ -231,12 +249,24 @@ def _draw_losses(ax: Any, records: list[dict[str, Any]]) -> None:
         ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
     ax.set_ylabel("loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
     ax.grid(alpha=0.3)
+    if smoothed:
+        _draw_smoothed(ax, records, "smoothed loss", fallback="train_loss")
+
+
+def _draw_smoothed(
+    ax: Any, records: list[dict[str, Any]], label: str, fallback: str | None = None
+) -> int | None:
+    """The smoothed monitored value as ``label``, and the best epoch marked on it (on
+    ``fallback``'s value where an epoch has no smoothed value); the best epoch, if any."""
+    xs, ys = _points(records, "smoothed_loss")
+    if xs:
+        ax.plot(xs, ys, label=label, color="tab:green", linestyle="--")
     best = records[-1].get("best_epoch")
     if isinstance(best, int):
         at = next((r for r in records if r["epoch"] == best), None)
         y = None if at is None else _number(at.get("smoothed_loss"))
-        if y is None and at is not None:
-            y = _number(at.get("train_loss"))
+        if y is None and at is not None and fallback is not None:
+            y = _number(at.get(fallback))
         ax.axvline(best, color="tab:purple", linestyle="-.", linewidth=1, alpha=0.7)
         if y is not None:
             ax.plot(
@@ -248,6 +278,8 @@ def _draw_losses(ax: Any, records: list[dict[str, Any]]) -> None:
                 linestyle="none",
                 label=f"best epoch {best} ({y:.4g})",
             )
+        return best
+    return None
 
 
 def _minor_label(y: float, _: Any) -> str:
@@ -258,15 +290,17 @@ def _minor_label(y: float, _: Any) -> str:
     return f"{y:g}" if mantissa in (2.0, 5.0) else ""
 
 
-def _title(run_dir: Path, records: list[dict[str, Any]]) -> str:
+def _title(run_dir: Path, records: list[dict[str, Any]], config: dict[str, Any]) -> str:
     run = read_run(run_dir) or {}
     result = read_result(run_dir) or {}
     run_id = result.get("run_id") or run.get("run_id") or run_dir.name
     status = result.get("status") or "running (or stopped without a result)"
     last = records[-1]
     best = last.get("best_epoch")
-    best_text = "" if best is None else f", best epoch {best}"
-    return printable(f"run {run_id}: {status}, {len(records)} epochs{best_text}")
+    how = "highest" if config.get("monitor_mode") == "max" else "lowest"
+    by = f"{how} smoothed {monitor_of(config)}"
+    best_text = "" if best is None else f", best epoch {best} ({by})"
+    return printable(f"run {run_id}: {status}, {counted(len(records), 'epoch')}{best_text}")
 
 
 def write_curve(run_dir: Path | None) -> Path | None:

@@ -1,12 +1,13 @@
 """``RUN_DIR/status.json``: where a run is, replaced atomically every few seconds, and
 ``epochal status RUN_DIR``, which prints it at a glance.
 
-The file holds the coordinator's state, the epoch, the best epoch so far, the last epoch's losses,
-one row per rank (phase, step, the line its code is at, seconds since it made progress and since it
-was last heard) and ``events``: every start of the run, a restart after a failure in the same
-process or a resume by a new one, with the epoch it started at. A resuming coordinator carries the
-earlier events over, so the file keeps the whole history that ``epochs.jsonl`` does not (it drops
-the epochs a resume trains again).
+The file holds the coordinator's state, the epoch, the best epoch so far, the monitored value's
+name (``monitor``: what ``smoothed`` and ``best`` are of), the last epoch's losses, one row per rank
+(phase, epoch, step, the line its code is at, seconds since it made progress and since it was last
+heard; its epoch is the header's, see :func:`epochal.coordinator.feed.rank_at`) and ``events``:
+every start of the run, a restart after a failure in the same process or a resume by a new one,
+with the epoch it started at. A resuming coordinator carries the earlier events over, so the file
+keeps the whole history that ``epochs.jsonl`` does not (it drops the epochs a resume trains again).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
-from epochal.rundir import RESULT_FILE, STATUS_FILE
-from epochal.text import PRINTABLE_CHARS, printable
+from epochal.rundir import RESULT_FILE, STATUS_FILE, monitor_of, smoothed_label
+from epochal.text import PRINTABLE_CHARS, counted, printable
 
 INTERVAL = 2.0
 """Seconds between two rewrites of status.json for heartbeat snapshots alone (an epoch, a join,
@@ -109,6 +110,7 @@ class StatusFile(RunObserver):
             world_size=start.world_size,
             epochs=start.epochs,
             epoch=start.start_epoch,
+            monitor=monitor_of(start.config),
             joined=0,
             ranks=[],
             restarts=sum(1 for e in events if e["kind"] == "restart"),
@@ -227,12 +229,13 @@ def _alive(pid: Any, host: Any) -> bool | None:
     return True
 
 
-def _epoch_line(record: Mapping[str, Any]) -> str:
+def _epoch_line(record: Mapping[str, Any], monitor: str) -> str:
     lr = record.get("lr_factor")
     seconds = record.get("seconds")
     return (
         f"last epoch {_t(record.get('epoch'))}: train {_loss(record.get('train_loss'))}  "
-        f"valid {_loss(record.get('valid_loss'))}  smoothed {_loss(record.get('smoothed_loss'))}"
+        f"valid {_loss(record.get('valid_loss'))}  "
+        f"{_t(smoothed_label(monitor))} {_loss(record.get('smoothed_loss'))}"
         + "".join(
             f"  {_t(key.replace('_', ' ', 1))} {_loss(record.get(key))}"
             for key in _list(record.get("metrics"))
@@ -241,6 +244,19 @@ def _epoch_line(record: Mapping[str, Any]) -> str:
         + (f"  lr x{lr:g}" if _is_number(lr) else "")
         + (f"  {seconds:.2f}s" if _is_number(seconds) else "")
     )
+
+
+def _epochs(count: Any) -> str:
+    """``1 epoch``, ``3 epochs`` (a count read from the files, so maybe not a number)."""
+    return counted(count, "epoch") if type(count) is int else f"{_t(count)} epochs"
+
+
+def _epoch_of(epoch: Any, epochs: Any) -> str:
+    """``epoch 2 [3/10]``, as the coordinator's epoch line counts (epochs numbered from 0)."""
+    if type(epoch) is not int:
+        return f"epoch {_t(epoch if epoch is not None else '?')}"
+    of = f"/{_t(epochs)}" if epochs else ""
+    return f"epoch {epoch} [{epoch + 1}{of}]"
 
 
 def rank_table(ranks: list[dict[str, Any]]) -> str:
@@ -280,19 +296,20 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
     live = status or {}
     run_id = (result or {}).get("run_id") or live.get("run_id") or run.get("run_id")
     epochs = live.get("epochs") or _obj(run.get("config")).get("epochs")
+    monitor = monitor_of(live if "monitor" in live else _obj(run.get("config")))
+    smoothed = f"smoothed {_t(monitor)}"
     lines = []
     head = f"run {_t(run_id or '?')} in {_t(run_dir)}: "
     if result is not None and result.get("status") == "finished":
         lines.append(
-            head + f"finished after {_t(result.get('epochs_run'))} epochs, best epoch "
-            f"{_t(result.get('best_epoch'))} (smoothed loss {_loss(result.get('best_loss'))})"
+            head + f"finished after {_epochs(result.get('epochs_run'))}, best epoch "
+            f"{_t(result.get('best_epoch'))} ({smoothed} {_loss(result.get('best_loss'))})"
         )
     elif result is not None and result.get("status") == "aborted":
         lines.append(head + f"aborted: {_t(result.get('reason', '?'), REASON_CHARS)}")
     elif status is not None:
-        of = f" of {_t(epochs)}" if epochs else ""
         lines.append(
-            head + f"{_t(status.get('state', '?'))}, epoch {_t(status.get('epoch', '?'))}{of}, "
+            head + f"{_t(status.get('state', '?'))}, {_epoch_of(status.get('epoch'), epochs)}, "
             f"{_t(status.get('joined', '?'))}/{_t(status.get('world_size', '?'))} workers joined"
         )
         alive = _alive(status.get("pid"), status.get("host"))
@@ -308,7 +325,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
             lines.append(f"{seen} by pid {_t(status.get('pid'))} on {_t(status.get('host'))}")
     elif records:
         lines.append(
-            head + f"{len(records)} epochs journaled, no result and no status.json (a "
+            head + f"{counted(len(records), 'epoch')} journaled, no result and no status.json (a "
             "coordinator without status reporting, or one that was stopped)"
         )
     else:
@@ -318,12 +335,12 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         at = next((r for r in records if r["epoch"] == best), None)
         if result is None and best is not None:
             lines.append(
-                f"best so far: epoch {_t(best)} (smoothed loss "
+                f"best so far: epoch {_t(best)} ({smoothed} "
                 f"{_loss(None if at is None else at.get('best_loss'))})"
             )
-        lines.append(_epoch_line(records[-1]))
+        lines.append(_epoch_line(records[-1], monitor))
     elif isinstance(live.get("last"), dict):
-        lines.append(_epoch_line(live["last"]))
+        lines.append(_epoch_line(live["last"], monitor))
     if status is not None:
         events = [e for e in _list(status.get("events")) if isinstance(e, dict)]
         again = [e for e in events if e.get("kind") in ("restart", "resume")]

@@ -23,6 +23,7 @@ from typing import Any
 from epochal.errors import ConfigError
 from epochal.files import private_dir
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot
+from epochal.rundir import DEFAULT_MONITOR, monitor_of
 
 EXTRA_HINT = "pip install 'epochal[tensorboard]'"
 
@@ -39,13 +40,30 @@ TAGS = {
     "valid_batches": "batches/valid",
 }
 """The tag of each known field; any other numeric field NAME of a record (or entry of its
-``metrics`` object) is written as ``metrics/NAME``."""
+``metrics`` object) is written as ``metrics/NAME``. With ``--monitor NAME`` (a metric) the
+smoothed and best monitored values are that metric's, not the loss's: they are written beside it
+as ``metrics/smoothed_NAME`` and ``metrics/best_NAME`` (:func:`monitored_tags`)."""
 
 _NOT_SCALARS = {"epoch", "time", "kind"}
 
 
-def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """(tag, value) for every finite number in an epoch record (booleans and None are not)."""
+def monitored_tags(monitor: str) -> dict[str, str]:
+    """:data:`TAGS`, with the smoothed and best values named after the ``monitor``ed value."""
+    if monitor == DEFAULT_MONITOR:
+        return TAGS
+    return {
+        **TAGS,
+        "smoothed_loss": f"metrics/smoothed_{monitor}",
+        "best_loss": f"metrics/best_{monitor}",
+    }
+
+
+def scalars(
+    record: Mapping[str, Any], monitor: str = DEFAULT_MONITOR
+) -> Iterator[tuple[str, float]]:
+    """(tag, value) for every finite number in an epoch record (booleans and None are not), of a
+    run that monitors ``monitor``."""
+    tags = monitored_tags(monitor)
     fields = {k: v for k, v in record.items() if k not in _NOT_SCALARS and k != "metrics"}
     nested = record.get("metrics")
     if isinstance(nested, Mapping):
@@ -56,7 +74,7 @@ def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
         if not math.isfinite(value):
             continue
         plain = name.removeprefix("metrics.")
-        yield TAGS.get(name, f"metrics/{plain}"), float(value)
+        yield tags.get(name, f"metrics/{plain}"), float(value)
 
 
 class TensorBoard(RunObserver):
@@ -76,8 +94,10 @@ class TensorBoard(RunObserver):
         self.logdir = private_dir(logdir, kind="TensorBoard directory (--tensorboard)")
         self.directory: Path | None = None
         self._writer: Any = None
+        self.monitor = DEFAULT_MONITOR
 
     def on_start(self, start: RunStart) -> None:
+        self.monitor = monitor_of(start.config)
         if self._writer is None:
             name = start.run_dir.name if start.run_dir is not None else start.run_id
             self.directory = private_dir(self.logdir / name, kind="TensorBoard directory")
@@ -93,7 +113,7 @@ class TensorBoard(RunObserver):
             return
         values = [
             self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
-            for tag, value in scalars(record)
+            for tag, value in scalars(record, self.monitor)
         ]
         wall = record.get("time")
         self._writer.add_event(

@@ -30,6 +30,7 @@ from epochal.errors import (
     RunAborted,
 )
 from epochal.log import WORKER
+from epochal.output import in_words
 from epochal.protocol import (
     Awaiting,
     Broken,
@@ -227,8 +228,8 @@ class Session:
             go: Go | None = None  # the Go the last decision carried; None: announce the epoch
             while True:
                 try:
-                    if stopped:
-                        self.client.at(Phase.FINISHING, epoch)
+                    if stopped:  # after the last epoch decided, not in one past it
+                        self.client.at(Phase.FINISHING, epoch - 1)
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(
@@ -481,8 +482,7 @@ class Session:
 
     def fail(self, exc: BaseException) -> None:
         """Tell the coordinator this rank cannot go on, so every other rank stops too."""
-        lines = traceback.format_exception_only(type(exc), exc)
-        self.client.send(Failed(reason=clip("".join(lines).strip())))
+        self.client.send(Failed(reason=clip(failure_reason(exc))))
 
     def _expect(self, *kinds: type[Any]) -> Any:
         while True:
@@ -521,6 +521,17 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why this rank stops, for the coordinator's abort line: the exception as Python prints its
+    last line, or, for the data plane losing a peer, what that means in words (the backend's own
+    text, source path and peer address included, stays in this worker's output)."""
+    said = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    words = in_words(said)
+    if words is None:
+        return said
+    return f"{words}; the {type(exc).__name__} it raised is in this worker's output"
 
 
 def _ready(

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochal.coordinator import ending
 from epochal.coordinator.batches import EpochPlan, PolicyViolation
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome, format_epoch_line
 from epochal.coordinator.schedule import parse_schedule
@@ -268,3 +270,17 @@ def test_the_epoch_line_shows_the_training_metrics_of_an_epoch_that_did_not_vali
         0, 2.0, None, validates=False, metrics={"train_accuracy": 0.5}
     )
     assert "valid -  train accuracy 0.5000  smoothed" in format_epoch_line(outcome, 3, 0.5)
+
+
+def test_the_epoch_line_names_a_monitored_metric_it_smooths():
+    loop = LoopState(epochs=3, monitor="accuracy", mode="max")
+    outcome = loop.update(0, 2.0, 1.5, validates=True, metrics={"valid_accuracy": 0.9})
+    line = format_epoch_line(outcome, 3, 0.5, monitor="accuracy")
+    assert "valid accuracy 0.9000  smoothed accuracy 0.9000  lr x1  best 0 (0.9000)" in line
+
+
+def test_a_run_of_one_epoch_is_said_in_the_singular():
+    loop = LoopState(epochs=1)
+    loop.update(0, 2.0, 1.5, validates=True)
+    _, line = ending.finish(loop, CoordinatorConfig(world_size=1, epochs=1), "r1")
+    assert line == "run r1 finished after 1 epoch: best epoch 0 (smoothed loss 1.5000)"

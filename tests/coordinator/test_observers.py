@@ -36,7 +36,12 @@ from epochal.observe.statusfile import StatusFile, describe, ended
 from epochal.observe.tensorboard import TensorBoard
 
 
-def start(run_dir: Path | None, attempt: int = 0, resumed_from: int | None = None) -> RunStart:
+def start(
+    run_dir: Path | None,
+    attempt: int = 0,
+    resumed_from: int | None = None,
+    monitor: str = "loss",
+) -> RunStart:
     return RunStart(
         run_id=f"run{attempt}",
         run_dir=run_dir,
@@ -45,6 +50,7 @@ def start(run_dir: Path | None, attempt: int = 0, resumed_from: int | None = Non
         epochs=10,
         attempt=attempt,
         resumed_from=resumed_from,
+        config={"epochs": 10, "monitor": monitor},
     )
 
 
@@ -246,7 +252,7 @@ def test_status_of_a_live_run_shows_each_rank(tmp_path: Path) -> None:
     status.on_epoch(record(0), snapshot(1))
     text = describe(tmp_path)
     lines = text.splitlines()
-    assert lines[0] == f"run run0 in {tmp_path}: running, epoch 1 of 10, 2/2 workers joined"
+    assert lines[0] == f"run run0 in {tmp_path}: running, epoch 1 [2/10], 2/2 workers joined"
     assert lines[1].startswith("updated ") and f"by pid {os.getpid()}" in lines[1]
     assert "last epoch 0: train 1.0000  valid 1.5000  smoothed 1.5000  lr x1  2.50s" in lines
     assert lines[-3].split() == "rank host phase epoch step still for heard at".split()  # noqa: SIM905
@@ -299,11 +305,45 @@ def test_watch_repeats_a_live_run_until_it_ends(
     views = capsys.readouterr().out.split("\n\n")
     assert waits == [3.0, 3.0]
     assert [v.splitlines()[0].split(": ", 1)[1] for v in views] == [
-        "running, epoch 1 of 10, 2/2 workers joined",
-        "running, epoch 1 of 10, 2/2 workers joined",
+        "running, epoch 1 [2/10], 2/2 workers joined",
+        "running, epoch 1 [2/10], 2/2 workers joined",
         "finished after 3 epochs, best epoch 2 (smoothed loss 0.5000)",
     ]
     assert "last epoch 1: " in views[1] and "rank  host" in views[1]
+
+
+def accuracy_record(epoch: int, accuracy: float) -> dict[str, Any]:
+    """An epoch of a run that monitors its validation accuracy (max)."""
+    return record(
+        epoch,
+        smoothed_loss=accuracy,
+        best_loss=accuracy,
+        metrics=["valid_accuracy"],
+        valid_accuracy=accuracy,
+    )
+
+
+def test_status_names_the_monitored_value_it_shows(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.start({"run_id": "run0", "config": {"epochs": 10, "monitor": "accuracy"}})
+    journal.epoch(accuracy_record(0, 0.9))
+    status = StatusFile(tmp_path)
+    status.on_start(start(tmp_path, monitor="accuracy"))
+    status.on_epoch(accuracy_record(0, 0.9), snapshot(1))
+    live = describe(tmp_path)
+    assert "best so far: epoch 0 (smoothed accuracy 0.9000)" in live
+    assert "valid 1.5000  smoothed accuracy 0.9000  valid accuracy 0.9000" in live
+    assert "loss 0.9" not in live
+    result = {"status": "finished", "run_id": "run0", "best_epoch": 0, "best_loss": 0.9}
+    journal.result({**result, "epochs_run": 1})
+    journal.close()
+    status.on_end(result)
+    (tmp_path / "status.json").unlink()  # the name comes from run.json alone too
+    assert (
+        describe(tmp_path)
+        .splitlines()[0]
+        .endswith("finished after 1 epoch, best epoch 0 (smoothed accuracy 0.9000)")
+    )
 
 
 def test_an_aborted_attempt_that_was_restarted_reads_as_live(tmp_path: Path) -> None:
@@ -317,7 +357,7 @@ def test_an_aborted_attempt_that_was_restarted_reads_as_live(tmp_path: Path) -> 
     status.on_start(start(tmp_path, attempt=1, resumed_from=0))
     assert not ended(tmp_path)
     text = describe(tmp_path)
-    assert text.splitlines()[0].endswith("rendezvous, epoch 1 of 10, 0/2 workers joined")
+    assert text.splitlines()[0].endswith("rendezvous, epoch 1 [2/10], 0/2 workers joined")
     assert "restarts: 1 (restart at epoch 1)" in text
 
 
@@ -384,6 +424,20 @@ def test_tensorboard_gets_every_journaled_scalar(tmp_path: Path) -> None:
     assert got["metrics/accuracy"] == [(0, 0.5), (1, pytest.approx(0.6)), (2, pytest.approx(0.7))]
 
 
+def test_tensorboard_names_a_monitored_metric_s_smoothed_and_best_values(tmp_path: Path) -> None:
+    board = TensorBoard(tmp_path / "tb")
+    board.on_start(start(tmp_path / "run", monitor="accuracy"))
+    for epoch in range(2):
+        board.on_epoch(accuracy_record(epoch, 0.8 + epoch / 10), snapshot(epoch))
+    board.close()
+    got = scalars(tmp_path / "tb" / "run")
+    assert "loss/smoothed" not in got and "loss/best" not in got
+    assert got["metrics/smoothed_accuracy"] == [(0, pytest.approx(0.8)), (1, pytest.approx(0.9))]
+    assert got["metrics/best_accuracy"] == got["metrics/smoothed_accuracy"]
+    assert got["metrics/valid_accuracy"] == got["metrics/smoothed_accuracy"]
+    assert got["loss/valid"] == [(0, 1.5), (1, 0.75)]
+
+
 def test_tensorboard_drops_the_epochs_a_resume_trains_again(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = TensorBoard(tmp_path / "tb")
@@ -431,7 +485,7 @@ def test_prometheus_serves_the_run_over_http() -> None:
     try:
         assert metrics.url.startswith("http://127.0.0.1:")
         before = scrape(metrics)
-        assert value(before, "epochal_train_loss") != value(before, "epochal_train_loss")  # NaN
+        assert "epochal_train_loss" not in before and "epochal_epoch" not in before  # no value
         metrics.on_start(start(None))
         metrics.on_join(World(joined=1, world_size=2))
         assert value(scrape(metrics), "epochal_workers_joined") == 1
@@ -462,6 +516,45 @@ def test_prometheus_serves_the_run_over_http() -> None:
         metrics.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(metrics.url, timeout=5)
+
+
+def test_prometheus_shows_only_values_the_run_has_under_the_names_it_monitors() -> None:
+    metrics = Prometheus("127.0.0.1:0")
+    try:
+        metrics.on_start(start(None, monitor="accuracy"))
+        metrics.on_status(snapshot(0, state="rendezvous"))
+        metrics.on_status(snapshot(0, state="ready"))
+        waiting = scrape(metrics)
+        # no epoch runs yet: absent (Prometheus's "no value"), not 0, which is a real epoch
+        for name in ("epochal_epoch", "epochal_best_epoch", "epochal_train_loss"):
+            assert name not in waiting, name
+        assert value(waiting, "epochal_world_size") == 2
+        metrics.on_status(snapshot(0))
+        assert value(scrape(metrics), "epochal_epoch") == 0
+        metrics.on_epoch(
+            record(
+                0,
+                smoothed_loss=0.9,
+                metrics=["train_accuracy", "valid_accuracy"],
+                train_accuracy=0.7,
+                valid_accuracy=0.9,
+            ),
+            snapshot(1),
+        )
+        metrics.on_epoch(record(1, smoothed_loss=0.95, metrics=["train_accuracy"]), snapshot(2))
+        got = scrape(metrics)
+        assert value(got, "epochal_epoch") == 2
+        assert value(got, "epochal_valid_accuracy") == 0.9  # the last epoch that reported it
+        assert value(got, "epochal_train_accuracy") == 0.7
+        assert value(got, "epochal_smoothed_accuracy") == 0.95  # named by what it smooths
+        assert "epochal_smoothed_loss" not in got
+        assert value(got, "epochal_valid_loss") == pytest.approx(0.75)
+        metrics.on_start(start(None, attempt=1, resumed_from=1, monitor="accuracy"))
+        restarted = scrape(metrics)
+        assert "epochal_epoch" not in restarted  # the new attempt has not started an epoch
+        assert value(restarted, "epochal_valid_accuracy") == 0.9  # the run's last values stay
+    finally:
+        metrics.close()
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import torch
 
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
+from epochal.output import PEER_LOST
 from epochal.protocol import HEARTBEAT_TIMEOUT
 from tests.integration.conftest import (
     SCRIPTS,
@@ -154,6 +155,34 @@ def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
     out.thread.join(timeout=5)
     assert f"worker {victim} (pid" in out.text and "was killed by SIGKILL" in out.text
     assert took < STOP_BOUND, f"{took:.1f} s from SIGKILL to every process stopped"
+
+
+def test_a_peer_lost_by_the_data_plane_is_said_in_words(spawn, tmp_path):
+    """Rank 1 dies inside epoch 1's training step; rank 0's gloo all-reduce fails with gloo's
+    own text (source path, peer address, "GLHF!"), which stays in rank 0's output."""
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(SCRIPTS / "linear.py"),
+        EPOCHAL_FAULT="kill@train-step:rank=1:epoch=1:step=1",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 1, output
+    (cause,) = [line for line in output.splitlines() if "run aborted:" in line]
+    assert "worker 1 (pid" in cause and "was killed by SIGKILL" in cause, output
+    for raw in ("pair.cc", "gloo", "GLHF", "[127.0.0.1]:"):
+        assert raw not in cause, output
+    if "rank 0 (" in cause:  # its failure came within the settle window: said in words
+        assert f"failed: {PEER_LOST}; the RuntimeError it raised is in this worker's output" in (
+            cause
+        ), output
+    assert " 1 lines " not in output, output
 
 
 def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):

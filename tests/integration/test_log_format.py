@@ -128,7 +128,7 @@ def test_worker_logs_json_given_before_the_command_and_passes_it_on(spawn: Spawn
         (
             "epochal.launcher",
             "error",
-            "epochal worker: the worker failed (status 3); 1 restarts used up",
+            "epochal worker: the worker failed (status 3); 1 restart used up",
         ),
     ]
     spawn.assert_none_left()
@@ -153,7 +153,7 @@ def test_log_level_hides_what_is_less_severe(spawn: Spawner) -> None:
     )
     assert proc.returncode == 3
     assert proc.stdout.splitlines() == ["worker log settings: error text"] * 2
-    assert proc.stderr == "epochal worker: the worker failed (status 3); 1 restarts used up\n"
+    assert proc.stderr == "epochal worker: the worker failed (status 3); 1 restart used up\n"
 
 
 def test_an_unknown_level_in_the_environment_is_bad_usage(spawn: Spawner) -> None:

@@ -1,7 +1,9 @@
 """Watching a real run: status.json, curve.png, TensorBoard events and live Prometheus metrics.
 
-``epochal run`` trains the digits example with every observer on; the metrics are scraped while
-the run goes, the files are read once it has ended, and ``epochal status`` summarises it.
+``epochal run`` trains the digits example with every observer on, monitoring its validation
+accuracy; the metrics are scraped while the run goes, the files are read once it has ended, and
+``epochal status`` summarises it. Every observer shows the same epoch and calls the monitored
+value by its name.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
         str(board),
         "--metrics-address",
         f"127.0.0.1:{port}",
+        "--monitor",
+        "accuracy",
+        "--monitor-mode",
+        "max",
         str(REPO / "examples" / "digits.py"),
         # epoch 1 holds its first step, so the run is still going when it is looked at
         EPOCHAL_FAULT=f"delay@train-step:epoch=1:step=0:ms={HOLD_MS}",
@@ -85,6 +91,8 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
     deadline = time.monotonic() + DEADLINE
     while proc.poll() is None and time.monotonic() < deadline:
         samples = scrape(url)
+        if samples is not None and samples.get("epochal_workers_joined", 0) < 2:
+            assert "epochal_epoch" not in samples, samples  # no epoch runs yet: no value
         if samples is not None and samples.get("epochal_epoch_seconds_count", 0) >= 1:
             live = samples
             seen = describe(run_dir)  # `epochal status` of the live run, epoch 1 being held
@@ -97,10 +105,17 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
     assert live["epochal_world_size"] == 2 and live["epochal_workers_joined"] == 2
     assert live["epochal_train_loss"] > 0 and live["epochal_aborted"] == 0
     assert live["epochal_restarts_total"] == 0
+    assert live["epochal_epoch"] == 1  # epoch 0 decided, epoch 1 held in its first step
+    assert 0 < live["epochal_valid_accuracy"] <= 1
+    assert live["epochal_smoothed_accuracy"] == live["epochal_valid_accuracy"]  # smoothing 1
+    assert "epochal_smoothed_loss" not in live
     assert scrape(url) is None, "the metrics server outlived the run"
     header = seen.splitlines()[0]
-    assert re.search(r": (ready|running), epoch 1 of 3, 2/2 workers joined$", header), seen
+    assert re.search(r": running, epoch 1 \[2/3\], 2/2 workers joined$", header), seen
     assert "last epoch 0: " in seen and re.search(r"^rank\s+host\s+phase", seen, re.M), seen
+    assert "smoothed accuracy" in seen and "smoothed loss" not in seen, seen
+    rows = [line.split() for line in seen.splitlines() if re.match(r"^\d+\s", line)]
+    assert len(rows) == 2 and all(row[3] == "1" for row in rows), seen  # the header's epoch
 
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished", status
@@ -114,7 +129,9 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
     acc = EventAccumulator(str(board / run_dir.name))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss/train", "loss/valid", "loss/best", "time/epoch_seconds"} <= tags, tags
+    assert {"loss/train", "loss/valid", "time/epoch_seconds"} <= tags, tags
+    assert {"metrics/valid_accuracy", "metrics/smoothed_accuracy"} <= tags, tags
+    assert "loss/smoothed" not in tags and "loss/best" not in tags, tags
     assert [e.step for e in acc.Scalars("loss/train")] == [0, 1, 2]
 
     summary = subprocess.run(
@@ -125,4 +142,6 @@ def test_a_watched_run_leaves_status_curve_events_and_serves_metrics(
         timeout=60,
     )
     assert summary.returncode == 0, summary.stderr
-    assert re.search(r"finished after 3 epochs, best epoch \d", summary.stdout), summary.stdout
+    assert re.search(
+        r"finished after 3 epochs, best epoch \d \(smoothed accuracy 0\.\d{4}\)", summary.stdout
+    ), summary.stdout

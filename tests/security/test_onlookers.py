@@ -161,6 +161,7 @@ def forged_fields(run_dir: Path, ended: bool) -> None:
         "events": [{"kind": "restart", "start_epoch": f"1\n{FORGED}"}],
         "restarts": f"{ESC}[31m",
         "ranks": [rank],
+        "monitor": f"accuracy{ESC}[2J\n{FORGED}",
     }
     (run_dir / "status.json").write_text(json.dumps(status))
 
@@ -183,7 +184,8 @@ def test_plot_draws_names_from_the_files_as_plain_text(tmp_path: Path) -> None:
     name = "$\\notacommand$" + ESC
     records = [epoch(n, metrics=[name], **{name: 0.5 + n}) for n in range(2)]
     (run_dir / "epochs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run_dir / "run.json").write_text(json.dumps({"run_id": f"$\\frac{ESC}[2J"}))
+    run = {"run_id": f"$\\frac{ESC}[2J", "config": {"monitor": name, "monitor_mode": name}}
+    (run_dir / "run.json").write_text(json.dumps(run))
     code, output = onlooker("plot", str(run_dir))
     assert code == 0, output
     assert ESC not in output

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from epochal.errors import CoordinatorLost
+from epochal.output import PEER_LOST
 from epochal.protocol import (
     Awaiting,
     Decision,
@@ -31,7 +32,7 @@ from epochal.protocol import (
 )
 from epochal.worker import session as session_module
 from epochal.worker.control.rendezvous import StillRunning
-from epochal.worker.session import Session
+from epochal.worker.session import Session, failure_reason
 from epochal.worker.training.results import EpochContext, LossSum
 
 FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
@@ -151,6 +152,8 @@ def test_only_the_first_epoch_is_announced_on_its_own_the_reports_carry_the_next
         (1, Awaiting.DECISION),
         (2, Awaiting.DECISION),
     ]
+    # after the last decision the rank finishes that epoch, not one past the run's last
+    assert client.waits[-1] == (Phase.FINISHING, 2, None)
     # a wait is said by the message sent right after it (the ready, the report), not by a Status
     # of its own; every other change of phase is announced at once
     assert {phase for phase, announce in client.announced if not announce} == {Phase.WAITING}
@@ -192,3 +195,14 @@ def test_a_stalled_coordinator_s_queued_decision_carries_the_go_the_worker_goes_
     assert seen == [(0, 4, 1.0), (1, 4, 0.5), (2, 4, 0.5)]
     # no second announcement of epoch 1: its go came with the queued decision
     assert [type(m).__name__ for m in client.sent].count("EpochReady") == 1
+
+
+def test_a_rank_that_lost_a_data_plane_peer_says_so_in_words_its_own_errors_as_they_are():
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:12345"
+    )
+    reason = failure_reason(gloo)
+    assert reason == f"{PEER_LOST}; the RuntimeError it raised is in this worker's output"
+    assert "gloo" not in reason and "127.0.0.1" not in reason
+    assert failure_reason(ValueError("boom: in the loss")) == "ValueError: boom: in the loss"
