@@ -393,7 +393,9 @@ class RunMachine(Regrouping):
         )
         record.update(world_size=len(self.members), generation=self.generation)
         actions: list[Action] = [Journal("epoch", record)]
-        said = Log(format_epoch_line(outcome, self.config.epochs, seconds))
+        said = Log(
+            format_epoch_line(outcome, self.config.epochs, seconds, monitor=self.config.monitor)
+        )
         if outcome.stop:
             actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums)), said]
             actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]

@@ -261,6 +261,12 @@ class Membership:
         while len(self._dropped) > DROPPED_REMEMBERED:
             self._dropped.popitem(last=False)
 
+    def lost_pid(self, pid: int) -> bool:
+        """Whether a process of this pid was lost from the run (pending or decided)."""
+        return any(loss.member.hello.pid == pid for loss in self._lost.values()) or any(
+            key[2] == pid for key in self._dropped
+        )
+
     def dropped(self, worker_id: str, host: str, pid: int) -> str | None:
         """Why the process that says it is ``worker_id`` on ``host`` with ``pid`` was dropped
         from the run; None when it was not."""

@@ -69,7 +69,8 @@ class Regrouping(Joining):
         for rank, member in enumerate(self.members):
             if member.hello.pid == pid:
                 return self.lose(now, rank, what)
-        return False
+        # already lost (its connection closed first): the run went on without it
+        return self.config.elastic and self.membership.lost_pid(pid)
 
     def connection_closed(self, now: float, peer: bytes) -> None:
         """A member's connection closed: in an elastic run, its rank is lost."""

@@ -11,7 +11,8 @@ heartbeats too), ``hang`` (the training code blocks for an hour while heartbeats
 message named by ``type=`` (its wire name, one of :data:`MESSAGE_KINDS`) is dropped or replaced by
 garbage, e.g. ``drop@send:rank=1:type=epoch_report`` loses rank 1's epoch reports.
 Points: ``connect`` (before the data-plane process group is initialised), ``train-step`` (before a
-training step),
+training step), ``valid-step`` (before a validation step; both also know ``world``, the world's
+generation: 0 until a rank is lost, so ``kill@train-step:rank=0:world=0`` fires once),
 ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed into
 place), ``epoch-end`` (after the epoch's report). Without the variable every check is a dict
 lookup that finds nothing.
@@ -32,7 +33,7 @@ _PARAMETERS = ("ms",)  # settings of the action, not conditions on where it fire
 MESSAGE_KINDS = names_sent_by(WorkerMessage)
 """Control messages a ``drop``/``corrupt`` fault can name (``type=epoch_report``): every message
 a worker sends, by its wire name."""
-POINTS = ("connect", "train-step", "checkpoint-commit", "epoch-end", "send")
+POINTS = ("connect", "train-step", "valid-step", "checkpoint-commit", "epoch-end", "send")
 
 
 class InjectedFault(RuntimeError):

@@ -362,7 +362,7 @@ class Session:
     def _broken(self, epoch: int, exc: Exception) -> Regroup:
         """The epoch failed (a collective, most likely, whose peer is gone): tell the
         coordinator, and wait for the new world it decides (or its abort, raised)."""
-        reason = "".join(traceback.format_exception_only(exc)).strip()
+        reason = failure_reason(exc)
         self._sockets.shut()  # peers blocked in a collective with this rank raise too
         self.client.send(Broken(epoch=epoch, generation=self.generation, reason=clip(reason)))
         WORKER.info(

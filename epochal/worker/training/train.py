@@ -253,7 +253,9 @@ def fit(
             if step == ctx.train_batches:
                 break
             ctx.check()
-            faults.hit("train-step", rank=ctx.rank, epoch=ctx.epoch, step=step)
+            faults.hit(
+                "train-step", rank=ctx.rank, epoch=ctx.epoch, step=step, world=session.generation
+            )
             inputs, targets, n = _split(batch, device)
             first = step % accumulate == 0
             group_end = min(step - step % accumulate + accumulate, ctx.train_batches)
@@ -289,6 +291,13 @@ def fit(
                 if step == ctx.valid_batches:
                     break
                 ctx.check()
+                faults.hit(
+                    "valid-step",
+                    rank=ctx.rank,
+                    epoch=ctx.epoch,
+                    step=step,
+                    world=session.generation,
+                )
                 inputs, targets, n = _split(batch, device)
                 with policy.autocast():
                     outputs = model(inputs)
