@@ -261,6 +261,13 @@ class Membership:
         while len(self._dropped) > DROPPED_REMEMBERED:
             self._dropped.popitem(last=False)
 
+    def explain(self, pid: int, why: str) -> None:
+        """A pending loss of process ``pid`` (noticed as a closed connection, say) is now known
+        to be ``why`` (its exit status): that is what the change will say."""
+        for rank, loss in self._lost.items():
+            if loss.member.hello.pid == pid:
+                self._lost[rank] = Loss(rank, loss.member, why)
+
     def lost_pid(self, pid: int) -> bool:
         """Whether a process of this pid was lost from the run (pending or decided)."""
         return any(loss.member.hello.pid == pid for loss in self._lost.values()) or any(

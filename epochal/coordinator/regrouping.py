@@ -69,8 +69,12 @@ class Regrouping(Joining):
         for rank, member in enumerate(self.members):
             if member.hello.pid == pid:
                 return self.lose(now, rank, what)
-        # already lost (its connection closed first): the run went on without it
-        return self.config.elastic and self.membership.lost_pid(pid)
+        # already lost (its connection closed first): the run goes on without it, and its exit
+        # says why better than the closed connection did
+        if not self.config.elastic or not self.membership.lost_pid(pid):
+            return False
+        self.membership.explain(pid, what)
+        return True
 
     def connection_closed(self, now: float, peer: bytes) -> None:
         """A member's connection closed: in an elastic run, its rank is lost."""
