@@ -40,10 +40,9 @@ from epochal.protocol import (
 )
 from epochal.worker.control.client import ControlClient
 from epochal.worker.options import JoinOptions
-from tests.coordinator.test_service import FakeWorker, ctx, hello
+from tests.conftest import hello
+from tests.coordinator.test_service import FakeWorker
 from tests.protocol.test_versions import newer
-
-__all__ = ["ctx"]  # the fixture, shared with test_service.py
 
 EPOCHS = 2
 CONFIG = CoordinatorConfig(world_size=2, epochs=EPOCHS, heartbeat_interval=0.2)
