@@ -87,6 +87,13 @@ class Output:
             assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
             time.sleep(0.05)
 
+    def wait_for_lines(self, text: str, count: int, deadline: float = 60.0) -> None:
+        """Until ``count`` lines of the output hold ``text``."""
+        end = time.monotonic() + deadline
+        while sum(text in line for line in self.lines) < count:
+            assert time.monotonic() < end, f"never saw {text!r} {count} times:\n{self.text}"
+            time.sleep(0.05)
+
     @property
     def text(self) -> str:
         return "".join(self.lines)
@@ -309,8 +316,9 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     )
     out = Output(proc)
     out.wait_for("no rank has made progress for", deadline=60)
-    out.wait_for("the rank the others wait for")
-    time.sleep(2.5)  # the next report: by then every rank's heartbeat says where it waits
+    # the whole next report, one --stall-timeout later: by then every rank's heartbeat (one a
+    # second) says where it waits
+    out.wait_for_lines("(* the rank the others wait for)", 2)
     text = out.text
     table = text[text.rindex("no rank has made progress") :].splitlines()
     rows = {line.split()[0]: line for line in table if line[:1].isdigit()}
