@@ -39,6 +39,8 @@ IMAGE_TAG = "epochal-test:cpu"
 
 pytestmark = [
     pytest.mark.container,
+    # both tests in one test process: one daemon and one image (module-scoped) serve them
+    pytest.mark.xdist_group("dockerd"),
     pytest.mark.timeout(2400),
     pytest.mark.skipif(os.geteuid() != 0, reason="a private dockerd needs root"),
     pytest.mark.skipif(

@@ -129,6 +129,7 @@ def stop_time(proc, since: float) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, once for the tests that compare with it (one xdist_group)."""
     tmp = tmp_path_factory.mktemp("reference")
     spawner = Spawner("ref3-" + os.urandom(4).hex(), tmp)
     try:
@@ -163,6 +164,7 @@ def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
     assert took < STOP_BOUND, f"{took:.1f} s from SIGKILL to every process stopped"
 
 
+@pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
 def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1")
     out = Output(proc)
@@ -360,6 +362,7 @@ def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
     spawn.assert_none_left()
 
 
+@pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
 def test_with_restarts_a_frozen_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(
         spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1", "--heartbeat-timeout", "3"

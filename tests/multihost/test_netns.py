@@ -20,8 +20,10 @@ DIAL = "import socket,sys; print(socket.create_connection((sys.argv[1], 7000), t
 
 
 def namespaces() -> set[str]:
+    """The network namespaces this process made (other test processes make their own)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+    names = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return {name for name in names if name.startswith(netns.own_prefix())}
 
 
 def test_not_root_is_a_clear_skip_reason(monkeypatch):

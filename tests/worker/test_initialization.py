@@ -27,6 +27,9 @@ from epochal.worker.training.initialization import buckets, initialize_on_rank
 from epochal.worker.training.train import fit
 from tests.worker.ranks import run_ranks, start_rank
 
+# every test here in one test process: the ranks (module-scoped) run once
+pytestmark = pytest.mark.xdist_group("initialization-ranks")
+
 DEADLINE = 90.0
 WORLD = 3
 K, DIM = 3, 4

@@ -34,6 +34,9 @@ from tests.worker.ranks import run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
 
+# every test here in one test process: the groups of ranks (module-scoped) run once
+pytestmark = pytest.mark.xdist_group("precision-ranks")
+
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6
 ACCUMULATE = 2  # three steps of two batches
