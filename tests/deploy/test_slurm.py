@@ -33,6 +33,7 @@ JOB_DEADLINE = 400.0
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.slow,  # trains the digits example on two workers
     # every test in one test process: one cluster (module-scoped) serves them
     pytest.mark.xdist_group("slurm"),
     pytest.mark.timeout(900),
