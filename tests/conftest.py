@@ -1,5 +1,12 @@
-"""What every test shares: a configuration directory of its own, never the real home's, and
-the worker's hello that the coordinator and security tests send.
+"""What every test shares: a configuration directory of its own, never the real home's, the
+worker's hello that the coordinator and security tests send, and how many processes run the suite.
+
+The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml). Most of its
+time is spent waiting, on timeouts a test configured or on processes it started, so it runs
+:data:`WORKERS_PER_CPU` test processes per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
+overrides it, ``-n 0`` runs in one process). Tests that share something expensive or exclusive
+(a private dockerd, a Slurm cluster, a module-scoped run of ranks) carry one
+``pytest.mark.xdist_group`` each, so that one process runs them all and sets it up once.
 
 Checkpoints are signed with a key that epochal makes on first use in ``$XDG_CONFIG_HOME/epochal``
 (:mod:`epochal.checkpointkey`). For the whole session that variable names a private temporary
@@ -35,6 +42,22 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
         **fields,
     }
     return Hello(worker_id=worker_id, fingerprint=fingerprint, **given)
+
+
+WORKERS_PER_CPU = 3
+"""Test processes per CPU under ``-n auto``: see the module's docstring."""
+
+MAX_WORKERS = 16
+"""At most this many under ``-n auto``: each one imports torch (about 300 MB) before a test."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: :data:`WORKERS_PER_CPU` per CPU this process may run on, at most
+    :data:`MAX_WORKERS`; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` when set."""
+    given = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if given:
+        return int(given)
+    return min(MAX_WORKERS, WORKERS_PER_CPU * len(os.sched_getaffinity(0)))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -13,6 +13,7 @@ import time
 import pytest
 import zmq
 
+from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.coordinator.sessions import Sessions
 from epochal.errors import RunAborted
 from epochal.protocol import (
@@ -34,8 +35,11 @@ from tests.conftest import hello
 from tests.coordinator.conftest import serve
 from tests.coordinator.test_service import OTHER_FP, FakeWorker
 
+WAIT = CoordinatorConfig(world_size=2).heartbeat_timeout
+"""Seconds the coordinator may take over one frame: silent for longer, it would abort the run."""
 
-async def until(condition, what: str, timeout: float = 5.0) -> None:
+
+async def until(condition, what: str, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -43,16 +47,20 @@ async def until(condition, what: str, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def forge(ctx, endpoint: str, identity: str, *messages) -> None:
-    """Connect under ``identity`` (taking it over), send ``messages`` without a session, leave."""
+async def forge(ctx, coordinator: Coordinator, identity: str, *messages) -> None:
+    """Connect under ``identity`` (taking it over), send ``messages`` without a session, and
+    leave once the coordinator has dropped every one of them."""
+    dropped = coordinator.forged_frames + len(messages)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(endpoint)
-    for message in messages:
-        await sock.send(encode(message))
-    await asyncio.sleep(0.2)
-    sock.close()
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(coordinator.endpoint)
+    try:
+        for message in messages:
+            await sock.send(encode(message))
+        await until(lambda: coordinator.forged_frames >= dropped, "the forged frames to be dropped")
+    finally:
+        sock.close()
 
 
 async def run_two_epochs(workers: list[FakeWorker]) -> None:
@@ -81,8 +89,7 @@ async def test_a_forged_failed_under_a_workers_identity_does_not_abort_the_run(c
     await workers[0].send(StoreReady(host="127.0.0.1", port=4242))
     for w in workers:
         assert isinstance(await w.recv(), Welcome)
-    await forge(ctx, coordinator.endpoint, "w1", Failed(reason="forged"))
-    await until(lambda: coordinator.forged_frames >= 1, "the forged frame to be dropped")
+    await forge(ctx, coordinator, "w1", Failed(reason="forged"))
     # an accepted Failed would have started the failure settle window that ends in an abort
     assert coordinator.machine.watchdog.failure_deadline is None
     assert not task.done()
@@ -100,8 +107,7 @@ async def test_a_forged_store_ready_for_rank_0_is_ignored(ctx):
         await w.send(hello(w.worker_id))
         assert isinstance(await w.recv(), Joined)
     assert isinstance(await workers[0].recv(), OpenStore)
-    await forge(ctx, coordinator.endpoint, "w0", StoreReady(host="6.6.6.6", port=666))
-    await until(lambda: coordinator.forged_frames >= 1, "the forged frame to be dropped")
+    await forge(ctx, coordinator, "w0", StoreReady(host="6.6.6.6", port=666))
     # nobody was welcomed to the forger's store: the coordinator still waits for rank 0's own
     assert coordinator.phase.value == "store"
     coordinator.abort("test over")
@@ -194,8 +200,6 @@ def test_sessions_are_random_per_worker_and_checked_with_the_key():
 
 
 async def test_control_characters_in_worker_ids_and_hosts_are_escaped_in_the_log(ctx):
-    from epochal.coordinator import Coordinator, CoordinatorConfig
-
     lines: list[str] = []
     coordinator = Coordinator(
         CoordinatorConfig(world_size=2, epochs=1, token="t"), context=ctx, log=lines.append

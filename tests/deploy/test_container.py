@@ -39,6 +39,9 @@ IMAGE_TAG = "epochal-test:cpu"
 
 pytestmark = [
     pytest.mark.container,
+    pytest.mark.slow,  # trains the digits example on two workers
+    # both tests in one test process: one daemon and one image (module-scoped) serve them
+    pytest.mark.xdist_group("dockerd"),
     pytest.mark.timeout(2400),
     pytest.mark.skipif(os.geteuid() != 0, reason="a private dockerd needs root"),
     pytest.mark.skipif(

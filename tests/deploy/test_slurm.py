@@ -33,6 +33,9 @@ JOB_DEADLINE = 400.0
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.slow,  # trains the digits example on two workers
+    # every test in one test process: one cluster (module-scoped) serves them
+    pytest.mark.xdist_group("slurm"),
     pytest.mark.timeout(900),
     pytest.mark.skipif(
         os.geteuid() != 0, reason="the private Slurm cluster runs its daemons as root"

@@ -29,6 +29,8 @@ from tests.integration.conftest import Spawner
 
 pytestmark = [
     pytest.mark.slow,
+    # one test process: the runs on every GPU (module-scoped) once, and no two runs share a GPU
+    pytest.mark.xdist_group("gpu"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
 ]
 

@@ -88,6 +88,13 @@ class Output:
             assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
             time.sleep(0.05)
 
+    def wait_for_lines(self, text: str, count: int, deadline: float = 60.0) -> None:
+        """Until ``count`` lines of the output hold ``text``."""
+        end = time.monotonic() + deadline
+        while sum(text in line for line in self.lines) < count:
+            assert time.monotonic() < end, f"never saw {text!r} {count} times:\n{self.text}"
+            time.sleep(0.05)
+
     @property
     def text(self) -> str:
         return "".join(self.lines)
@@ -123,6 +130,7 @@ def stop_time(proc, since: float) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, once for the tests that compare with it (one xdist_group)."""
     tmp = tmp_path_factory.mktemp("reference")
     spawner = Spawner("ref3-" + os.urandom(4).hex(), tmp)
     try:
@@ -185,6 +193,7 @@ def test_a_peer_lost_by_the_data_plane_is_said_in_words(spawn, tmp_path):
     assert " 1 lines " not in output, output
 
 
+@pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
 def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1")
     out = Output(proc)
@@ -338,8 +347,9 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     )
     out = Output(proc)
     out.wait_for("no rank has made progress for", deadline=60)
-    out.wait_for("the rank the others wait for")
-    time.sleep(2.5)  # the next report: by then every rank's heartbeat says where it waits
+    # the whole next report, one --stall-timeout later: by then every rank's heartbeat (one a
+    # second) says where it waits
+    out.wait_for_lines("(* the rank the others wait for)", 2)
     text = out.text
     table = text[text.rindex("no rank has made progress") :].splitlines()
     rows = {line.split()[0]: line for line in table if line[:1].isdigit()}
@@ -381,6 +391,7 @@ def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
     spawn.assert_none_left()
 
 
+@pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
 def test_with_restarts_a_frozen_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(
         spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1", "--heartbeat-timeout", "3"

@@ -92,7 +92,8 @@ def assert_same_result(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run, once for all tests here."""
+    """The uninterrupted run, once for all tests here (they share one xdist_group, so that one
+    test process runs them all)."""
     tmp = tmp_path_factory.mktemp("reference")
     spawner = Spawner("ref-" + os.urandom(4).hex(), tmp)
     try:
@@ -150,6 +151,7 @@ def test_a_run_monitoring_a_metric_resumes_bit_identical(spawn, tmp_path, monito
     spawn.assert_none_left()
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 @pytest.mark.parametrize("after_epochs", [1, 3])
 def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, after_epochs):
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -173,6 +175,7 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
     spawn.assert_none_left()
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="kill@checkpoint-commit:rank=0:epoch=2")
@@ -189,6 +192,7 @@ def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
     assert_same_result(reference, out)
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=3:step=2")
@@ -341,6 +345,7 @@ HOLD_MS = 8000
 # it lost the coordinator gives up.
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
     """Killed while both ranks train an epoch. Not in the instant between two epochs, where a
     Go may reach one rank and not the other: the README ("When things fail") says what then."""

@@ -65,6 +65,12 @@ class NetemUnavailable(RuntimeError):
     """The kernel has no netem queueing discipline, so delay and loss cannot be emulated."""
 
 
+def own_prefix() -> str:
+    """How the names of the namespaces this process makes begin: each test process (pytest-xdist
+    runs several) makes and removes its own, so names never collide across them."""
+    return f"ep{os.getpid()}n"
+
+
 def available() -> str | None:
     """None when namespaces can be made here, else the reason they cannot."""
     if os.geteuid() != 0:
@@ -175,7 +181,7 @@ class Network:
         if not 1 <= count <= 200:
             raise ValueError(f"between 1 and 200 hosts, got {count}")
         seq = next(_networks)
-        tag = f"ep{os.getpid()}n{seq}"
+        tag = f"{own_prefix()}{seq}"
         self.subnet = (os.getpid() + seq) % 256
         self.bridge = f"{tag}br"
         self.hosts = [

@@ -7,8 +7,12 @@
 
 ``echo`` and ``sink`` print ``ready`` once bound. ``rtt`` sends one numbered datagram at a time
 and waits up to ``--timeout`` for its echo (a lost one counts as lost, not as a time); ``send``
-paces ``--count`` datagrams ``--interval`` apart, and ``sink`` prints how many distinct ones
-arrived once nothing came for ``--idle`` seconds after the first. No ``ping`` needed.
+paces ``--count`` datagrams ``--interval`` apart, then sends an end mark every ``END_INTERVAL``
+until the sink's host answers that nothing listens any more; ``sink`` prints how many distinct
+datagrams arrived once the first end mark does (they travel the same path in order, so every
+datagram sent before it has arrived or been lost by then), or once nothing came for ``--idle``
+seconds, which only a failure takes. Its receive buffer holds seconds of traffic, so a loaded
+machine that leaves it unread for a while loses nothing there. No ``ping`` needed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,21 @@ import json
 import socket
 import struct
 import time
+
+END = b"end"
+"""What ``send`` sends after its datagrams, for the sink to stop at."""
+
+END_INTERVAL = 0.02
+"""Seconds between end marks (one may be lost like any datagram)."""
+
+END_MARKS = 500
+"""End marks at most: ``send`` stops sooner, once the sink's host says its port is closed."""
+
+SINK_BUFFER = 8 << 20
+"""Bytes of the sink's receive buffer: tens of thousands of probe datagrams."""
+
+SO_RCVBUFFORCE = 33
+"""asm-generic/socket.h: SO_RCVBUF past net.core.rmem_max, for root; the socket module lacks it."""
 
 
 def echo(port: int) -> None:
@@ -52,6 +71,10 @@ def rtt(host: str, port: int, count: int, timeout: float) -> dict[str, object]:
 def sink(port: int, idle: float) -> dict[str, object]:
     seen: set[int] = set()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:  # root (as in these tests) may exceed net.core.rmem_max
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, SINK_BUFFER)
+        except PermissionError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SINK_BUFFER)
         sock.bind(("0.0.0.0", port))
         print("ready", flush=True)
         sock.settimeout(None)
@@ -59,6 +82,8 @@ def sink(port: int, idle: float) -> dict[str, object]:
             try:
                 data = sock.recv(2048)
             except TimeoutError:
+                break
+            if data == END:
                 break
             seen.add(struct.unpack("!Q", data[:8])[0])
             sock.settimeout(idle)
@@ -72,6 +97,12 @@ def send(host: str, port: int, count: int, interval: float) -> dict[str, object]
         for seq in range(count):
             time.sleep(max(0.0, start + seq * interval - time.monotonic()))
             sock.send(struct.pack("!Q", seq) + bytes(56))
+        for _ in range(END_MARKS):
+            try:  # a port unreachable from the sink's host, once it has stopped, ends this
+                sock.send(END)
+                time.sleep(END_INTERVAL)
+            except ConnectionRefusedError:
+                break
     return {"sent": count}
 
 

@@ -12,7 +12,10 @@ per output port keeps every port's order. A queue holds at most ``--queue`` fram
 is dropped, as a full queue would.
 
 It prints ``ready`` once every port is open. On SIGTERM it prints one line of counters on
-stderr (``forwarded=… lost=… overflow=… oversize=…``) and exits 0. ``--offloads-off IFNAME``
+stderr (``forwarded=… lost=… overflow=… oversize=… errors=… unread=…``) and exits 0: ``unread``
+counts the frames the kernel dropped because the switch did not read its ports fast enough (their
+receive buffers hold seconds of traffic, so only a machine loaded far beyond a test's own needs
+sees any), so they are never mistaken for the frames it lost on purpose. ``--offloads-off IFNAME``
 instead turns off checksum and segmentation offloads on an interface of the current namespace
 and exits: frames read from a raw socket must be whole, checksummed Ethernet frames no larger
 than the MTU, which a host's veth does not guarantee with its offloads on. (With the checksum
@@ -39,6 +42,9 @@ SIOCETHTOOL = 0x8946
 # Legacy ethtool "set" commands (linux/ethtool.h); each takes struct ethtool_value {cmd, data}.
 ETHTOOL_SET = {"tx-checksum": 0x17, "sg": 0x19, "tso": 0x1F, "gso": 0x24, "gro": 0x2C}
 FRAME_MAX = 65536
+PORT_BUFFER = 16 << 20  # bytes of each port's receive buffer
+SOL_PACKET, PACKET_STATISTICS = 263, 6  # linux/if_packet.h: struct tpacket_stats {packets, drops}
+SO_RCVBUFFORCE = 33  # asm-generic/socket.h: SO_RCVBUF past net.core.rmem_max (root); not in socket
 IDLE = 1.0  # seconds between looks at the stop flag when nothing is queued
 
 
@@ -65,6 +71,7 @@ class Switch:
         self.names: dict[int, str] = {}
         for name in ports:
             sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, PORT_BUFFER)
             sock.bind((name, 0))
             sock.setblocking(False)
             self.socks[sock.fileno()] = sock
@@ -143,6 +150,11 @@ class Switch:
     def stop(self, signum: int, frame: FrameType | None) -> None:
         self.running = False
 
+    def unread(self) -> int:
+        """Frames the kernel dropped on the ports since they opened (read once, at the end)."""
+        stats = (s.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8) for s in self.socks.values())
+        return sum(struct.unpack("II", raw)[1] for raw in stats)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -163,6 +175,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, switch.stop)
     signal.signal(signal.SIGINT, switch.stop)
     switch.serve()
+    switch.counts["unread"] = switch.unread()
     print(" ".join(f"{k}={v}" for k, v in switch.counts.items()), file=sys.stderr, flush=True)
     return 0
 

@@ -27,6 +27,9 @@ from epochal.worker.training.initialization import buckets, initialize_on_rank
 from epochal.worker.training.train import fit
 from tests.worker.ranks import run_ranks, start_rank
 
+# every test here in one test process: the ranks (module-scoped) run once
+pytestmark = pytest.mark.xdist_group("initialization-ranks")
+
 DEADLINE = 90.0
 WORLD = 3
 K, DIM = 3, 4
@@ -138,6 +141,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_every_rank_holds_rank_0s_parameters_and_buffers_exactly(ranks):
     assert not torch.equal(ranks[0]["centroids"], ranks[1]["centroids"])  # the data differ
     for rank in ranks:
@@ -148,6 +152,7 @@ def test_every_rank_holds_rank_0s_parameters_and_buffers_exactly(ranks):
             assert torch.equal(state[key], value), key
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_the_seeds_trick_reaches_the_same_parameters_with_sgd_only(ranks):
     for rank in ranks:
         torch.testing.assert_close(
@@ -158,11 +163,13 @@ def test_the_seeds_trick_reaches_the_same_parameters_with_sgd_only(ranks):
         assert (rank["trick_adam"] - ranks[0]["centroids"]).abs().max() > 0.1
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_fit_initializes_on_rank_0_before_it_wraps_the_model(ranks):
     for rank in ranks:
         assert torch.equal(rank["fit"], ranks[0]["centroids"])  # lr 0: the step changed nothing
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_a_failure_on_rank_0_reaches_every_rank(ranks):
     assert ranks[0]["failure"] == "RuntimeError: no data on this rank"
     for rank in ranks[1:]:

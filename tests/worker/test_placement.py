@@ -184,6 +184,7 @@ def placed_rank(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo ranks train
 def test_a_layered_model_trains_data_parallel_like_the_plain_model(tmp_path):
     world = 2
     run_ranks(placed_rank, world, tmp_path, str(tmp_path), deadline=DEADLINE)

@@ -34,6 +34,9 @@ from tests.worker.ranks import run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
 
+# every test here in one test process: the groups of ranks (module-scoped) run once
+pytestmark = pytest.mark.xdist_group("precision-ranks")
+
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6
 ACCUMULATE = 2  # three steps of two batches
@@ -257,6 +260,7 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 FP32_TOL = 1e-5
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", MODES)
 def test_clipping_reaches_the_weights_of_one_process_clipping_the_averaged_gradients(ranks, mode):
     world = len(ranks)
@@ -276,6 +280,7 @@ def test_clipping_reaches_the_weights_of_one_process_clipping_the_averaged_gradi
 HALF_TOL = 1e-4
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_autocast_reaches_the_weights_of_one_process_under_the_same_autocast(ranks, mode):
     world = len(ranks)
@@ -286,6 +291,7 @@ def test_bf16_autocast_reaches_the_weights_of_one_process_under_the_same_autocas
         close(rank[(mode, "bf16")]["weights"], ref["weights"], HALF_TOL)
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", MODES)
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank_and_clips_unscaled(ranks, mode):
     world = len(ranks)
@@ -299,6 +305,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank_and_clips_unscal
         close(got["weights"], ref["weights"], HALF_TOL)
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", MODES)
 def test_fp16_checkpoint_holds_the_loss_scale_every_rank_shares(ranks, mode):
     for rank in ranks:

@@ -24,6 +24,9 @@ from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.train import fit
 from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
 
+# every test here in one test process: the groups of ranks (module-scoped) run once
+pytestmark = pytest.mark.xdist_group("strategies-ranks")
+
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 BATCHES = 6
 ACCUMULATE = 2
@@ -192,6 +195,7 @@ def one_process_replicated(world: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_replicated_reaches_the_weights_of_averaged_gradients_in_one_process(ranks):
     close(ranks[0]["replicated"]["weights"], one_process_replicated(len(ranks)))
     for other in ranks[1:]:  # every rank holds the same parameters
@@ -203,6 +207,7 @@ def test_replicated_reaches_the_weights_of_averaged_gradients_in_one_process(ran
             )
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "replicated"])
 def test_every_mode_reaches_the_weights_of_replicated(ranks, mode):
     rank0, ref = ranks[0][mode], ranks[0]["replicated"]
@@ -213,6 +218,7 @@ def test_every_mode_reaches_the_weights_of_replicated(ranks, mode):
         close(params_only(other[mode]["weights"]), params_only(rank0["weights"]), exact=True)
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_resumes_to_the_weights_of_the_uninterrupted_run(ranks, mode):
     # DDP rebuilds its buckets after the first step, so a fresh DDP sums the 3-rank ring
@@ -227,6 +233,7 @@ def test_every_mode_resumes_to_the_weights_of_the_uninterrupted_run(ranks, mode)
         close(keep(rank[mode]["resumed_best"]), keep(rank[mode]["run_best"]), exact)
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_fully_sharded_leaves_the_whole_model_in_plain_tensors(ranks):
     ref = ranks[0]["replicated"]
     for rank in ranks:
@@ -242,12 +249,14 @@ def test_fully_sharded_leaves_the_whole_model_in_plain_tensors(ranks):
         )
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_every_mode_is_built_from_its_rank_s_place_in_the_world(ranks):
     for i, rank in enumerate(ranks):
         for mode in MODES:
             assert rank[mode]["layout"] == (i, len(ranks), 0, torch.device("cpu")), mode
 
 
+@pytest.mark.slow  # spawned gloo ranks train (the ranks fixture)
 def test_optimizer_state_per_rank(ranks):
     world = len(ranks)
     full = [r["replicated"]["state_bytes"] for r in ranks]
