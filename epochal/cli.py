@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the coordinator service for workers started elsewhere",
         description="Run the coordinator for one job: wait for --world-size workers, run the "
         "epochs, exit 0 when the run finishes or 1 when it is aborted. Prints the "
-        "address it bound on stdout (so port 0 works).",
+        "address it bound on stdout (so port 0 works), then the run directory; a run that "
+        "stops before it finished ends with the command that continues it.",
     )
     c.add_argument(
         "--bind",
@@ -254,7 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a training script on N local workers under an in-process coordinator",
         description="Start a coordinator on loopback and N worker processes running SCRIPT, "
-        "with every output line prefixed by its rank.",
+        "with every output line prefixed by its rank. The first line says the run directory "
+        "(runs/RUN_ID unless --run-dir); a run that stops before it finished ends with the "
+        "command that continues it (the same command with --resume does too), and a finished "
+        "run given a larger --epochs is trained further.",
     )
     r.add_argument(
         "--nproc", type=positive_int, required=True, metavar="N", help="number of worker processes"
