@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from epochal import __version__, configfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.directories import RUN_DIR_FLAG, usable_dir
 from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import new_run_id
 from epochal.environment import (
@@ -33,7 +34,6 @@ from epochal.environment import (
     VERBOSE_ENV,
 )
 from epochal.errors import ConfigError
-from epochal.files import private_dir
 from epochal.launch import rerun
 from epochal.launch.service import ServeOptions, serve_or_crash
 from epochal.log import COORDINATOR, LAUNCHER
@@ -98,8 +98,14 @@ def _config(
 ) -> CoordinatorConfig:
     given = {option.dest: getattr(args, option.dest) for option in field_options(CoordinatorConfig)}
     if given["run_dir"] is None:  # see _run_dir
-        given["run_dir"] = private_dir(DEFAULT_RUNS, kind="directory of runs") / run_id
+        given["run_dir"] = _runs() / run_id
     return CoordinatorConfig(world_size=world_size, token=token, **given)
+
+
+def _runs() -> Path:
+    """:data:`DEFAULT_RUNS`, made and tried. It is epochal's too: another user who could write in
+    it could swap a run directory for a link between the check and the writes."""
+    return usable_dir(DEFAULT_RUNS, kind="directory of runs", flag=RUN_DIR_FLAG)
 
 
 class Parser(argparse.ArgumentParser):
@@ -161,9 +167,7 @@ def _run_dir(
         if args.resume:
             rerun.require_run(args.run_dir)
         return Path(args.run_dir)
-    # runs/ is epochal's too: another user who could write in it could swap the run
-    # directory for a link between the check and the writes
-    runs = private_dir(DEFAULT_RUNS, kind="directory of runs")
+    runs = _runs()
     if args.resume:
         return rerun.run_to_resume(runs, command, args.epochs)
     earlier = rerun.unfinished_run(runs, command)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import epochal
+from epochal import cli
 from epochal.cli import build_parser, main
 from epochal.suggest import close_matches, did_you_mean
 
@@ -113,3 +114,18 @@ def test_dir_lists_the_lazily_imported_api():
     code = "import sys, epochal; d = dir(epochal); print('train' in d, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_a_directory_of_runs_that_cannot_be_made_names_the_flag_to_use(
+    tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "file").write_text("")
+    runs = tmp_path / "file" / "runs"  # as runs/ under a read-only working directory
+    monkeypatch.setattr(cli, "DEFAULT_RUNS", runs)
+    with pytest.raises(SystemExit) as exited:
+        main(["coordinator", "--world-size", "1"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"epochal: error: cannot create the directory of runs {runs}: Not a directory at {runs}; "
+        "pass --run-dir a directory you can create"
+    )
