@@ -71,6 +71,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'epochal' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """What ``dir(epochal)`` and completion show: the module's names and the lazily imported
+    public API (``train``, ``join``, ...), which :func:`__getattr__` supplies on first use."""
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "ConfigError",
     "CoordinatorUnreachable",

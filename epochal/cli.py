@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from epochal import __version__, configfile, log
 from epochal.argtypes import nonnegative_int, positive_int, seconds
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.directories import RUN_DIR_FLAG, usable_dir
 from epochal.coordinator.resume import script_identity
 from epochal.coordinator.service import new_run_id
 from epochal.environment import (
@@ -31,7 +34,7 @@ from epochal.environment import (
     VERBOSE_ENV,
 )
 from epochal.errors import ConfigError
-from epochal.files import private_dir
+from epochal.launch import rerun
 from epochal.launch.service import ServeOptions, serve_or_crash
 from epochal.log import COORDINATOR, LAUNCHER
 from epochal.observe import commands as observe_commands
@@ -42,6 +45,7 @@ from epochal.security.cli import (
     server_security_from_args,
 )
 from epochal.settings import CHECKPOINTS, FAILURES, Option, add_options, field_options, grouped
+from epochal.suggest import close_matches
 
 DEFAULT_RUNS = Path("runs")
 """Where a run without --run-dir keeps its run directory, RUNS/RUN_ID (under the working
@@ -57,6 +61,14 @@ RUN_ONLY_OPTIONS = (
         group=CHECKPOINTS,
         help="discard what --run-dir holds (journal, result, checkpoints) and start over instead "
         "of resuming",
+    ),
+    Option(
+        dest="resume",
+        action="store_true",
+        group=CHECKPOINTS,
+        help="continue the newest run in runs/ of the same script and arguments (of a "
+        "coordinator, for epochal coordinator) that has not finished, or that finished and is "
+        "given more --epochs; with --run-dir, the run that directory holds",
     ),
     Option(
         dest="max_restarts",
@@ -85,11 +97,87 @@ def _config(
     args: argparse.Namespace, world_size: int, token: str, run_id: str
 ) -> CoordinatorConfig:
     given = {option.dest: getattr(args, option.dest) for option in field_options(CoordinatorConfig)}
-    if given["run_dir"] is None:
-        # runs/ is epochal's too: another user who could write in it could swap the run
-        # directory for a link between the check and the writes
-        given["run_dir"] = private_dir(DEFAULT_RUNS, kind="directory of runs") / run_id
+    if given["run_dir"] is None:  # see _run_dir
+        given["run_dir"] = _runs() / run_id
     return CoordinatorConfig(world_size=world_size, token=token, **given)
+
+
+def _runs() -> Path:
+    """:data:`DEFAULT_RUNS`, made and tried. It is epochal's too: another user who could write in
+    it could swap a run directory for a link between the check and the writes."""
+    return usable_dir(DEFAULT_RUNS, kind="directory of runs", flag=RUN_DIR_FLAG)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, stricter and more helpful: an option is never taken for a shortening
+    of another (``--epoch 2`` is refused, not read as ``--epochs 2``), and an unknown option is
+    answered with the options of its command it most likely stands for. The commands' parsers
+    are of this class too (argparse makes subparsers of their parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = _command_parser(self, parsed)
+            unknown = [word.split("=", 1)[0] for word in extras if word.startswith("-")]
+            guesses = [
+                f"{guess[0]} for {word}" if len(unknown) > 1 else guess[0]
+                for word in unknown
+                if (guess := close_matches(word, _flags(command), n=1))
+            ]
+            hint = f"; did you mean {', '.join(guesses)}?" if guesses else ""
+            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
+
+
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` were parsed for."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(str(getattr(args, action.dest, "")))
+            if isinstance(chosen, argparse.ArgumentParser):
+                return _command_parser(chosen, args)
+    return parser
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [flag for flag in parser._option_string_actions if flag.startswith("--")]
+
+
+def _run_dir(
+    args: argparse.Namespace, words: list[str], command: Sequence[str] | None, run_id: str
+) -> Path:
+    """Where the run lives: ``--run-dir``; with ``--resume`` and no ``--run-dir``, the run it
+    continues; else a new ``runs/RUN_ID``, saying so when an unfinished run of the same command
+    is there (which ``--resume`` would have continued)."""
+    if args.resume and args.fresh:
+        if "--fresh" in words:
+            raise ConfigError(
+                "--resume continues a run and --fresh starts it over: give one of them"
+            )
+        args.fresh = False  # the settings file's fresh = true: the command line wins
+    if args.run_dir is not None:
+        if args.resume:
+            rerun.require_run(args.run_dir)
+        return Path(args.run_dir)
+    runs = _runs()
+    if args.resume:
+        return rerun.run_to_resume(runs, command, args.epochs)
+    earlier = rerun.unfinished_run(runs, command)
+    if earlier is not None:
+        logger = COORDINATOR if command is None else LAUNCHER
+        logger.info(
+            f"epochal: {earlier} holds an unfinished run of this command, which --resume "
+            f"continues; starting a new one in {runs / run_id}"
+        )
+    return runs / run_id
 
 
 def _add_log_options(p: argparse.ArgumentParser, default: str | None) -> None:
@@ -113,7 +201,7 @@ def _add_log_options(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="epochal",
         description="Distributed data-parallel training of PyTorch models with a separate "
         "control plane.",
@@ -129,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the coordinator service for workers started elsewhere",
         description="Run the coordinator for one job: wait for --world-size workers, run the "
         "epochs, exit 0 when the run finishes or 1 when it is aborted. Prints the "
-        "address it bound on stdout (so port 0 works).",
+        "address it bound on stdout (so port 0 works), then the run directory; a run that "
+        "stops before it finished ends with the command that continues it.",
     )
     c.add_argument(
         "--bind",
@@ -170,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a training script on N local workers under an in-process coordinator",
         description="Start a coordinator on loopback and N worker processes running SCRIPT, "
-        "with every output line prefixed by its rank.",
+        "with every output line prefixed by its rank. The first line says the run directory "
+        "(runs/RUN_ID unless --run-dir); a run that stops before it finished ends with the "
+        "command that continues it (the same command with --resume does too), and a finished "
+        "run given a larger --epochs is trained further.",
     )
     r.add_argument(
         "--nproc", type=positive_int, required=True, metavar="N", help="number of worker processes"
@@ -306,8 +398,9 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        args, settings_from = configfile.parse_args(parser, argv)
+        args, settings_from = configfile.parse_args(parser, words)
     except ConfigError as exc:
         parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")
     token = os.environ.get(TOKEN_ENV, "")
@@ -327,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warning = check_exposure(args.bind, security is not None, args.insecure)
             if warning:
                 COORDINATOR.warning(f"epochal: {warning}")
+            args.run_dir = _run_dir(args, words, None, run_id)
             config = _config(args, args.world_size, token, run_id)
             served = ServeOptions(
                 bind=args.bind,
@@ -335,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 address_file=args.address_file,
                 curve_key=args.curve_key and Path(args.curve_key),
                 curve_allowed=args.curve_allowed and Path(args.curve_allowed),
+                resume_command=rerun.resume_command(words, args.run_dir),
             )
             return serve_or_crash(config, served, run_id, security)
         if args.command == "worker":
@@ -356,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         command = script_command(args.script, args.script_args, module=args.module)
         identity = script_identity(args.script, args.script_args, module=args.module)
+        tail = 1 + len(args.script_args)  # the script and its arguments, the script's own
+        args.run_dir = _run_dir(args, words[:-tail], identity["command"], run_id)
         config = replace(_config(args, args.nproc, token, run_id), **identity)
         return run_observed(
             config,
@@ -366,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             verbose=args.verbose,
             exit_timeout=args.exit_timeout,
+            resume_command=rerun.resume_command(words, args.run_dir, tail=tail),
         )
     except (ConfigError, FileNotFoundError) as exc:
         parser.exit(EXIT_USAGE, f"epochal: error: {exc}\n")

@@ -12,7 +12,6 @@ and the key. Paths are read as on the command line, from the directory epochal r
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import tomllib
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any, NoReturn
 
 from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
 from epochal.errors import ConfigError
+from epochal.suggest import did_you_mean
 
 DEFAULT_FILE = "epochal.toml"
 """The file ``epochal run`` reads from the script's directory unless ``--no-config``."""
@@ -29,10 +29,11 @@ COMMANDS = ("run", "coordinator", "worker")
 """The commands that take ``--config``."""
 
 NOT_SETTINGS = frozenset(
-    {"help", "config", "no_config", "log_level", "log_format", "module", "script"}
+    {"help", "config", "no_config", "log_level", "log_format", "module", "script", "resume"}
 )
 """Options of those commands the file cannot set: how the command line itself is read, the
-logging options shared with the command before them, and what names the script."""
+logging options shared with the command before them, what names the script, and ``--resume``
+(which run to continue is asked each time, not a setting of the run)."""
 
 _INTEGER_TYPES: tuple[Callable[[str], Any], ...] = (int, positive_int, nonnegative_int)
 _NUMBER_TYPES: tuple[Callable[[str], Any], ...] = (float, seconds, seconds_or_never)
@@ -129,9 +130,9 @@ def settable(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def _unknown(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key.replace("-", "_"), valid, n=3)
-    if close:
-        return f"unknown key {key!r}; did you mean {' or '.join(map(repr, close))}?"
+    suggestion = did_you_mean(key, valid, quote=True)
+    if suggestion:
+        return f"unknown key {key!r}{suggestion}"
     return f"unknown key {key!r}; the keys are {', '.join(valid)}"
 
 

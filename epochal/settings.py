@@ -19,9 +19,10 @@ from typing import Any, Literal
 SETTING = "epochal.setting"
 """The key of a field's :class:`Setting` in its metadata."""
 
-OnResume = Literal["refuse", "may_change", "when_known"]
+OnResume = Literal["refuse", "may_change", "when_known", "may_grow"]
 """What a resume does when the setting differs from the run's: refuse it (it changes the result);
-let it change (a timeout, a path); or refuse it only when both the run and the resume know it."""
+let it change (a timeout, a path); refuse it only when both the run and the resume know it; or let
+it grow and refuse it smaller (``epochs``: a run, finished or not, may be trained further)."""
 
 RUN_POLICY = "run policy"
 CHECKPOINTS = "checkpoints and resume"

@@ -104,7 +104,9 @@ class CoordinatorConfig:
     epochs: int = field(
         default=10,
         metadata=setting(
-            help="epochs to train, numbered from 0",
+            help="epochs to train, numbered from 0; more than a resumed run had trains it "
+            "further (also one that finished), fewer is refused",
+            on_resume="may_grow",  # its schedule is stretched over the new count from then on
             flag=Flag(RUN_POLICY, metavar="E", type=positive_int),
         ),
     )
@@ -222,7 +224,8 @@ class CoordinatorConfig:
         default=None,
         metadata=setting(
             help="where workers write checkpoints; every rank must see it; yours alone (a "
-            "directory another user could write in is refused)",
+            "directory another user could write in is refused); epochal run makes it and tries "
+            "writing in it before any worker starts",
             flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="RUN_DIR/checkpoints"),
         ),
     )
@@ -237,9 +240,10 @@ class CoordinatorConfig:
     run_dir: Path | None = field(
         default=None,
         metadata=setting(
-            help="directory for run.json, epochs.jsonl, result.json, model.json and checkpoints; a "
-            "directory that holds an unfinished run resumes it; created 0700, and refused if "
-            "another user could write in it",
+            help="directory for run.json, epochs.jsonl, result.json, model.json and checkpoints "
+            "(said at the start); a directory that holds an unfinished run resumes it; created "
+            "0700, and refused before the run starts if another user could write in it or you "
+            "cannot",
             on_resume="may_change",
             flag=Flag(CHECKPOINTS, metavar="DIR", type=Path, shown="runs/RUN_ID"),
         ),

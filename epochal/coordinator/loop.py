@@ -16,6 +16,7 @@ from epochal.coordinator.batches import PolicyViolation
 from epochal.coordinator.config import CoordinatorConfig, MonitorMode
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.schedule import Schedule
+from epochal.suggest import close_matches
 
 _DECLARED: dict[str, Any] = {
     name: f.default for name, f in CoordinatorConfig.__dataclass_fields__.items()
@@ -101,10 +102,16 @@ class LoopState:
             k[len(split) + 1 :] for k in sorted(metrics) if k.startswith(f"{split}_")
         ]
         what = "validation" if validates else "training"
+        close = close_matches(self.monitor, names[1:], n=1)
+        fix = (
+            f"did you mean --monitor {close[0]}? Else add"
+            if close
+            else "monitor one of those, or add"
+        )
         raise PolicyViolation(
             f"--monitor {self.monitor}: the workers report no {what} metric of that name "
-            f"(they report {', '.join(names)}): monitor one of those, or add "
-            f"{self.monitor!r} to the training code's metrics"
+            f"(they report {', '.join(names)}): {fix} {self.monitor!r} to the training code's "
+            "metrics"
         )
 
     def _better(self, value: float, than: float, margin: float = 0.0) -> bool:

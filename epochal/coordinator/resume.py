@@ -5,9 +5,11 @@ decided epoch and one ``checkpoint`` record per committed checkpoint, each fsync
 workers heard of it) and, once the run ended, ``result.json``. Resuming replays the epoch records
 up to the newest committed checkpoint that verifies against its manifest through
 :class:`~epochal.coordinator.batches.LoopState`, which rebuilds the smoothing state, best epoch,
-learning-rate factor and patience exactly. No torch here: checkpoints are checked by their
-manifest (its MAC under the user's checkpoint key, then every file's SHA-256), not loaded; a
-checkpoint directory another user could write is refused.
+learning-rate factor and patience exactly. A larger ``--epochs`` than the run's trains it
+further, also once it finished by reaching its epochs: it resumes after its last checkpoint, and
+run.json (then result.json) lists each time under ``extended``. No torch here: checkpoints are
+checked by their manifest (its MAC under the user's checkpoint key, then every file's SHA-256),
+not loaded; a checkpoint directory another user could write is refused.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.directories import check_directories
 from epochal.coordinator.journal import check_record
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.models import describe_difference, describe_fingerprints
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.errors import ConfigError
-from epochal.files import NotRegular, check_private_dir, private_dir, read_regular, write_atomic
+from epochal.files import NotRegular, read_regular, write_atomic
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.protocol import Fingerprint, ParamSpec
 from epochal.rundir import (
@@ -50,6 +53,9 @@ _MAY_CHANGE = {name for name, s in _SETTINGS.items() if s.on_resume == "may_chan
 _WHEN_KNOWN = {name for name, s in _SETTINGS.items() if s.on_resume == "when_known"}
 """Settings compared only when both the run and the resume know them (a run directory written
 before they were recorded, or workers started by hand, leave them unknown)."""
+
+_MAY_GROW = {name for name, s in _SETTINGS.items() if s.on_resume == "may_grow"}
+"""Settings a resume may raise (the run is trained further) but not lower."""
 
 
 def _called(key: str) -> str:
@@ -90,18 +96,30 @@ def _shown(key: str, value: Any) -> str:
     return repr(value)
 
 
+def grown(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The settings a resume raises that may grow, as ``name: (the run's, now)``."""
+    out = {}
+    for key in _MAY_GROW:
+        then, now = stored.get(key), current.get(key)
+        if type(then) is int and type(now) is int and now > then:
+            out[key] = (then, now)
+    return out
+
+
 def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Settings that differ between a stored run and the command line, as readable phrases."""
+    """Settings that differ between a stored run and the command line, as readable phrases (a
+    setting that may grow and did is not one: see :func:`grown`)."""
     out = []
     for key in sorted(set(stored) | set(current)):
-        if key in _MAY_CHANGE:
+        if key in _MAY_CHANGE or key in grown(stored, current):
             continue
         if key in _WHEN_KNOWN and (stored.get(key) is None or current.get(key) is None):
             continue
         if stored.get(key) != current.get(key):
             flag = _called(key)
             now, then = _shown(key, current.get(key)), _shown(key, stored.get(key))
-            out.append(f"{flag} is {now} now but {then} in the run")
+            shorter = " (a run may be given more, never fewer)" if key in _MAY_GROW else ""
+            out.append(f"{flag} is {now} now but {then} in the run{shorter}")
     return out
 
 
@@ -118,21 +136,14 @@ class RunState:
     # the journal records kept (everything up to resume_epoch)
     notes: list[str] = field(default_factory=list)
     # what the user should be told (fallbacks, a dropped half-written line)
+    extended_from: int | None = None
+    # the epochs the run had, when this resume gives it more (a finished run trained further)
+    extensions: list[dict[str, Any]] = field(default_factory=list)
+    # every time the run was given more epochs, oldest first: run.json and result.json keep it
 
     @property
     def start_epoch(self) -> int:
         return 0 if self.resume_epoch is None else self.resume_epoch + 1
-
-
-def check_directories(run_dir: Path | None, checkpoint_dir: Path | None) -> None:
-    """Create the run directory (mode 0700) or refuse it, and refuse a checkpoint directory seen
-    from here, when another user could write in it: before anything there is read, deleted
-    (``--fresh``) or written, and before any worker starts. A checkpoint directory this machine
-    does not see (another machine's disk) is checked by the workers that write it."""
-    if run_dir is not None:
-        private_dir(run_dir, kind="run directory")
-    if checkpoint_dir is not None and os.path.lexists(checkpoint_dir):
-        check_private_dir(checkpoint_dir, kind="checkpoint directory")
 
 
 def _read(path: Path, limit: int, what: str) -> bytes | None:
@@ -191,14 +202,15 @@ def _refuse_orphan_journal(run_dir: Path) -> None:
         )
 
 
-def _stored_config(run_dir: Path) -> dict[str, Any] | None:
-    """The configuration run.json holds; None when there is no run.json."""
+def _stored_run(run_dir: Path) -> dict[str, Any] | None:
+    """What run.json holds (its ``config`` checked to be an object); None when there is none."""
     path = run_dir / RUN_FILE
     raw = _read(path, RECORD_FILE_LIMIT, "the run's settings")
     if raw is None:
         return None
     try:
-        stored = json.loads(raw)["config"]
+        run = json.loads(raw)
+        stored = run["config"]
         if not isinstance(stored, dict):
             raise TypeError(f"its config is a {type(stored).__name__}, not an object")
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
@@ -206,7 +218,32 @@ def _stored_config(run_dir: Path) -> dict[str, Any] | None:
             f"{path} is unreadable ({printable(exc)}): it is not an epochal run directory, or "
             "it is damaged; use another --run-dir or start over with --fresh"
         ) from None
-    return stored
+    return dict(run)
+
+
+def _extensions(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The times run.json says the run was given more epochs (see :class:`RunState`)."""
+    listed = run.get("extended")
+    if not isinstance(listed, list):
+        return []
+    return [entry for entry in listed if isinstance(entry, dict)]
+
+
+def _check_extendable(run_dir: Path, records: list[dict[str, Any]], epochs: int) -> None:
+    """Refuse more epochs for a finished run that did not stop by reaching its ``epochs``: its
+    early stopping or its schedule would stop it again at once."""
+    decided = [r for r in records if r["kind"] == "epoch"]
+    last = decided[-1] if decided else {}
+    if last.get("stop_reason") == "epochs":
+        return
+    why = {
+        "patience": "--patience stopped it early",
+        "lr_factor": "its learning-rate factor reached 0",
+    }.get(str(last.get("stop_reason")), "it stopped early")
+    raise ConfigError(
+        f"the run in {run_dir} finished after {len(decided)} of its {epochs} epochs ({why}): "
+        "more --epochs would not train it further; pass --fresh to start it over"
+    )
 
 
 def _finished(run_dir: Path) -> dict[str, Any] | None:
@@ -231,21 +268,26 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     check_directories(None, checkpoint_dir)
     if run_dir is None:
         return RunState(loop=loop)
-    stored = _stored_config(run_dir)
-    if stored is None:
+    run = _stored_run(run_dir)
+    if run is None:
         _refuse_orphan_journal(run_dir)
         return RunState(loop=loop)
-    diff = differences(stored, config_record(config))
+    stored, current = run["config"], config_record(config)
+    diff = differences(stored, current)
     if diff:
         raise ConfigError(
             f"the run directory {run_dir} holds a run with other settings: {'; '.join(diff)}. "
             "Pass the same options to resume it, or --fresh to start it over"
         )
+    more = grown(stored, current).get("epochs")
+    extensions = _extensions(run)
     notes: list[str] = []
     result = _finished(run_dir)
-    if result is not None:
-        return RunState(loop=loop, finished=result)
+    if result is not None and more is None:
+        return RunState(loop=loop, finished=result, extensions=extensions)
     records = _read_journal(run_dir / EPOCHS_FILE, notes)
+    if result is not None and more is not None:
+        _check_extendable(run_dir, records, more[0])
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
     resume: int | None = None
     key: CheckpointKey | None = None
@@ -265,6 +307,12 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             f"the checkpoint of epoch {epoch} is unusable: {problem}; falling back to "
             "the previous one"
         )
+    if result is not None and resume is None:
+        raise ConfigError(
+            f"the run in {run_dir} finished, but it kept no usable checkpoint to train it further "
+            f"from{' (' + '; '.join(notes) + ')' if notes else ''}: pass --fresh to train it "
+            "over from epoch 0"
+        )
     kept = [r for r in records if resume is not None and r["epoch"] <= resume]
     for record in kept:
         if record["kind"] == "epoch":
@@ -275,9 +323,29 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
                 validates=bool(record["validates"]),
                 metrics={key: float(record[key]) for key in record.get("metrics", ())},
             )
+    extended_from = None
+    if more is not None:
+        extended_from = more[0]
+        start = 0 if resume is None else resume + 1
+        extensions = [
+            *extensions,
+            {
+                "from_epochs": more[0],
+                "to_epochs": more[1],
+                "at_epoch": start,
+                "had_finished": result is not None,
+            },
+        ]
     if resume is None and records:
         notes.append("no usable checkpoint: the run starts again from epoch 0")
-    return RunState(loop=loop, resume_epoch=resume, records=kept, notes=notes)
+    return RunState(
+        loop=loop,
+        resume_epoch=resume,
+        records=kept,
+        notes=notes,
+        extended_from=extended_from,
+        extensions=extensions,
+    )
 
 
 MODEL_FILE_LIMIT = 64 * 1024 * 1024
@@ -365,9 +433,9 @@ class ModelFile:
 def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:
     """Forget what the run directory holds (journal, result, checkpoints) so the run starts over.
 
-    Only in directories :func:`check_directories` accepts (checked here again), and never
-    through a link: a link at one of the names is removed, not followed, and ``rmtree`` does not
-    descend into links."""
+    Only in directories :func:`~.directories.check_directories` accepts (checked here again),
+    and never through a link: a link at one of the names is removed, not followed, and
+    ``rmtree`` does not descend into links."""
     run_dir = config.run_dir
     if run_dir is None:
         return

@@ -17,6 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,12 +44,14 @@ from epochal.coordinator.connections import (
     connection_limits,
     open_files,
 )
+from epochal.coordinator.directories import check_directories
 from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
 from epochal.errors import RunAborted
+from epochal.files import remove
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
 from epochal.nofile import raise_nofile_limit
@@ -59,6 +62,7 @@ from epochal.protocol import (
     Heartbeat,
     encode,
 )
+from epochal.rundir import RESULT_FILE
 from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
@@ -97,6 +101,9 @@ class Coordinator:
     the joins, every journal record with a snapshot, a snapshot every heartbeat interval, and the
     end, and of nothing after it. Their owner builds one set for every attempt of a run (``attempt``
     counts the coordinators started again after a failure) and closes it outside the event loop.
+
+    ``workers_here``: the workers run on this machine, so the checkpoint directory they write is
+    made and tried at the start like the run directory (see :mod:`.directories`).
     """
 
     def __init__(
@@ -111,8 +118,12 @@ class Coordinator:
         security: ServerSecurity | None = None,
         observers: RunObserver | None = None,
         attempt: int = 0,
+        workers_here: bool = False,
     ) -> None:
         self.config = config
+        self._workers_here = workers_here
+        # the workers run on this machine (epochal run): their checkpoint directory is made and
+        # tried here before they start, as the run directory is
         self._observers: RunObserver = observers if observers is not None else Observers()
         self._feed = ObserverFeed(self._observers)
         self._attempt = attempt
@@ -192,13 +203,16 @@ class Coordinator:
 
     def _load(self) -> None:
         """Check the run directory (and the checkpoint directory, if seen from here) is the
-        user's alone, then read it (after --fresh: first empty it); once per coordinator."""
+        user's alone and writable, then read it (after --fresh: first empty it); once per
+        coordinator."""
         if self._state is not None:
             return
         checkpoint_dir = self.config.checkpoint_path
-        resume.check_directories(self.config.run_dir, checkpoint_dir)
+        here = self._workers_here
+        check_directories(self.config.run_dir, checkpoint_dir, workers_here=here)
         if self._fresh:
             resume.start_fresh(self.config, checkpoint_dir)
+            check_directories(None, checkpoint_dir, workers_here=here)  # made again, empty
         self._state = resume.inspect(self.config, checkpoint_dir)
         run_dir = self.config.run_dir
         self._machine = RunMachine(
@@ -278,25 +292,7 @@ class Coordinator:
         for note in state.notes:
             self._log(note)
         if self.config.run_dir is not None and state.finished is None:
-            self._journal = RunJournal(self.config.run_dir)
-            self._journal.rewrite(state.records)
-            self._journal.start(
-                {
-                    "run_id": self.run_id,
-                    "endpoint": self.endpoint,
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "started": time.time(),
-                    "resumed_from": state.resume_epoch,
-                    "config": resume.config_record(self.config),
-                }
-            )
-            if state.resume_epoch is not None:
-                self._log(
-                    f"resuming {self.config.run_dir} at epoch {state.start_epoch} from the "
-                    f"checkpoint of epoch {state.resume_epoch} (best so far: epoch "
-                    f"{state.loop.best_epoch})"
-                )
+            self._start_journal(self.config.run_dir, state)
         if state.finished is None:
             self._observers.on_start(
                 RunStart(
@@ -311,6 +307,37 @@ class Coordinator:
                 )
             )
         return self.endpoint
+
+    def _start_journal(self, run_dir: Path, state: resume.RunState) -> None:
+        """Open the journal (keeping the records up to the resumed checkpoint), write run.json
+        and say where the run resumes. A run given more epochs has no result any more: a kill
+        before its new end must not leave it looking finished at its old one."""
+        if state.extended_from is not None:
+            remove(run_dir / RESULT_FILE)
+        self._journal = RunJournal(run_dir)
+        self._journal.rewrite(state.records)
+        info: dict[str, Any] = {
+            "run_id": self.run_id,
+            "endpoint": self.endpoint,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "resumed_from": state.resume_epoch,
+            "config": resume.config_record(self.config),
+        }
+        if state.extensions:
+            info["extended"] = state.extensions
+        self._journal.start(info)
+        if state.extended_from is not None:
+            self._log(
+                f"training the run in {run_dir} further: {state.extended_from} epochs before, "
+                f"{self.config.epochs} now"
+            )
+        if state.resume_epoch is not None:
+            self._log(
+                f"resuming {run_dir} at epoch {state.start_epoch} from the checkpoint of epoch "
+                f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch})"
+            )
 
     def _close(self) -> None:
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
@@ -369,8 +396,10 @@ class Coordinator:
         done = state.finished
         if done is not None:
             self._log(
-                f"the run in {self.config.run_dir} already finished (best epoch "
-                f"{done.get('best_epoch')}); nothing to train. Pass --fresh to train it again"
+                f"the run in {self.config.run_dir} already finished after "
+                f"{done.get('epochs_run')} epochs (best epoch {done.get('best_epoch')}); nothing "
+                "to train. Pass a larger --epochs to train it further, or --fresh to train it "
+                "again"
             )
             assert self.config.run_dir is not None
             self._close()
@@ -496,6 +525,8 @@ class Coordinator:
         """Write the record, then tell the observers: an epoch's once every action of this turn
         is carried out (the decision is not held up for them), the result at once."""
         record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
+        if action.kind == "result" and self._state is not None and self._state.extensions:
+            record = {**record, "extended": self._state.extensions}  # as run.json says
         try:
             if self._journal is not None:
                 if action.kind == "epoch":

@@ -4,5 +4,7 @@
 - :mod:`~epochal.launch.supervisor`: ``epochal worker``, one worker on a machine of its own;
 - :mod:`~epochal.launch.restarts`: the one restart loop, for the launcher's runs, the
   supervisor's worker and the ``epochal coordinator`` service;
-- :mod:`~epochal.launch.processes`: children that die with their parent, process-group kills.
+- :mod:`~epochal.launch.processes`: children that die with their parent, process-group kills;
+- :mod:`~epochal.launch.rerun`: the run ``--resume`` continues, and the command line that resumes
+  an unfinished run.
 """

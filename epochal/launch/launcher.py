@@ -89,6 +89,7 @@ async def launch(
     verbose: bool = False,
     exit_timeout: float | None = None,
     observers: RunObserver | None = None,
+    resume_command: str = "",
 ) -> int:
     """Run ``command`` (python, script, args) as ``nproc`` workers; return the exit status.
 
@@ -99,12 +100,16 @@ async def launch(
     every line the workers print, also the noise that follows an abort, and has the workers
     print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
     ``observers`` watch every attempt (see :func:`run_observed`, which makes and closes them).
+    A run that ends unfinished (aborted, interrupted) says ``resume_command`` last, the command
+    line that continues it.
     """
     ensure_configured()
     if not config.token:
         # a job token of its own, only in the workers' environment: a local process that reads
         # the endpoint from run.json still cannot join the run or take a worker's place
         config = dataclasses.replace(config, token=secrets.token_urlsafe(32))
+
+    outcomes: list[Outcome] = []
 
     async def attempt(n: int) -> Outcome:
         coordinator = Coordinator(
@@ -114,8 +119,9 @@ async def launch(
             fresh=fresh and n == 0,
             observers=observers,
             attempt=n,
+            workers_here=True,
         )
-        return await _attempt(
+        outcome = await _attempt(
             coordinator,
             config,
             nproc,
@@ -124,6 +130,8 @@ async def launch(
             verbose=verbose,
             exit_timeout=exit_timeout,
         )
+        outcomes.append(outcome)
+        return outcome
 
     async def restart(n: int, failed: Outcome) -> None:
         _say(f"restart {n} of {max_restarts}: resuming from the last checkpoint", logging.WARNING)
@@ -135,7 +143,10 @@ async def launch(
             logging.ERROR,
         )
 
-    return await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
+    status = await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
+    if resume_command and outcomes and outcomes[-1].unfinished:
+        _say(f"to resume: {resume_command}", logging.WARNING)
+    return status
 
 
 def run_observed(config: CoordinatorConfig, nproc: int, command: list[str], **kwargs: Any) -> int:
@@ -202,8 +213,10 @@ async def _attempt(
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
         return Outcome(EXIT_OK)
+    where = "" if config.run_dir is None else f" in {config.run_dir}"
     _say(
-        f"coordinator at {endpoint}, run {coordinator.run_id}; starting {counted(nproc, 'worker')}",
+        f"run {coordinator.run_id}{where}, coordinator at {endpoint}; "
+        f"starting {counted(nproc, 'worker')}",
         logging.INFO,
     )
 
@@ -307,10 +320,11 @@ async def _attempt(
     if interrupted:
         when = " after the run finished (result.json says so)" if summary is not None else ""
         _say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}", logging.WARNING)
-        return Outcome(128 + int(getattr(signal, interrupted[0])), reason)
+        status = 128 + int(getattr(signal, interrupted[0]))
+        return Outcome(status, reason, unfinished=summary is None)
     if summary is None:
         _say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}", logging.ERROR)
-        return Outcome(EXIT_FAILED, reason, retry=True)
+        return Outcome(EXIT_FAILED, reason, retry=True, unfinished=True)
     if stuck:
         _say(
             f"FAILED: the run finished (result.json says so), but {_workers(stuck)} still "

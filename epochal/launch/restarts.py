@@ -24,6 +24,8 @@ class Outcome:
     """Why it failed, for the line that says the restarts are used up."""
     retry: bool = False
     """A failure a restart may mend (the run resumes from its last committed checkpoint)."""
+    unfinished: bool = False
+    """The run stopped before it finished (aborted, interrupted): its run directory resumes it."""
 
 
 async def restarting(

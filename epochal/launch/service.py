@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class ServeOptions:
     # the coordinator's secret key file (named in the attach hint)
     curve_allowed: Path | None = None
     # the allow-list directory (named in the attach hint)
+    resume_command: str = ""
+    # the command line that continues the run, said last when it ends unfinished; "": none
 
 
 async def _serve(
@@ -67,6 +70,8 @@ async def _serve(
     )
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
+    if config.run_dir is not None:
+        COORDINATOR.info(f"epochal: run {coordinator.run_id} in {config.run_dir}")
     written: str | None = None
     address_file = options.address_file
     if address_file is not None:
@@ -141,7 +146,16 @@ async def _serve_runs(
     def give_up(failed: Outcome) -> None:
         coordinator.log(f"FAILED: {counted(options.max_restarts, 'restart')} used up")
 
-    return await restarting(attempt, options.max_restarts, restart=restart, give_up=give_up)
+    status = await restarting(attempt, options.max_restarts, restart=restart, give_up=give_up)
+    if status != 0 and coordinator.finished is None:
+        say_how_to_resume(COORDINATOR.warning, options.resume_command)
+    return status
+
+
+def say_how_to_resume(log: Callable[[str], None], command: str) -> None:
+    """The last line of a run that ended unfinished: the command that continues it."""
+    if command:
+        log(f"to resume: {command}")
 
 
 async def _start_again(coordinator: Coordinator) -> None:
@@ -176,6 +190,7 @@ def serve_or_crash(
             f"epochal: the coordinator crashed (exit status {EXIT_CRASH}); the traceback above is "
             "a bug to report. Started again with the same --run-dir, it resumes the run"
         )
+        say_how_to_resume(COORDINATOR.error, options.resume_command)
         return EXIT_CRASH
     finally:
         observers.close()

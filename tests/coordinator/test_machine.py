@@ -611,7 +611,8 @@ def test_metrics_of_uneven_ranks_are_summed_journaled_shown_and_sent_back():
     assert decision.smoothed_loss == 0.5 and decision.is_best
     record = next(a.record for a in actions if isinstance(a, Journal))
     assert record["valid_accuracy"] == 0.5 and record["metrics"] == ["valid_accuracy"]
-    assert any("valid accuracy 0.5000  smoothed accuracy 0.5000" in line for line in logged(actions))
+    said = "valid accuracy 0.5000  smoothed accuracy 0.5000"
+    assert any(said in line for line in logged(actions))
     assert any("(smoothed accuracy 0.5000)" in line for line in logged(actions))
 
 

@@ -188,6 +188,25 @@ def test_a_monitored_metric_nobody_reports_is_a_violation_naming_those_there_are
     assert loop.history == [] and loop.smoothed is None  # nothing changed
 
 
+@pytest.mark.parametrize(
+    ("monitor", "fix"),
+    [
+        ("acc", "did you mean --monitor accuracy? Else add 'acc'"),  # a shortening
+        ("acuracy", "did you mean --monitor accuracy? Else add 'acuracy'"),  # a misspelling
+        ("f1", "monitor one of those, or add 'f1'"),  # nothing close
+    ],
+)
+def test_a_misspelt_monitored_metric_is_answered_with_the_likeliest(monitor: str, fix: str):
+    loop = LoopState(epochs=4, monitor=monitor, mode="max")
+    metrics = {"valid_accuracy": 0.5, "valid_top5": 0.9, "train_accuracy": 0.4}
+    with pytest.raises(PolicyViolation) as info:
+        loop.update(0, 2.0, 1.0, validates=True, metrics=metrics)
+    assert str(info.value) == (
+        f"--monitor {monitor}: the workers report no validation metric of that name (they "
+        f"report loss, accuracy, top5): {fix} to the training code's metrics"
+    )
+
+
 def test_an_epoch_that_did_not_validate_leaves_a_monitored_metric_alone():
     loop = LoopState(epochs=4, monitor="accuracy", mode="max")
     loop.update(0, 2.0, 1.0, validates=True, metrics={"valid_accuracy": 0.5})

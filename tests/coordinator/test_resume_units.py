@@ -544,16 +544,21 @@ def test_a_setting_that_cannot_change_the_result_may_change(tmp_path: Path, name
     ("stored", "current", "expected"),
     [
         ({"epochs": 5}, {"epochs": 5}, []),
-        ({"epochs": 5}, {"epochs": 9}, ["--epochs is 9 now but 5 in the run"]),
+        ({"epochs": 5}, {"epochs": 9}, []),  # more epochs train the run further
+        (
+            {"epochs": 9},
+            {"epochs": 5},
+            ["--epochs is 5 now but 9 in the run (a run may be given more, never fewer)"],
+        ),
         ({"smoothing": 1}, {"smoothing": 1.0}, []),  # JSON may hand back an int for a float
         ({"token": "a", "backend": "nccl"}, {"token": "b", "backend": "gloo"}, []),
         ({}, {"best_from": 2}, ["--best-from is 2 now but None in the run"]),
         ({"old_setting": 1}, {}, ["--old-setting is None now but 1 in the run"]),
         (
-            {"world_size": 2, "epochs": 5},
-            {"world_size": 4, "epochs": 6},
+            {"world_size": 2, "epochs": 6},
+            {"world_size": 4, "epochs": 5},
             [
-                "--epochs is 6 now but 5 in the run",
+                "--epochs is 5 now but 6 in the run (a run may be given more, never fewer)",
                 "--world-size/--nproc is 4 now but 2 in the run",
             ],
         ),
@@ -603,6 +608,92 @@ def test_a_finished_run_with_other_settings_is_still_refused(tmp_path: Path):
     write_run(config, epochs_done=2, checkpoints=[1])
     (config.run_dir / "result.json").write_text('{"status": "finished"}')
     assert "--epochs is 3 now" in refusal(make_config(tmp_path, epochs=3))
+
+
+# ----------------------------------------------------------------------------- more epochs
+
+
+def write_finished(config: CoordinatorConfig, epochs_run: int) -> None:
+    result = {"status": "finished", "run_id": "0123456789ab", "epochs_run": epochs_run}
+    (config.run_dir / "result.json").write_text(json.dumps(result))
+
+
+def test_a_finished_run_given_more_epochs_resumes_after_its_last_epoch(tmp_path: Path):
+    before = make_config(tmp_path, epochs=4)
+    write_run(before, epochs_done=4, checkpoints=[1, 3], state=hand_loop(0, epochs=4))
+    write_finished(before, 4)
+    state = look(make_config(tmp_path, epochs=6))
+    assert (state.finished, state.resume_epoch, state.start_epoch) == (None, 3, 4)
+    assert state.extended_from == 4
+    assert state.extensions == [
+        {"from_epochs": 4, "to_epochs": 6, "at_epoch": 4, "had_finished": True}
+    ]
+    # the journal replayed under the new count: epoch 3 no longer stops the run, and the smoothed
+    # loss, best epoch, factor and patience are those of a run started with 6 epochs
+    assert not state.loop.history[-1].stop
+    assert state.loop == hand_loop(4, epochs=6)
+    assert [r["epoch"] for r in state.records] == [0, 1, 1, 2, 3, 3]
+
+
+def test_an_unfinished_run_given_more_epochs_resumes_as_always(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=5, checkpoints=[1, 3])
+    state = look(make_config(tmp_path, epochs=12))
+    assert (state.resume_epoch, state.extended_from) == (3, 10)
+    assert state.extensions == [
+        {"from_epochs": 10, "to_epochs": 12, "at_epoch": 4, "had_finished": False}
+    ]
+    assert state.loop == hand_loop(4, epochs=12)
+
+
+def test_earlier_extensions_are_kept(tmp_path: Path):
+    before = make_config(tmp_path, epochs=4)
+    write_run(before, epochs_done=4, checkpoints=[3], state=hand_loop(0, epochs=4))
+    earlier = {"from_epochs": 2, "to_epochs": 4, "at_epoch": 2, "had_finished": True}
+    run = json.loads((before.run_dir / "run.json").read_text())
+    (before.run_dir / "run.json").write_text(json.dumps({**run, "extended": [earlier]}))
+    write_finished(before, 4)
+    assert look(make_config(tmp_path, epochs=5)).extensions == [
+        earlier,
+        {"from_epochs": 4, "to_epochs": 5, "at_epoch": 4, "had_finished": True},
+    ]
+    assert look(before).extensions == [earlier]  # finished, nothing to train: as it was
+
+
+def test_fewer_epochs_are_refused_naming_both(tmp_path: Path):
+    before = make_config(tmp_path, epochs=4)
+    write_run(before, epochs_done=4, checkpoints=[3], state=hand_loop(0, epochs=4))
+    write_finished(before, 4)
+    message = refusal(make_config(tmp_path, epochs=3))
+    assert "--epochs is 3 now but 4 in the run (a run may be given more, never fewer)" in message
+
+
+def test_a_run_that_stopped_early_is_not_given_more_epochs(tmp_path: Path):
+    config = make_config(tmp_path, lr_schedule="linear:end=3")
+    loop = LoopState(
+        epochs=10,
+        smoothing=0.5,
+        schedule=parse_schedule("linear:end=3", 10),
+        patience=3,
+        best_from=1,
+    )
+    write_run(config, epochs_done=3, checkpoints=[2], state=loop)
+    write_finished(config, 3)
+    message = refusal(make_config(tmp_path, lr_schedule="linear:end=3", epochs=20))
+    assert f"the run in {config.run_dir} finished after 3 of its 10 epochs" in message
+    assert "its learning-rate factor reached 0" in message and "--fresh" in message
+
+
+def test_a_finished_run_without_a_usable_checkpoint_is_not_given_more_epochs(tmp_path: Path):
+    # starting it over from epoch 0 would rewrite its journal: the finished run lost in silence
+    before = make_config(tmp_path, epochs=4)
+    write_run(before, epochs_done=4, checkpoints=[3], state=hand_loop(0, epochs=4))
+    write_finished(before, 4)
+    damage_newest(checkpoint_path(before.checkpoint_path, 3), "flipped")
+    journal = (before.run_dir / "epochs.jsonl").read_bytes()
+    message = refusal(make_config(tmp_path, epochs=6))
+    assert "finished, but it kept no usable checkpoint to train it further from" in message
+    assert "the checkpoint of epoch 3 is unusable" in message and "--fresh" in message
+    assert (before.run_dir / "epochs.jsonl").read_bytes() == journal
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints

@@ -7,6 +7,7 @@ and the test fails, so a leak is a red test rather than a stuck CI.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +15,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -224,3 +226,89 @@ def standalone_run(
     run = StandaloneRun(spawn, world, *coordinator_args)
     run.start_workers(*worker_args, delay=delay, **worker_env)
     return run
+
+
+# ----------------------------------------------------------------------------- resumable runs
+
+RESUMABLE_EPOCHS = 5
+RESUMABLE_DEADLINE = 120.0
+RESUMABLE_POLICY = [
+    "--epochs",
+    str(RESUMABLE_EPOCHS),
+    "--lr-schedule",
+    "step:every=2,gamma=0.5",
+    "--smoothing",
+    "0.6",
+]
+"""The settings of the runs of ``resumable.py`` whose results the resume tests compare."""
+
+
+def resumable_run(
+    spawn: Spawner,
+    out: Path,
+    *options: str,
+    delay: float = 0.0,
+    script: tuple[str, ...] = (),
+    **env: str,
+) -> subprocess.Popen[str]:
+    """``epochal run --nproc 2 POLICY OPTIONS resumable.py --out OUT --delay DELAY SCRIPT``
+    (an option given twice: the later one counts, as ``--epochs``)."""
+    return spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        *RESUMABLE_POLICY,
+        *options,
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(out),
+        "--delay",
+        str(delay),
+        *script,
+        **env,
+    )
+
+
+def epoch_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The journal's complete lines."""
+    path = run_dir / "epochs.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip().endswith("}")]
+
+
+def wait_for(condition: Callable[[], bool], deadline: float) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, "the run did not get there in time"
+        time.sleep(0.05)
+
+
+def assert_same_result(a: Path, b: Path) -> None:
+    """The two runs' results (``resumable.py --out``) are the same: curve and weights exactly."""
+    import torch
+
+    for rank in (0, 1):
+        x, y = torch.load(a / f"rank{rank}.pt"), torch.load(b / f"rank{rank}.pt")
+        assert x["best_epoch"] == y["best_epoch"]
+        assert x["best"] == y["best"] == y["best_epoch"], "the best epoch's curve record"
+        assert x["curve"] == y["curve"], "the whole learning curve, also after a resume"
+        assert y["weights_note"] is None
+        assert x["model"].keys() == y["model"].keys()
+        for name in x["model"]:
+            assert torch.equal(x["model"][name], y["model"][name]), name
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run's results, once for every test that compares with it."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spawner = Spawner("ref-" + os.urandom(4).hex(), tmp)
+    try:
+        proc = resumable_run(spawner, tmp / "out", "--run-dir", str(tmp / "run"))
+        code, output = spawner.finish(proc, RESUMABLE_DEADLINE)
+        assert code == 0, output
+    finally:
+        spawner.cleanup()
+    return tmp / "out"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,3 +92,121 @@ def test_bad_flags_are_usage_errors(spawn: Spawner):
     proc = spawn.epochal("run", "--nproc", "1", "no/such/script.py")
     code, output = spawn.finish(proc, 30)
     assert code == 2 and "no such script: no/such/script.py" in output
+
+
+# ----------------------------------------------------------------------------- before any work
+
+
+def read_only(spawn: Spawner, directory: Path, *args: str) -> tuple[int, str]:
+    """``epochal ARGS`` in a mount namespace of its own in which ``directory`` is mounted
+    read-only (a read-only file system: unwritable to root too); its status and output."""
+    try:
+        subprocess.run(["unshare", "--mount", "true"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs a mount namespace of its own (unshare, as root: as in CI)")
+    mount = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh"]
+    proc = subprocess.Popen(
+        [*command, str(directory), sys.executable, "-m", "epochal", *args],
+        env=spawn.env(),
+        cwd=spawn.tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    spawn.procs.append(proc)
+    return spawn.finish(proc, DEADLINE)
+
+
+def run_linear(*options: str) -> list[str]:
+    return ["run", "--nproc", "2", "--epochs", "2", *options, str(SCRIPTS / "linear.py")]
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_any_worker_starts(
+    spawn: Spawner, tmp_path: Path
+):
+    # it was found when the first checkpoint failed, after an epoch, with a worker's traceback
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir(mode=0o700)
+    options = ("--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(checkpoints))
+    code, output = read_only(spawn, checkpoints, *run_linear(*options))
+    assert code == 2, output
+    assert output.splitlines() == [
+        f"epochal: error: cannot write in the checkpoint directory {checkpoints} (Read-only file "
+        "system): make it writable, or pass --checkpoint-dir a directory you can write in"
+    ]
+    assert list(checkpoints.iterdir()) == []
+    spawn.assert_none_left()
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_refused_before_any_worker_starts(
+    spawn: Spawner, tmp_path: Path
+):
+    (tmp_path / "file").write_text("")
+    wanted = tmp_path / "file" / "checkpoints"  # as /proc/ck was: no one can make it
+    proc = spawn.epochal(
+        *run_linear("--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(wanted))
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 2, output
+    assert output.splitlines() == [
+        f"epochal: error: cannot create the checkpoint directory {wanted}: Not a directory at "
+        f"{wanted}; pass --checkpoint-dir a directory you can create"
+    ]
+    spawn.assert_none_left()
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_an_unwritable_run_directory_is_refused_naming_it(
+    spawn: Spawner, tmp_path: Path, inside: bool
+):
+    read_only_dir = tmp_path / "ro"
+    read_only_dir.mkdir(mode=0o700)
+    run_dir = read_only_dir / "run" if inside else read_only_dir
+    code, output = read_only(spawn, read_only_dir, *run_linear("--run-dir", str(run_dir)))
+    assert code == 2, output
+    said = (
+        f"cannot create the run directory {run_dir}: Read-only file system at {run_dir}; pass "
+        "--run-dir a directory you can create"
+        if inside
+        else f"cannot write in the run directory {run_dir} (Read-only file system): make it "
+        "writable, or pass --run-dir a directory you can write in"
+    )
+    assert output.splitlines() == [f"epochal: error: {said}"]
+
+
+def test_a_misspelt_monitor_is_refused_at_the_first_report_naming_the_metrics(
+    spawn: Spawner, tmp_path: Path
+):
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "3",
+        "--monitor",
+        "acc",
+        "--monitor-mode",
+        "max",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--accuracy",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 1, output
+    said = (
+        "epoch 0: --monitor acc: the workers report no validation metric of that name (they "
+        "report loss, accuracy): did you mean --monitor accuracy? Else add 'acc' to the training "
+        "code's metrics"
+    )
+    assert output.count(said) == 1, output
+    assert "Traceback" not in output
+    # refused before the epoch's decision was journaled: no epoch decided, none to resume from
+    journal = (run_dir / "epochs.jsonl").read_text()
+    assert journal == "", journal
+    spawn.assert_none_left()
