@@ -21,7 +21,7 @@ import torch
 
 from tests.integration.conftest import SCRIPTS, Spawner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]  # one reference run
 
 DEADLINE = 240.0
 """Generous: a change of world is bounded by the settle window and the store's start; only a

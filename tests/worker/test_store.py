@@ -17,6 +17,11 @@ from torch.distributed import PrefixStore, TCPStore
 from epochal.log import ensure_configured
 from epochal.worker.dataplane import storeserver
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key, open_store, scoped
+from epochal.worker.options import JoinOptions
+
+STORE_TIMEOUT = JoinOptions().collective_timeout
+"""The worker's own bound for the store (its collective timeout): the store's process imports
+torch before it serves, which a loaded machine can stretch well past 10 s."""
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -34,34 +39,34 @@ def listening_addresses(port: int) -> set[str]:
 def test_torchs_own_store_listens_everywhere_ours_on_the_chosen_address():
     plain = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert listening_addresses(plain.port) <= {"00000000", "00000000000000000000000000000000"}
-    ours = open_store("127.0.0.1", 10)
+    ours = open_store("127.0.0.1", STORE_TIMEOUT)
     assert listening_addresses(ours.port) == {"0100007F"}  # 127.0.0.1 only
-    peer = connect_store("127.0.0.1", ours.port, 10)
+    peer = connect_store("127.0.0.1", ours.port, STORE_TIMEOUT)
     peer.set("k", b"v")
     assert ours.get("k") == b"v"
 
 
 def test_without_the_secret_no_rendezvous_key_is_read_or_planted():
-    server = open_store("127.0.0.1", 10)
+    server = open_store("127.0.0.1", STORE_TIMEOUT)
     key = new_key()
     assert len(key) == 32 and key != new_key()
     rank0 = scoped(server, "run1", key)
     rank0.set("0", b"rank 0 listens at 127.0.0.1:1234")
     # a stranger knows the run id (it is in run.json) and the port, not the secret
-    stranger_client = connect_store("127.0.0.1", server.port, 10)
+    stranger_client = connect_store("127.0.0.1", server.port, STORE_TIMEOUT)
     stranger = PrefixStore("epochal/run1", stranger_client)
     stranger.set_timeout(timedelta(seconds=0.2))
     assert not stranger.check(["0"])
     stranger.set("0", b"the attacker's address")
     assert rank0.get("0") == b"rank 0 listens at 127.0.0.1:1234"
-    member = scoped(connect_store("127.0.0.1", server.port, 10), "run1", key)
+    member = scoped(connect_store("127.0.0.1", server.port, STORE_TIMEOUT), "run1", key)
     assert member.get("0") == b"rank 0 listens at 127.0.0.1:1234"
 
 
 def test_an_address_of_another_machine_falls_back_to_every_interface(capfd):
     # 192.0.2.1 (TEST-NET-1) is nobody's address: advertised through a NAT, say. Only bound here.
     ensure_configured()  # as a worker's session does before it opens the store
-    store = open_store("192.0.2.1", 10)
+    store = open_store("192.0.2.1", STORE_TIMEOUT)
     assert listening_addresses(store.port) == {"00000000"}
     assert "is not an address of this machine" in capfd.readouterr().err
 
@@ -77,11 +82,11 @@ def test_a_torch_whose_libuv_store_refuses_a_listening_socket_gets_the_other_bac
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    ours = storeserver.serve(listener.detach(), "127.0.0.1", port, 10, store=older_torch)
+    ours = storeserver.serve(listener.detach(), "127.0.0.1", port, STORE_TIMEOUT, store=older_torch)
     assert calls == [True, False]
     assert not ours.libuvBackend
     assert listening_addresses(port) == {"0100007F"}
-    peer = connect_store("127.0.0.1", port, 10)
+    peer = connect_store("127.0.0.1", port, STORE_TIMEOUT)
     peer.set("k", b"v")
     assert ours.get("k") == b"v"
 
