@@ -203,3 +203,17 @@ def test_epochal_plot_of_no_run_is_a_usage_error(
         main(["plot", str(tmp_path / "new")])
     assert exit_.value.code == EXIT_USAGE
     assert "no epoch in its journal" in capsys.readouterr().err
+
+
+def test_a_change_of_world_is_marked_before_the_epoch_redone_and_not_drawn_as_a_metric():
+    from epochal.observe.plot import further_metrics, world_marks
+
+    records = [
+        {"kind": "epoch", "epoch": 0, "train_loss": 1.0, "world_size": 4, "generation": 0},
+        {"kind": "world", "epoch": 1, "from": 4, "to": 3, "generation": 1},
+        {"kind": "world", "epoch": "x", "from": 3, "to": 2},  # a forged record: skipped
+        {"kind": "epoch", "epoch": 1, "train_loss": 0.5, "world_size": 3, "generation": 1},
+    ]
+    assert world_marks(records) == [(0.5, "4 -> 3 workers")]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert further_metrics(epochs) == {}

@@ -70,7 +70,7 @@ def snapshot(
         state=phase.value,
         epoch=machine.epoch,
         epochs=machine.config.epochs,
-        world_size=machine.config.world_size,
+        world_size=len(machine.members) or machine.config.world_size,  # the world of now
         joined=len(machine.rendezvous.members),
         best_epoch=loop.best_epoch,
         best_loss=loop.best_loss,

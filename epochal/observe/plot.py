@@ -55,6 +55,8 @@ _KNOWN = {
     "time",
     "train_batches",
     "valid_batches",
+    "world_size",
+    "generation",
 }
 """Fields of an epoch record drawn in their own way (or not at all: bookkeeping)."""
 
@@ -104,6 +106,19 @@ def restart_marks(run_dir: Path) -> list[tuple[float, str]]:
         if label not in merged.setdefault(x, []):
             merged[x].append(label)
     return [(x, ", ".join(labels)) for x, labels in merged.items()]
+
+
+def world_marks(records: list[Any]) -> list[tuple[float, str]]:
+    """Where the world changed size (an elastic run lost a rank): (x before the epoch redone,
+    "4 -> 3 workers"), from the journal's ``world`` records."""
+    marks = []
+    for record in records:
+        if not isinstance(record, dict) or record.get("kind") != "world":
+            continue
+        epoch, before, after = record.get("epoch"), record.get("from"), record.get("to")
+        if isinstance(epoch, int) and isinstance(before, int) and isinstance(after, int):
+            marks.append((epoch - 0.5, f"{before} -> {after} workers"))
+    return marks
 
 
 def _points(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
@@ -183,16 +198,18 @@ def figure(plt: Any, run_dir: Path, records: list[dict[str, Any]]) -> Any:
         lr.set_ylabel("learning-rate factor", color="0.4")
         lr.set_ylim(0, max([*ys, 1.0]) * 1.08)
         lr.tick_params(axis="y", colors="0.4")
-        for x, label in restart_marks(run_dir):
+        marks = [(x, label, "tab:red") for x, label in restart_marks(run_dir)]
+        marks += [(x, label, "tab:purple") for x, label in world_marks(read_records(run_dir))]
+        for x, label, color in marks:
             for a in axes[:, 0]:
-                a.axvline(x, color="tab:red", linestyle=":", linewidth=1.3)
+                a.axvline(x, color=color, linestyle=":", linewidth=1.3)
             ax.annotate(
                 label,
                 (x, 1.0),
                 xycoords=("data", "axes fraction"),
                 xytext=(3, -12),
                 textcoords="offset points",
-                color="tab:red",
+                color=color,
                 fontsize=8,
             )
         handles, labels = ax.get_legend_handles_labels()

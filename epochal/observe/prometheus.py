@@ -120,7 +120,11 @@ class Prometheus(RunObserver):
         self.host, port = parse_address(address)
         self.registry = CollectorRegistry()
         r = self.registry
-        self.world_size = Gauge("epochal_world_size", "Workers the run needs.", registry=r)
+        self.world_size = Gauge(
+            "epochal_world_size",
+            "Workers in the run's world now (fewer after a lost rank in an elastic run).",
+            registry=r,
+        )
         self.joined = Gauge("epochal_workers_joined", "Workers that have joined.", registry=r)
         self.latest = Latest()
         r.register(self.latest)
