@@ -38,7 +38,6 @@ from epochal.coordinator.actions import (
 )
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.connections import (
-    EVENTS,
     ConnectionGuard,
     Connections,
     connection_limits,
@@ -50,6 +49,7 @@ from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.router import LINGER_MS, open_router
 from epochal.errors import RunAborted
 from epochal.files import remove
 from epochal.log import COORDINATOR, ensure_configured
@@ -63,7 +63,7 @@ from epochal.protocol import (
     encode,
 )
 from epochal.rundir import RESULT_FILE
-from epochal.security.curve import RefusedHandshakes, ServerSecurity, secure_server
+from epochal.security.curve import RefusedHandshakes, ServerSecurity
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
 
@@ -72,12 +72,6 @@ BATCH = 256
 
 BATCH_SECONDS = 0.05
 """Longest a batch of frames may keep the service from its clock (one frame may overrun it)."""
-
-RECEIVE_HWM = 64
-"""Frames queued per peer before libzmq drops more: bounds what one peer can make us hold."""
-
-LINGER_MS = 2000
-"""How long closing the socket may wait to flush the last Abort or Finish."""
 
 
 def new_run_id() -> str:
@@ -254,36 +248,19 @@ class Coordinator:
             Connections(limits, self._accept_failures), self._log, self._member_closed
         )
         self._intake.attach(machine, guard)
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
-        # a peer announcing a larger frame is disconnected before libzmq holds any of it
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        oslimits.configure_router(sock, workers)  # before bind: libzmq applies it at listen()
-        guard.configure(sock)
-        self._monitor.watch(sock, EVENTS)
-        if self._security is not None:
-            try:  # the authenticator runs before the socket binds: nobody slips in unchecked
-                self._auth = secure_server(
-                    self._context,
-                    sock,
-                    self._security,
-                    on_refused=self.refused_handshakes.reporter(
-                        asyncio.get_running_loop(), self._log
-                    ),
-                )
-            except BaseException:
-                self._monitor.close(sock)
-                sock.close(linger=0)
-                raise
-        try:
-            sock.bind(self.bind_address)
-        except zmq.ZMQError as exc:
-            self._monitor.close(sock)
-            sock.close(linger=0)
-            self._stop_auth()
-            raise OSError(f"cannot bind the coordinator to {self.bind_address}: {exc}") from None
+        sock, self._auth = open_router(
+            self._context,
+            self.bind_address,
+            workers=workers,
+            guard=guard,
+            monitor=self._monitor,
+            security=self._security,
+            on_refused=(
+                None
+                if self._security is None
+                else self.refused_handshakes.reporter(asyncio.get_running_loop(), self._log)
+            ),
+        )
         self._socket = sock
         self._io = zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
