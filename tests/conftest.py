@@ -1,10 +1,10 @@
 """What every test shares: a configuration directory of its own, never the real home's, the
 worker's hello that the coordinator and security tests send, and how many processes run the suite.
 
-The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml). Most of its
-time is spent waiting, on timeouts a test configured or on processes it started, so it runs
-:data:`WORKERS_PER_CPU` test processes per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
-overrides it, ``-n 0`` runs in one process). Tests that share something expensive or exclusive
+The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml), one test
+process per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` overrides it, ``-n 0`` runs in one
+process). Not more: most tests start a coordinator and workers that each import torch, and three
+test processes per CPU on a shared 2-core machine stretched runs past their tests' deadlines. Tests that share something expensive or exclusive
 (a private dockerd, a Slurm cluster, a module-scoped run of ranks) carry one
 ``pytest.mark.xdist_group`` each, so that one process runs them all and sets it up once.
 
@@ -44,7 +44,7 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
     return Hello(worker_id=worker_id, fingerprint=fingerprint, **given)
 
 
-WORKERS_PER_CPU = 3
+WORKERS_PER_CPU = 1
 """Test processes per CPU under ``-n auto``: see the module's docstring."""
 
 MAX_WORKERS = 16
