@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,11 +88,29 @@ class Output:
             assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
             time.sleep(0.05)
 
-    def wait_for_lines(self, text: str, count: int, deadline: float = 60.0) -> None:
-        """Until ``count`` lines of the output hold ``text``."""
-        end = time.monotonic() + deadline
-        while sum(text in line for line in self.lines) < count:
-            assert time.monotonic() < end, f"never saw {text!r} {count} times:\n{self.text}"
+    def stall_reports(self) -> list[dict[str, list[str]]]:
+        """Every whole stall report so far: its table's rows, each split into its cells, by rank
+        (rank, host, phase, epoch, step, seconds since progress, then where it is)."""
+        reports = []
+        for part in self.text.split("no rank has made progress for")[1:]:
+            if STALL_TABLE_END not in part:
+                break  # still being written
+            table = part[: part.index(STALL_TABLE_END)].splitlines()
+            rows = [line.split() for line in table if line[:1].isdigit()]
+            reports.append({row[0]: row for row in rows})
+        return reports
+
+    def wait_for_report(
+        self, found: Callable[[dict[str, list[str]]], bool] = lambda rows: True, after: int = -1
+    ) -> int:
+        """Until a whole stall report after the one at index ``after`` has rows that are
+        ``found``; its index among the reports."""
+        end = time.monotonic() + DEADLINE
+        while True:
+            for index, rows in enumerate(self.stall_reports()):
+                if index > after and found(rows):
+                    return index
+            assert time.monotonic() < end, f"no such stall report:\n{self.text}"
             time.sleep(0.05)
 
     @property
@@ -307,6 +326,12 @@ def test_a_cut_control_link_stops_everything(spawn):
         proxy.close()
 
 
+HANG_STEP = 3
+"""The step (from 0) of epoch 1 before which rank 2 hangs; the table counts the steps begun."""
+STALL_TABLE_END = "(* the rank the others wait for)"
+"""The last line of a stall report's table."""
+
+
 def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     proc = run_cmd(
         spawn,
@@ -314,16 +339,18 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
         tmp_path / "out",
         "--stall-timeout",
         "2",
-        EPOCHAL_FAULT="hang@train-step:rank=2:epoch=1:step=3",
+        EPOCHAL_FAULT=f"hang@train-step:rank=2:epoch=1:step={HANG_STEP}",
     )
     out = Output(proc)
-    out.wait_for("no rank has made progress for", deadline=60)
-    # the whole next report, one --stall-timeout later: by then every rank's heartbeat (one a
-    # second) says where it waits
-    out.wait_for_lines("(* the rank the others wait for)", 2)
-    text = out.text
-    table = text[text.rindex("no rank has made progress") :].splitlines()
-    rows = {line.split()[0]: line for line in table if line[:1].isdigit()}
+    # a loaded machine may report a stall before the hang too (a slow start, a slow step): the
+    # first report that sees rank 2 at the hang's step, then the whole next one, a --stall-timeout
+    # later, by when every rank's heartbeat (one a second) says where it waits
+    hung = out.wait_for_report(
+        lambda rows: rows.get("2", [])[2:5] == ["train", "1", str(HANG_STEP + 1)]
+    )
+    following = out.wait_for_report(after=hung)
+    table = out.stall_reports()[following]
+    rows = {rank: " ".join(cells) for rank, cells in table.items()}
     assert set(rows) == {"0", "1", "2"}, table
     # the hung rank is caught in its own code; the others wait inside the framework
     assert "faults.py" in rows["2"] and "in hit" in rows["2"]
