@@ -38,7 +38,7 @@ DEADLINE = 120.0
 KILL_SLACK = 5.0
 """Seconds to deliver SIGKILL to what is left and reap it: no computation happens in them."""
 STOP_BOUND = FAILURE_SETTLE + ABORT_EXIT_TIMEOUT + KILL_SLACK
-"""From a fault the launcher sees to every process gone: the coordinator's settle window, then
+"""From a fault the launcher sees to every worker gone: the coordinator's settle window, then
 the launcher waits for the workers' exit at most ABORT_EXIT_TIMEOUT before it kills them."""
 WORKER_HEARTBEAT_TIMEOUT = HEARTBEAT_TIMEOUT
 """The run's default --heartbeat-timeout, which every worker takes: the longest it takes a worker
@@ -140,10 +140,32 @@ def wait_for_epoch(run_dir: Path, deadline: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def stop_time(proc, since: float) -> float:
-    code = proc.wait(timeout=DEADLINE)
-    assert code != 0
-    return time.monotonic() - since
+def workers_gone(spawn: Spawner, launcher: int, script: str = "resumable.py") -> float:
+    """Until no process of this test but the ``launcher`` runs ``script`` (the workers; a zombie
+    does not run): when they were gone."""
+    end = time.monotonic() + DEADLINE
+    while any(
+        script.encode() in cmdline(pid) for pid in marked_pids(spawn.mark) if pid != launcher
+    ):
+        assert time.monotonic() < end, f"workers running {script} outlived {DEADLINE} s"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def stop_time(spawn: Spawner, proc, since: float) -> float:
+    """Seconds from ``since`` until every worker of the launcher ``proc`` is gone; the launcher's
+    own exit after that (the result written, its interpreter's teardown: what the machine's
+    load makes it) has only DEADLINE, and must fail the run."""
+    took = workers_gone(spawn, proc.pid) - since
+    assert proc.wait(timeout=DEADLINE) != 0
+    return took
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +198,7 @@ def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
     time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside epoch 1
     victim = rng.randrange(3)
     os.kill(worker_pid(spawn, victim), signal.SIGKILL)
-    took = stop_time(proc, time.monotonic())
+    took = stop_time(spawn, proc, time.monotonic())
     spawn.assert_none_left()
     out.thread.join(timeout=5)
     assert f"worker {victim} (pid" in out.text and "was killed by SIGKILL" in out.text
@@ -184,6 +206,7 @@ def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
 
 
 @pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(2 * DEADLINE) + 60)  # the reference run and its own, each in DEADLINE
 def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1")
     out = Output(proc)
@@ -217,7 +240,7 @@ def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
     out = Output(proc)
     out.wait_for("epoch 0 [1/4]")
     os.kill(worker_pid(spawn, 1), signal.SIGSTOP)
-    took = stop_time(proc, time.monotonic())
+    took = stop_time(spawn, proc, time.monotonic())
     spawn.assert_none_left()
     out.thread.join(timeout=5)
     assert "rank 1 (worker" in out.text and "sent nothing for" in out.text
@@ -390,6 +413,7 @@ def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
 
 
 @pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(2 * DEADLINE) + 60)  # the reference run and its own, each in DEADLINE
 def test_with_restarts_a_frozen_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(
         spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1", "--heartbeat-timeout", "3"
