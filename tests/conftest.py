@@ -1,8 +1,7 @@
 """What every test shares: a configuration directory of its own, never the real home's, the
 worker's hello that the coordinator and security tests send, and how many processes run the suite.
 
-The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml). Most of its
-time is spent waiting, on timeouts a test configured or on processes it started, so it runs
+The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml), with
 :data:`WORKERS_PER_CPU` test processes per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
 overrides it, ``-n 0`` runs in one process). Tests that share something expensive or exclusive
 (a private dockerd, a Slurm cluster, a module-scoped run of ranks) carry one
@@ -44,11 +43,15 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
     return Hello(worker_id=worker_id, fingerprint=fingerprint, **given)
 
 
-WORKERS_PER_CPU = 3
-"""Test processes per CPU under ``-n auto``: see the module's docstring."""
+WORKERS_PER_CPU = 2
+"""Test processes per CPU under ``-n auto``. The multi-process tests wait on timeouts they set, so
+one per CPU leaves CPUs idle; but each also starts several processes that import torch (about 3 s
+of CPU each), and those are most of the suite's CPU time (about 2,500 s on two cores). Measured on
+two cores: 4 processes ran the suite in 26 minutes, busy 1.7 cores on average; 6 took longer
+(37 minutes), every test stretched until 43 of them hit the 120 s timeout."""
 
 MAX_WORKERS = 16
-"""At most this many under ``-n auto``: each one imports torch (about 300 MB) before a test."""
+"""At most this many under ``-n auto``: each one imports torch (about 250 MB) before a test."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
