@@ -1,10 +1,9 @@
 """What every test shares: a configuration directory of its own, never the real home's, the
 worker's hello that the coordinator and security tests send, and how many processes run the suite.
 
-The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml), one test
-process per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` overrides it, ``-n 0`` runs in one
-process). Not more: most tests start a coordinator and workers that each import torch, and three
-test processes per CPU on a shared 2-core machine stretched runs past their tests' deadlines. Tests that share something expensive or exclusive
+The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml), with
+:data:`WORKERS_PER_CPU` test processes per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
+overrides it, ``-n 0`` runs in one process). Tests that share something expensive or exclusive
 (a private dockerd, a Slurm cluster, a module-scoped run of ranks) carry one
 ``pytest.mark.xdist_group`` each, so that one process runs them all and sets it up once.
 
@@ -45,10 +44,15 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
 
 
 WORKERS_PER_CPU = 1
-"""Test processes per CPU under ``-n auto``: see the module's docstring."""
+"""Test processes per CPU under ``-n auto``. The multi-process tests wait on timeouts they set, so
+one per CPU leaves some CPU idle; but each also starts several processes that import torch (about
+3 s of CPU each), and those are most of the suite's CPU time (about 2,500 s). On CI's two shared
+cores 6 test processes took 37 minutes with 35 tests failed and 73 errors, every run stretched past
+its test's deadline; 4 took 26 minutes on an otherwise idle machine. The suite must also hold with
+two CPU burners beside it, so one per CPU."""
 
 MAX_WORKERS = 16
-"""At most this many under ``-n auto``: each one imports torch (about 300 MB) before a test."""
+"""At most this many under ``-n auto``: each one imports torch (about 250 MB) before a test."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

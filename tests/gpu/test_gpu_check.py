@@ -117,10 +117,17 @@ def test_without_cuda_the_check_says_so_in_one_line_and_exits_77(tmp_path: Path)
     assert done.stderr.splitlines() == said
 
 
+CPU_CHECK_DEADLINE = 600.0
+"""Seconds the whole check on the CPU may take (every mode and precision, then digits twice)."""
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(int(CPU_CHECK_DEADLINE) + 60)  # the deadline below fails it first, clearly
 def test_the_check_on_the_cpu_against_itself_passes_every_check(tmp_path: Path):
     report = tmp_path / "report.txt"
-    done = run_script(str(report), "--device", "cpu", "--size", "small", deadline=600)
+    done = run_script(
+        str(report), "--device", "cpu", "--size", "small", deadline=CPU_CHECK_DEADLINE
+    )
     text = report.read_text() if report.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text
     verdicts = [line for line in text.splitlines() if line.startswith(("PASS", "FAIL"))]

@@ -138,7 +138,8 @@ class StandaloneRun:
     multi-machine setup, on one machine.
 
     The coordinator's output (stdout and stderr) is read as it comes, so that a full pipe never
-    stalls it; :meth:`finish_coordinator` returns it.
+    stalls it, and each line's arrival is timed (:meth:`said`); :meth:`finish_coordinator` returns
+    it.
     """
 
     def __init__(self, spawn: Spawner, world: int, *coordinator_args: str) -> None:
@@ -159,10 +160,14 @@ class StandaloneRun:
         self.endpoint = line[len(LISTENING) :].strip()
         self.world = world
         self.workers: list[subprocess.Popen[str]] = []
-        self._log: list[str] = []
-        stdout = self.coordinator.stdout
-        self._reader = threading.Thread(target=lambda: self._log.extend(stdout), daemon=True)
+        self._log: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _read(self) -> None:
+        assert self.coordinator.stdout is not None
+        for line in self.coordinator.stdout:
+            self._log.append((time.monotonic(), line))
 
     def start_workers(
         self,
@@ -211,7 +216,11 @@ class StandaloneRun:
 
     @property
     def output(self) -> str:
-        return "".join(self._log)
+        return "".join(line for _, line in self._log)
+
+    def said(self, text: str) -> float | None:
+        """When (``time.monotonic()``) the coordinator first printed a line holding ``text``."""
+        return next((when for when, line in list(self._log) if text in line), None)
 
 
 def standalone_run(

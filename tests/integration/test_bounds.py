@@ -4,7 +4,10 @@ Every bound is the formula the README states, computed from the values configure
 ``TEARDOWN``: the time a worker takes from its decision to leave to its last words (unwinding,
 leaving the process group, printing the traceback), a few seconds on a loaded 2-core machine.
 The interpreter's own exit after that (torch's teardown: 2-5 s under load) is not counted where a
-worker's last words can be seen; where the bound is "every process gone", it is.
+worker's last words can be seen; where the bound is "every process gone", it is, up to the moment
+the last worker process is gone (exited, or killed by ``epochal run``). What ``epochal run`` does
+after that (it writes the result, then its own interpreter exits: the README's "+ teardown") has
+only the deadline that fails a hang, since how long it takes is a matter of the machine's load.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tests.integration.test_faults import (
     run_cmd,
     wait_for_epoch,
     worker_pid,
+    workers_gone,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,6 +36,8 @@ TICK = 0.1  # the coordinator checks its clock at least this often
 ABORT_GRACE = 2.0  # the workers' default
 TEARDOWN = 4.0
 DEADLINE = 120.0
+STALL_ABORT = 30.0
+"""Longer than a start takes on a loaded machine, during which no rank makes progress either."""
 
 
 def test_a_frozen_worker_bound(spawn, tmp_path):
@@ -43,11 +49,11 @@ def test_a_frozen_worker_bound(spawn, tmp_path):
     stopped = time.monotonic()
     out.wait_for("sent nothing for", deadline=DEADLINE)
     aborted = time.monotonic() - stopped
+    gone = workers_gone(spawn, proc.pid, "resumable.py") - stopped
     assert proc.wait(timeout=DEADLINE) != 0
-    gone = time.monotonic() - stopped
     spawn.assert_none_left()
-    # README: the abort after heartbeat timeout + 0.1 s; every process gone (the frozen one killed
-    # by the launcher) after a further kill grace (3 s)
+    # README: the abort after heartbeat timeout + 0.1 s; every worker gone (the frozen one killed
+    # by the launcher) after a further kill grace K
     assert aborted < timeout + TICK + 1.0, f"abort {aborted:.1f} s after SIGSTOP"
     assert gone < timeout + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN, f"gone {gone:.1f} s after SIGSTOP"
 
@@ -97,7 +103,7 @@ def test_a_killed_coordinator_bound(spawn, tmp_path, reattach):
 
 
 def test_a_stuck_rank_bound(spawn, tmp_path):
-    stall_abort = 3.0
+    stall_abort = STALL_ABORT
     proc = spawn.epochal(
         "run",
         "--nproc",
@@ -115,12 +121,13 @@ def test_a_stuck_rank_bound(spawn, tmp_path):
         "hang-valid",
     )
     out = Output(proc)
-    out.wait_for("no rank has made progress for", deadline=DEADLINE)  # >= 1 s into the stall
+    # the first report of the hang (a slow start is reported too): >= 1 s into the stall
+    out.wait_for_report(lambda rows: rows.get("1", [])[2:3] == ["validate"])
     seen = time.monotonic()
     out.wait_for("made no progress for", deadline=DEADLINE)
     aborted = time.monotonic() - seen
+    gone = workers_gone(spawn, proc.pid, "linear.py") - seen
     assert proc.wait(timeout=DEADLINE) == 1
-    gone = time.monotonic() - seen
     spawn.assert_none_left()
     # README: the abort once every rank has been idle stall-abort seconds (heartbeats report
     # progress each interval); the stuck rank leaves after the abort grace, within the launcher's

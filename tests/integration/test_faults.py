@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ DEADLINE = 120.0
 KILL_SLACK = 5.0
 """Seconds to deliver SIGKILL to what is left and reap it: no computation happens in them."""
 STOP_BOUND = FAILURE_SETTLE + ABORT_EXIT_TIMEOUT + KILL_SLACK
-"""From a fault the launcher sees to every process gone: the coordinator's settle window, then
+"""From a fault the launcher sees to every worker gone: the coordinator's settle window, then
 the launcher waits for the workers' exit at most ABORT_EXIT_TIMEOUT before it kills them."""
 WORKER_HEARTBEAT_TIMEOUT = HEARTBEAT_TIMEOUT
 """The run's default --heartbeat-timeout, which every worker takes: the longest it takes a worker
@@ -88,11 +89,29 @@ class Output:
             assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
             time.sleep(0.05)
 
-    def wait_for_lines(self, text: str, count: int, deadline: float = 60.0) -> None:
-        """Until ``count`` lines of the output hold ``text``."""
-        end = time.monotonic() + deadline
-        while sum(text in line for line in self.lines) < count:
-            assert time.monotonic() < end, f"never saw {text!r} {count} times:\n{self.text}"
+    def stall_reports(self) -> list[dict[str, list[str]]]:
+        """Every whole stall report so far: its table's rows, each split into its cells, by rank
+        (rank, host, phase, epoch, step, seconds since progress, then where it is)."""
+        reports = []
+        for part in self.text.split("no rank has made progress for")[1:]:
+            if STALL_TABLE_END not in part:
+                break  # still being written
+            table = part[: part.index(STALL_TABLE_END)].splitlines()
+            rows = [line.split() for line in table if line[:1].isdigit()]
+            reports.append({row[0]: row for row in rows})
+        return reports
+
+    def wait_for_report(
+        self, found: Callable[[dict[str, list[str]]], bool] = lambda rows: True, after: int = -1
+    ) -> int:
+        """Until a whole stall report after the one at index ``after`` has rows that are
+        ``found``; its index among the reports."""
+        end = time.monotonic() + DEADLINE
+        while True:
+            for index, rows in enumerate(self.stall_reports()):
+                if index > after and found(rows):
+                    return index
+            assert time.monotonic() < end, f"no such stall report:\n{self.text}"
             time.sleep(0.05)
 
     @property
@@ -122,10 +141,32 @@ def wait_for_epoch(run_dir: Path, deadline: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def stop_time(proc, since: float) -> float:
-    code = proc.wait(timeout=DEADLINE)
-    assert code != 0
-    return time.monotonic() - since
+def workers_gone(spawn: Spawner, launcher: int, script: str = "resumable.py") -> float:
+    """Until no process of this test but the ``launcher`` runs ``script`` (the workers; a zombie
+    does not run): when they were gone."""
+    end = time.monotonic() + DEADLINE
+    while any(
+        script.encode() in cmdline(pid) for pid in marked_pids(spawn.mark) if pid != launcher
+    ):
+        assert time.monotonic() < end, f"workers running {script} outlived {DEADLINE} s"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def stop_time(spawn: Spawner, proc, since: float) -> float:
+    """Seconds from ``since`` until every worker of the launcher ``proc`` is gone; the launcher's
+    own exit after that (the result written, its interpreter's teardown: what the machine's
+    load makes it) has only DEADLINE, and must fail the run."""
+    took = workers_gone(spawn, proc.pid) - since
+    assert proc.wait(timeout=DEADLINE) != 0
+    return took
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +199,7 @@ def test_sigkill_of_a_worker_stops_every_process(spawn, tmp_path, seed):
     time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside epoch 1
     victim = rng.randrange(3)
     os.kill(worker_pid(spawn, victim), signal.SIGKILL)
-    took = stop_time(proc, time.monotonic())
+    took = stop_time(spawn, proc, time.monotonic())
     spawn.assert_none_left()
     out.thread.join(timeout=5)
     assert f"worker {victim} (pid" in out.text and "was killed by SIGKILL" in out.text
@@ -194,6 +235,7 @@ def test_a_peer_lost_by_the_data_plane_is_said_in_words(spawn, tmp_path):
 
 
 @pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(2 * DEADLINE) + 60)  # the reference run and its own, each in DEADLINE
 def test_with_restarts_a_killed_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1")
     out = Output(proc)
@@ -227,7 +269,7 @@ def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
     out = Output(proc)
     out.wait_for("epoch 0 [1/4]")
     os.kill(worker_pid(spawn, 1), signal.SIGSTOP)
-    took = stop_time(proc, time.monotonic())
+    took = stop_time(spawn, proc, time.monotonic())
     spawn.assert_none_left()
     out.thread.join(timeout=5)
     assert "rank 1 (worker" in out.text and "sent nothing for" in out.text
@@ -336,6 +378,12 @@ def test_a_cut_control_link_stops_everything(spawn):
         proxy.close()
 
 
+HANG_STEP = 3
+"""The step (from 0) of epoch 1 before which rank 2 hangs; the table counts the steps begun."""
+STALL_TABLE_END = "(* the rank the others wait for)"
+"""The last line of a stall report's table."""
+
+
 def test_a_stall_is_located_in_a_table(spawn, tmp_path):
     proc = run_cmd(
         spawn,
@@ -343,16 +391,18 @@ def test_a_stall_is_located_in_a_table(spawn, tmp_path):
         tmp_path / "out",
         "--stall-timeout",
         "2",
-        EPOCHAL_FAULT="hang@train-step:rank=2:epoch=1:step=3",
+        EPOCHAL_FAULT=f"hang@train-step:rank=2:epoch=1:step={HANG_STEP}",
     )
     out = Output(proc)
-    out.wait_for("no rank has made progress for", deadline=60)
-    # the whole next report, one --stall-timeout later: by then every rank's heartbeat (one a
-    # second) says where it waits
-    out.wait_for_lines("(* the rank the others wait for)", 2)
-    text = out.text
-    table = text[text.rindex("no rank has made progress") :].splitlines()
-    rows = {line.split()[0]: line for line in table if line[:1].isdigit()}
+    # a loaded machine may report a stall before the hang too (a slow start, a slow step): the
+    # first report that sees rank 2 at the hang's step, then the whole next one, a --stall-timeout
+    # later, by when every rank's heartbeat (one a second) says where it waits
+    hung = out.wait_for_report(
+        lambda rows: rows.get("2", [])[2:5] == ["train", "1", str(HANG_STEP + 1)]
+    )
+    following = out.wait_for_report(after=hung)
+    table = out.stall_reports()[following]
+    rows = {rank: " ".join(cells) for rank, cells in table.items()}
     assert set(rows) == {"0", "1", "2"}, table
     # the hung rank is caught in its own code; the others wait inside the framework
     assert "faults.py" in rows["2"] and "in hit" in rows["2"]
@@ -392,6 +442,7 @@ def test_a_corrupted_control_message_aborts_naming_the_rank(spawn, tmp_path):
 
 
 @pytest.mark.xdist_group("faults-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(2 * DEADLINE) + 60)  # the reference run and its own, each in DEADLINE
 def test_with_restarts_a_frozen_worker_costs_nothing(spawn, tmp_path, reference):
     proc = run_cmd(
         spawn, tmp_path / "run", tmp_path / "out", "--max-restarts", "1", "--heartbeat-timeout", "3"

@@ -84,6 +84,7 @@ def monitored(tmp_path_factory) -> Path:
     return tmp / "out"
 
 
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the monitored run and two of its own
 def test_a_run_monitoring_a_metric_resumes_bit_identical(spawn, tmp_path, monitored):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = (spawn, run_dir, out, *MONITORED)
@@ -107,6 +108,7 @@ def test_a_run_monitoring_a_metric_resumes_bit_identical(spawn, tmp_path, monito
 
 
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 @pytest.mark.parametrize("after_epochs", [1, 3])
 def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, after_epochs):
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -131,6 +133,7 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
 
 
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="kill@checkpoint-commit:rank=0:epoch=2")
@@ -148,6 +151,7 @@ def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
 
 
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=3:step=2")
@@ -301,6 +305,7 @@ HOLD_MS = 8000
 
 
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
     """Killed while both ranks train an epoch. Not in the instant between two epochs, where a
     Go may reach one rank and not the other: the README ("When things fail") says what then."""

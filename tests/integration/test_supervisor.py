@@ -91,6 +91,9 @@ def test_a_command_is_required(spawn):
 
 
 @pytest.mark.slow
+# its own deadlines in turn: the reference run (120 s), the first checkpoint (60 s), the
+# supervisors (120 s), the coordinator (60 s)
+@pytest.mark.timeout(120 + 60 + 120 + 60 + 60)
 def test_remote_workers_and_a_restarting_coordinator_recover_a_killed_worker(spawn, tmp_path):
     import os
     import time

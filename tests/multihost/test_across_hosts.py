@@ -192,10 +192,15 @@ def test_a_cut_link_aborts_and_the_cut_off_worker_exits(make_hosts, tmp_path):
     net[2].link(up=False)
     cut = time.monotonic()
 
-    log = cluster.wait(coordinator, deadline=HEARTBEAT_TIMEOUT + MARGIN + 30)
-    aborted = time.monotonic() - cut
+    # the abort is timed when the coordinator says it; its exit after that (writing the result,
+    # its interpreter's teardown) takes what the machine's load makes it take
+    said = "sent nothing for"
+    while said not in coordinator.log.read_text():  # type: ignore[attr-defined]
+        assert coordinator.poll() is None, cluster.dump()
+        assert time.monotonic() - cut < HEARTBEAT_TIMEOUT + MARGIN, cluster.dump()
+        time.sleep(0.05)
+    log = cluster.wait(coordinator, deadline=30)
     assert coordinator.returncode == 1, log
-    assert aborted < HEARTBEAT_TIMEOUT + MARGIN, (aborted, log)
     assert re.search(rf"rank 1 \(worker .*at {re.escape(net[2].address)}", log), log
 
     bound = WORKER_HEARTBEAT_TIMEOUT + ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN

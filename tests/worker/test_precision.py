@@ -34,10 +34,14 @@ from tests.worker.ranks import run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
 
-# every test here in one test process: the groups of ranks (module-scoped) run once
-pytestmark = pytest.mark.xdist_group("precision-ranks")
-
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
+
+pytestmark = [
+    # every test here in one test process: the groups of ranks (module-scoped) run once
+    pytest.mark.xdist_group("precision-ranks"),
+    # the test that starts a group of ranks holds its setup: the group's deadline fails it first
+    pytest.mark.timeout(int(DEADLINE) + 60),
+]
 BATCHES = 6
 ACCUMULATE = 2  # three steps of two batches
 CLIP = 0.05  # well under the gradients' norm: every step is clipped (checked below)

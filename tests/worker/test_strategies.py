@@ -24,10 +24,14 @@ from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.train import fit
 from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
 
-# every test here in one test process: the groups of ranks (module-scoped) run once
-pytestmark = pytest.mark.xdist_group("strategies-ranks")
-
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
+
+pytestmark = [
+    # every test here in one test process: the groups of ranks (module-scoped) run once
+    pytest.mark.xdist_group("strategies-ranks"),
+    # the test that starts a group of ranks holds its setup: the group's deadline fails it first
+    pytest.mark.timeout(int(DEADLINE) + 60),
+]
 BATCHES = 6
 ACCUMULATE = 2
 
