@@ -118,9 +118,12 @@ process as a worker's session holds its own: rank 0 can be done with ``init_proc
 while its peers still read the store, and a server collected then resets their connections."""
 
 
-def form_group(tmp: Path, generation: int, rank: int, world: int) -> None:
+def form_group(
+    tmp: Path, generation: int, rank: int, world: int, *, wait: float = COLLECTIVE_TIMEOUT
+) -> None:
     """The default process group of ``generation``, ``world`` ranks, on a new data-plane store
-    that this generation's rank 0 opens (a process of its own, as in a run)."""
+    that this generation's rank 0 opens (a process of its own, as in a run). The others wait up
+    to ``wait`` seconds for it: a newcomer, standing by while the others train, waits longer."""
     published = tmp / f"generation-{generation}.port"
     if rank == 0:
         server = StoreServer.start("127.0.0.1", COLLECTIVE_TIMEOUT)
@@ -130,7 +133,7 @@ def form_group(tmp: Path, generation: int, rank: int, world: int) -> None:
         staged.write_text(str(server.port))
         os.replace(staged, published)  # readers see the whole port or nothing
     else:
-        end = time.monotonic() + COLLECTIVE_TIMEOUT
+        end = time.monotonic() + wait
         while not published.exists():  # the coordinator's StoreReady/Welcome, in a test
             if time.monotonic() > end:
                 raise TimeoutError(f"generation {generation}'s store never opened")

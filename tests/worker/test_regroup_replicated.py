@@ -7,9 +7,10 @@ three survivors raise, leave the broken group (:func:`leave`), form generation 1
 (renumbered 0, 1, 2), rebuild the strategy and restore the snapshot, and train epoch 1 again at
 size 3. A fresh three-rank run (other processes, other models) from the state each survivor
 recorded at epoch 1's start, through torch's own ``load_state_dict``, must reach the same bits.
-Then a newcomer joins: generation 2 has four ranks, the survivors rebuild, the newcomer wraps a
-model of its own, and :func:`share` gives every rank rank 0's model, optimizer and scaler, with
-every unpickler of every process refusing to run.
+Then a newcomer joins: the survivors leave generation 1 (rank 0 first enters an all_reduce the
+others never join, and must raise as soon as they have left), generation 2 has four ranks, the
+survivors rebuild, the newcomer wraps a model of its own, and :func:`share` gives every rank
+rank 0's model, optimizer and scaler, with every unpickler of every process refusing to run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def build(seed: int) -> Any:
 
 def newcomer(tmp: Path) -> None:
     """Process 4: waits (as a standby would) for generation 2, in which it is rank 3."""
-    form_group(tmp, 2, 3, 4)
+    form_group(tmp, 2, 3, 4, wait=DEADLINE)
     strategy = build(99)
     with no_unpickling() as tried:
         transfer = share(strategy)
@@ -101,7 +102,15 @@ def member(index: int, tmp: Path) -> None:
         },
     )
 
-    leave(strategy)  # the boundary: generation 2 admits the newcomer
+    # the boundary: generation 2 admits the newcomer. Rank 0 first enters an all_reduce that the
+    # others never join: it must raise as soon as they have left, not at the collective timeout
+    if rank == 0:
+        blocked = fails(lambda: dist.all_reduce(torch.ones(1)))
+        save(tmp, "blocked", f"{type(blocked).__name__}: {blocked}")
+        leave(strategy, blocked)
+        del blocked
+    else:
+        leave(strategy)
     form_group(tmp, 2, rank, 4)
     strategy = rebuild(strategy, Layout.from_group(CPU))
     with no_unpickling() as tried:
@@ -132,6 +141,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spawn(fresh, 3, reference, str(tmp), deadline=DEADLINE)
     return {
         "death": float((tmp / "death").read_text()),
+        "blocked": load(tmp, "blocked"),
         "survivors": [load(tmp, f"survivor-{r}") for r in range(3)],
         "fresh": [load(reference, f"fresh-{r}") for r in range(3)],
         "grown": [load(tmp, f"grown-{r}") for r in range(4)],
@@ -143,6 +153,8 @@ def test_survivors_raise_because_the_lost_rank_is_gone_not_because_they_timed_ou
     for survivor in run["survivors"]:
         assert "timed out" not in survivor["error"].lower(), survivor["error"]
         assert survivor["raised"] > run["death"]
+    # at the next boundary, a rank blocked in a collective its peers never join (they leave)
+    assert "timed out" not in run["blocked"].lower(), run["blocked"]
     # each survivor's time from the kill to its error and to the new group, for docs/elastic.md
     for r, survivor in enumerate(run["survivors"]):
         print(

@@ -3,14 +3,15 @@ for real (gloo, spawned processes, SIGKILL): no rank holds the whole state, so a
 it consolidated in the old group and shared in the new one, and survivors of a loss load the last
 checkpoint, resharded by DCP to the smaller world.
 
-Two ranks train epoch 0; at the boundary they :func:`consolidate` (the whole state onto rank 0),
-leave, and form generation 1 with a newcomer (rank 2), which wraps a model of its own;
-:func:`share` gives every rank its part of rank 0's state. Consolidating again in generation 1
-must give back the state of generation 0 bit for bit (so every rank holds its part right), and
-every rank's whole model must equal it. Every unpickler of every process refuses to run meanwhile.
-The three ranks train epoch 1 and checkpoint it; in epoch 2 rank 1 dies in the middle of a
-collective, the two survivors form generation 2 and load that checkpoint: consolidated, it is the
-state the three ranks held when they wrote it.
+Two ranks train epoch 0; at the boundary they :func:`consolidate` (the whole state onto rank 0)
+and leave (rank 0 first enters an all_reduce its peer never joins: it must raise as soon as the
+peer has left, not at the collective timeout), and form generation 1 with a newcomer (rank 2),
+which wraps a model of its own; :func:`share` gives every rank its part of rank 0's state.
+Consolidating again in generation 1 must give back the state of generation 0 bit for bit (so
+every rank holds its part right), and every rank's whole model must equal it. Every unpickler of
+every process refuses to run meanwhile. The three ranks train epoch 1 and checkpoint it; in
+epoch 2 rank 1 dies in the middle of a collective, the two survivors form generation 2 and load
+that checkpoint: consolidated, it is the state the three ranks held when they wrote it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from epochal.errors import EpochalError
@@ -62,7 +64,7 @@ def gathered(strategy: Strategy) -> dict[str, Any] | None:
 def member(index: int, tmp: Path, mode: str) -> None:
     checkpoints = tmp / "checkpoints"
     if index == NEWCOMER:
-        form_group(tmp, 1, 2, 3)  # waits, as a standby would, for generation 1
+        form_group(tmp, 1, 2, 3, wait=DEADLINE)  # waits, as a standby would, for generation 1
         strategy = build(mode, 99)
         full = None
         tried: list[str] = []
@@ -72,9 +74,15 @@ def member(index: int, tmp: Path, mode: str) -> None:
         train_epoch(strategy, 0, index, 2)
         with no_unpickling() as tried:
             full = consolidate(strategy)  # the boundary: rank 0 gathers the whole state
+        if index == 0:  # process 1 leaves instead of joining: leaving must close its sockets
+            blocked = fails(lambda: dist.all_reduce(torch.ones(1)))
+            save(tmp, "blocked", f"{type(blocked).__name__}: {blocked}")
+            leave(strategy, blocked)
+            del blocked
+        else:
+            leave(strategy)
         if full is not None:
             save(tmp, "before", full.state)
-        leave(strategy)
         form_group(tmp, 1, index, 3)
         strategy = rebuild(strategy, Layout.from_group(CPU))
     with no_unpickling() as more:
@@ -110,11 +118,18 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp(request.param)
     spawn(member, 3, tmp, request.param, deadline=DEADLINE, killed=frozenset({DOOMED}))
     return {
+        "blocked": load(tmp, "blocked"),
         "before": load(tmp, "before"),
         "grown": [load(tmp, f"grown-{i}") for i in range(3)],
         "checkpointed": load(tmp, "checkpointed-0"),
         "loaded": [load(tmp, f"loaded-{i}") for i in (0, 2)],
     }
+
+
+@pytest.mark.timeout(3 * DEADLINE)
+def test_a_rank_blocked_in_a_collective_raises_once_its_peer_leaves_not_at_the_timeout(run):
+    # the peer left holding DDP or FSDP2, ZeRO, and torch's import-time default group
+    assert "timed out" not in run["blocked"].lower(), run["blocked"]
 
 
 @pytest.mark.timeout(3 * DEADLINE)

@@ -16,14 +16,15 @@ control loop follows it with these steps, each a small function of a strategy
 :func:`rebuild`      the same mode, options and precision over the new group, around the
                      same model object
 :func:`share`        in the new group: every rank gets rank 0's model, optimizer and loss
-                     scaler over the data plane (a newcomer reads no file)
+                     scaler over the data plane (a newcomer reads no file, nobody unpickles)
 =================== ===================================================================
 
 Survivors of a lost rank: ``leave`` (with the collective's error), a new process group,
 ``rebuild``, then ``Snapshot.restore`` or the last checkpoint (``Checkpointer.load(epoch,
 strategy.state, rng=False)`` and ``Snapshot.restore_generators``), and the epoch again. A world
 that grows: ``consolidate``, ``leave``, a new group, ``rebuild`` (``wrap`` on the newcomer),
-``share``. docs/elastic.md says what each costs and restores from.
+``share``. docs/elastic.md gives the calls in order, what each mode restores from, and what it
+costs.
 """
 
 from epochal.worker.regroup.leave import clear_frames, leave, rebuild

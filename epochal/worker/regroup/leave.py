@@ -1,10 +1,14 @@
 """Leaving a broken (or outgrown) process group so that its sockets close, and building the
 same strategy again over the next one.
 
-A process group closes its connections only when the last reference to it goes: destroying it
-drops torch's own, but a DDP wrapper, a ZeroRedundancyOptimizer, an FSDP2 mesh, a local variable
-or the frames an exception's traceback keeps alive all hold one too, and with gloo (torch 2.13)
-nothing else ends a blocked collective: ``ProcessGroup.abort()``, ``shutdown()`` and
+A process group closes its connections only when the last reference to it goes. Destroying it
+drops torch's own registry; what else holds one (torch 2.13, each found by a test that saw a
+peer blocked until the collective timeout): a DDP wrapper, a ZeroRedundancyOptimizer, the frames
+an exception's traceback keeps alive, a local variable of the caller's; default arguments
+evaluated at import (``torch.distributed.nn.functional``'s collectives, ZeRO's
+``_broadcast_object``: ``group=group.WORLD``); and device meshes, which keep their groups and
+which DTensor's sharding caches keep alive once a model has been fully sharded. With gloo nothing
+else ends a blocked collective: ``ProcessGroup.abort()``, ``shutdown()`` and
 ``_abort_process_group()`` return at once and leave it blocked until its timeout. Once the
 sockets close, a peer blocked in a collective with this rank raises at once ("Connection closed
 by peer"), so the survivors of a lost rank all get out of the broken epoch and can meet again.
@@ -47,26 +51,99 @@ def clear_frames(error: BaseException) -> None:
             pending.extend(exc.exceptions)
 
 
-def _forget_import_time_group(group: dist.ProcessGroup) -> None:
-    """``torch.distributed.nn.functional`` declares ``group=group.WORLD`` as default arguments,
-    evaluated once, when the module is first imported: DDP imports it (through
-    ``torch.distributed._shard``) the first time one is built, so those defaults hold the group
-    of that moment for the life of the process, and destroying that group closes nothing (torch
-    2.13). None is what those functions read as the default group, whichever it is then."""
-    module = sys.modules.get("torch.distributed.nn.functional")
-    if module is None:
+def _functions(module: types.ModuleType) -> list[types.FunctionType]:
+    """The functions ``module`` defines or imports, and the methods of the classes it defines."""
+    out = []
+    for value in list(vars(module).values()):
+        candidates = [value]
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            candidates += list(vars(value).values())
+        for fn in candidates:
+            if isinstance(fn, staticmethod | classmethod):
+                fn = fn.__func__
+            if isinstance(fn, types.FunctionType):
+                out.append(fn)
+    return out
+
+
+def _forget_import_time_group(group: dist.ProcessGroup) -> int:
+    """Drop the references torch's own modules keep to ``group`` as default arguments; return how
+    many functions held one.
+
+    Functions such as ``torch.distributed.nn.functional.all_reduce`` or ZeRO's
+    ``_broadcast_object`` declare ``group=group.WORLD``, evaluated once, when their module is
+    first imported: DDP imports the first the first time one is built, ZeroRedundancyOptimizer
+    the second, so those defaults hold the group of that moment for the life of the process, and
+    destroying that group closes nothing (torch 2.13). None is what they read as the default
+    group, whichever it is then. Every loaded ``torch.distributed`` module is searched, so a
+    module that does the same in another torch release is covered too."""
+    held = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or not isinstance(module, types.ModuleType):
+            continue
+        for fn in _functions(module):
+            defaults, keywords = fn.__defaults__ or (), fn.__kwdefaults__ or {}
+            if any(d is group for d in defaults):
+                fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+                held += 1
+            if any(v is group for v in keywords.values()):
+                fn.__kwdefaults__ = {k: None if v is group else v for k, v in keywords.items()}
+                held += 1
+    return held
+
+
+def _forget_meshes(group: dist.ProcessGroup) -> int:
+    """Drop the references live device meshes keep to ``group``; return how many meshes held one.
+
+    A ``DeviceMesh`` (FSDP2's, a DTensor's) keeps the process groups of its dimensions, and
+    DTensor's sharding-propagation caches keep the specs of the DTensors they have seen, and
+    with them their mesh, for the life of the process: once a model has been fully sharded, the
+    group stays open after it is destroyed (torch 2.13). Every mesh still alive forgets it."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_class = getattr(module, "DeviceMesh", None)
+    if not isinstance(mesh_class, type):
+        return 0
+    held = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, mesh_class):
+            continue
+        found = False
+        for value in vars(obj).values():
+            if isinstance(value, dict):
+                for key in [k for k, v in value.items() if v is group or k is group]:
+                    del value[key]
+                    found = True
+            elif isinstance(value, list) and any(v is group for v in value):
+                value[:] = [v for v in value if v is not group]
+                found = True
+        held += found
+    return held
+
+
+def _unwrap_excepthook() -> None:
+    """``init_process_group`` wraps ``sys.excepthook`` in a function that prefixes every line
+    with the rank (``[rank2]:``), and the next one wraps that again: after a regroup a traceback
+    would carry the rank of every world the process was in. The group's wrapper goes with it."""
+    hook = sys.excepthook
+    if not (
+        isinstance(hook, types.FunctionType)
+        and hook.__qualname__ == "init_process_group.<locals>._distributed_excepthook"
+        and "old_hook" in hook.__code__.co_freevars
+        and hook.__closure__ is not None
+    ):
         return
-    for fn in list(vars(module).values()):
-        defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
-        if defaults and any(d is group for d in defaults):
-            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+    cell = hook.__closure__[hook.__code__.co_freevars.index("old_hook")]
+    sys.excepthook = cell.cell_contents
 
 
 def _abort_and_forget() -> None:
-    """NCCL can abort its communicators, which ends their pending kernels (gloo cannot); and no
-    import-time default may keep the group past its destruction."""
+    """NCCL can abort its communicators, which ends their pending kernels (gloo cannot); and
+    neither an import-time default nor a device mesh may keep the group past its destruction."""
     group = dist.distributed_c10d._get_default_group()
     _forget_import_time_group(group)
+    gc.collect()  # meshes only garbage now need not be searched
+    _forget_meshes(group)
+    _unwrap_excepthook()
     if "nccl" in str(dist.get_backend(group)):
         group.abort()
 
