@@ -98,6 +98,7 @@ class LocalSession:
         self.rank, self.world_size, self.resume_epoch = rank, world, resume_epoch
         self.device = torch.device("cpu") if device is None else device
         self.epochs = epochs
+        self.elastic, self.generation = False, 0  # a run whose world never changes
         self.client = SimpleNamespace(check=lambda: None)
         self.checkpointer = Checkpointer(directory, rank=rank, run_id="t")
         self.model = model  # [the model fit trains], to read its weights at the end
@@ -106,7 +107,14 @@ class LocalSession:
         # what each epoch's training returned on this rank (the coordinator would sum them)
 
     def run_epochs(
-        self, train_epoch: Any, valid_epoch: Any, *, batches: Any, on_best: Any, state: Any
+        self,
+        train_epoch: Any,
+        valid_epoch: Any,
+        *,
+        batches: Any,
+        on_best: Any,
+        state: Any,
+        rejoin: Any = None,
     ) -> RunResult:
         start = 0
         if self.resume_epoch is not None:

@@ -71,6 +71,7 @@ class OneEpoch:
     def __init__(self, rank: int) -> None:
         self.rank, self.world_size, self.resume_epoch = rank, WORLD, None
         self.device = torch.device("cpu")
+        self.elastic, self.generation = False, 0  # a run whose world never changes
         self.client = SimpleNamespace(check=lambda: None)
 
     def run_epochs(self, train_epoch: Any, valid_epoch: Any, **kw: Any) -> RunResult:

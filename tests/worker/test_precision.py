@@ -92,10 +92,18 @@ class OneEpoch:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world_size, self.resume_epoch = rank, world, None
         self.device = torch.device("cpu")
+        self.elastic, self.generation = False, 0  # a run whose world never changes
         self.client = SimpleNamespace(check=lambda: None)
 
     def run_epochs(
-        self, train_epoch: Any, valid_epoch: Any, *, batches: Any, on_best: Any, state: Any
+        self,
+        train_epoch: Any,
+        valid_epoch: Any,
+        *,
+        batches: Any,
+        on_best: Any,
+        state: Any,
+        rejoin: Any = None,
     ) -> RunResult:
         train_epoch(
             EpochContext(
