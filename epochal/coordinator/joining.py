@@ -158,11 +158,7 @@ class Joining:
         """Why a new worker may not join a run under way."""
         why = self.membership.dropped(hello.worker_id, hello.host, hello.pid)
         if why is not None:
-            return (
-                f"this worker was dropped from the run (it {printable(why, REASON_CHARS)}) and "
-                "the others went on without it: its process group is gone. Start it again as a "
-                "new worker once the run admits newcomers, or leave it stopped"
-            )
+            return self.membership.why_dropped(printable(why, REASON_CHARS))
         return (
             "the run is under way with its workers and admits no newcomer in this version: "
             "start the worker with the next run"

@@ -254,6 +254,15 @@ class Membership:
         size = 0 if world is None else world.size
         return self.elastic and size + len(self.standby) < self.max_workers
 
+    def why_dropped(self, why: str) -> str:
+        """What a process dropped from the run is told (``why``: what it did, "sent nothing for
+        3.0 s"), when the change is decided and again if it says hello later."""
+        return (
+            f"this worker was dropped from the run (it {why}) and the others went on without "
+            "it: its process group is gone. Start it again as a new worker once the run admits "
+            "newcomers, or leave it stopped"
+        )
+
     def drop(self, member: Member, why: str) -> None:
         """Remember ``member``'s process as dropped: if it comes back, it is refused."""
         hello = member.hello

@@ -25,7 +25,7 @@ from typing import Any
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
 from epochal.coordinator.membership import Membership, NewWorld, Snapshots, TooFew
-from epochal.protocol import Broken, OpenStore, Regroup
+from epochal.protocol import Abort, Broken, OpenStore, Regroup, clip
 from epochal.text import REASON_CHARS, printable
 
 
@@ -111,8 +111,12 @@ class Regrouping(Joining):
 
     def _change_world(self, now: float, change: NewWorld) -> list[Action]:
         """The new world is decided: forget the lost, renumber the rest, open its store."""
+        told: list[Action] = []
         for loss in change.lost:
             peer = loss.member.peer
+            # a lost process that still runs (frozen, cut off) reads this first when it wakes
+            why = self.membership.why_dropped(printable(loss.why, REASON_CHARS))
+            told.append(Send(peer, Abort(reason=clip(why))))
             self.gate.sessions.forget(peer)  # a frame of the lost process is a stranger's now
             self.rendezvous.leave(peer)
             self.watchdog.drop(peer)
@@ -125,7 +129,7 @@ class Regrouping(Joining):
         self._change = change
         self._redo = self.epoch
         size = change.world.size
-        actions: list[Action] = [
+        actions: list[Action] = told + [
             Log(
                 f"{loss.describe()} in epoch {self.epoch}: continuing with {size} worker"
                 f"{'s' if size != 1 else ''} from the start of epoch {self.epoch}"

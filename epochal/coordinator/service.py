@@ -358,6 +358,11 @@ class Coordinator:
         self.report_failure(failure, cause=True)
         return False
 
+    def was_lost(self, pid: int) -> bool:
+        """Whether the worker process ``pid`` was lost from the run while the others went on."""
+        machine = self._machine
+        return machine is not None and machine.membership.lost_pid(pid)
+
     def report_failure(self, what: str, *, cause: bool = False) -> None:
         """A worker failed; abort after a short settle window that lets its cause come in
         (see :meth:`RunMachine.report_failure`)."""

@@ -288,6 +288,8 @@ async def _attempt(
             failure = f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}"
             if coordinator.worker_exited(proc.pid, what, failure):
                 lost.append(index)  # the others carry on without it
+        elif code != 0 and coordinator.was_lost(proc.pid):
+            lost.append(index)  # dropped from the run (frozen, say), and it ended after it
         return code
 
     lost: list[int] = []

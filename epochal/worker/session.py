@@ -109,6 +109,7 @@ class Session:
     def _adopt(self, welcome: Welcome) -> None:
         self.run_id = welcome.run_id
         self.generation = welcome.generation
+        self.client.on_regroup = self._leave_now  # see _leave_now
         self.elastic = welcome.elastic
         # the run goes on without a lost rank: each epoch's start is kept (Rejoin)
         self.start_epoch = welcome.start_epoch
@@ -373,6 +374,13 @@ class Session:
             message = self.client.receive()
             if isinstance(message, Regroup) and message.generation > self.generation:
                 return message
+
+    def _leave_now(self, regroup: Regroup) -> None:
+        """In the control client's thread, as a new world is decided: shut this group's
+        connections, so that a collective this rank is blocked in raises now (its peer may be
+        frozen or cut off, and gloo has no abort); the main thread then follows the Regroup."""
+        if regroup.generation > self.generation:
+            self._sockets.shut()
 
     def _regroup(
         self, regroup: Regroup, rejoin: Rejoin | None, error: BaseException | None

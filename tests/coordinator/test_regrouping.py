@@ -156,9 +156,14 @@ def test_a_silent_rank_is_lost_after_the_heartbeat_timeout():
     assert run.machine.membership.lost_ranks() == frozenset()
     assert aborted(run.machine.on_tick(6.6)) is None  # rank 3 silent for 5.6 s
     assert run.machine.membership.lost_ranks() == {3}
+    silent = run.peers[3]
     actions = run.machine.on_tick(6.6 + SETTLED)
     assert aborted(actions) is None
     assert [peer for peer, _ in sent(actions, Regroup)] == run.peers[:3]
+    # the silent process may only be frozen: what it reads first when it wakes is why it is out
+    ((told, abort),) = sent(actions, Abort)
+    assert told == silent
+    assert abort.reason.startswith("this worker was dropped from the run (it sent nothing for ")
 
 
 def test_broken_collectives_without_a_lost_rank_abort_with_their_reason():

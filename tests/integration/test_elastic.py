@@ -12,6 +12,8 @@ in the last bits; the test compares the weights bit for bit.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import SCRIPTS, Spawner, epoch_records, marked_pids, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]  # one reference run
 
@@ -140,3 +142,58 @@ def test_ranks_lost_one_after_another_end_the_run_below_the_least_naming_them(
         "was killed by SIGKILL" in result["reason"] or "closed its connection" in result["reason"]
     )
     assert output.count("continuing with") == 2, output
+
+
+def stopped_pids(mark: str) -> list[int]:
+    """The run's processes frozen by SIGSTOP (state T)."""
+    stopped = []
+    for pid in marked_pids(mark):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                stopped.append(pid)
+        except OSError:
+            continue
+    return stopped
+
+
+def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
+    spawn: Spawner, tmp_path: Path
+):
+    """A rank frozen mid-step keeps its connections open, so its peers' collective never fails by
+    itself (gloo has no abort): the coordinator drops the rank after the heartbeat timeout, and
+    each survivor shuts its group's connections as the new world is decided, which ends the
+    collective it is blocked in. Woken after that, the frozen worker is refused in one line."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "4",
+        "--min-workers",
+        "3",
+        "--epochs",
+        "3",
+        "--heartbeat-timeout",
+        "3",
+        "--no-restore-best",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "linear.py"),
+        "--out",
+        str(out),
+        EPOCHAL_FAULT="stop@train-step:rank=2:epoch=1:step=2:world=0",
+    )
+    wait_for(lambda: len(stopped_pids(spawn.mark)) == 1, DEADLINE)
+    (frozen,) = stopped_pids(spawn.mark)
+    wait_for(lambda: any(r["kind"] == "world" for r in epoch_records(run_dir)), DEADLINE)
+    os.kill(frozen, signal.SIGCONT)
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    (change,) = world_changes(run_dir)
+    assert (change["epoch"], change["from"], change["to"]) == (1, 4, 3)
+    assert change["lost"][0].startswith("rank 2 "), change
+    assert "sent nothing for" in change["lost"][0], change
+    assert "this worker was dropped from the run" in output, output
+    assert "done: best epoch 2 of 3 (worker 2 lost on the way)" in output, output
+    epochs = [r for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    assert [(r["epoch"], r["world_size"]) for r in epochs] == [(0, 4), (1, 3), (2, 3)]

@@ -26,7 +26,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +172,11 @@ class ControlClient:
         self.step = 0
         # where the training code is; set by the main thread, sent with every heartbeat
         self._regroup: Regroup | None = None
+        self.on_regroup: Callable[[Regroup], None] | None = None
+        # called in this client's thread when a Regroup arrives, before the main thread sees it:
+        # the session shuts its process group's connections there, so that a main thread blocked
+        # in a collective with a peer that is gone without closing them (frozen, cut off) raises
+        # now instead of at the collective timeout
         # the newest world change the main thread has not taken yet
         self._regroup_taken = threading.Event()
 
@@ -431,6 +436,11 @@ class ControlClient:
             if isinstance(message, Regroup):  # raised by check() until the main thread takes it
                 self._regroup = message
                 self._regroup_taken.clear()
+                if self.on_regroup is not None:
+                    try:
+                        self.on_regroup(message)
+                    except Exception as exc:  # the exit-if-stuck timer below still holds
+                        WORKER.warning(f"epochal: could not leave the process group early: {exc}")
                 threading.Thread(
                     target=self._exit_if_stuck,
                     args=(
@@ -488,7 +498,13 @@ class ControlClient:
     async def _tick(self) -> None:
         assert self._outbox is not None
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(self.liveness.interval)
+            if time.monotonic() - slept > self.liveness.timeout and self._last_heard is not None:
+                # this process was not running (frozen by SIGSTOP, a paused machine): the silence
+                # was its own. What the coordinator sent meanwhile is waiting to be read (an
+                # abort, say: this worker was dropped), so its clock starts again now
+                self._last_heard = time.monotonic()
             self._beat()
             heard = self._last_heard
             gone = self._disconnected
