@@ -6,6 +6,7 @@ import asyncio
 import functools
 import io
 import os
+import socket
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 
 from epochal.cli import build_parser
 from epochal.launch.launcher import hidden_note, worker_environment
+from epochal.launch.plain import free_port, listening
 from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.launch.restarts import Outcome, restarting
 from epochal.output import PEER_LOST, Kind, RankStream, Relay, classify, in_words
@@ -203,12 +205,16 @@ def test_a_lost_data_plane_peer_is_said_in_words(line: str, words: str | None):
 
 
 def test_workers_get_torchruns_variables_beside_epochals():
-    env = worker_environment({"PATH": "/bin"}, 1, 3, "run/local-1")
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+    env = worker_environment({"PATH": "/bin"}, 1, 3, "run/local-1", 29512)
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    assert {k: env[k] for k in (*names, "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "1",
         "LOCAL_RANK": "1",
         "WORLD_SIZE": "3",
         "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29512",
     }
     assert (env["EPOCHAL_RANK"], env["EPOCHAL_WORKER_ID"], env["PATH"]) == (
         "1",
@@ -278,3 +284,14 @@ def test_the_restart_loop_gives_up_with_the_last_failures_status():
         ["attempt 0", "restart 1 after boom", "attempt 1", "gave up after status 3"],
     )
     assert run_restarting([FAILED], 0) == (1, ["attempt 0"])  # no restarts: nothing to give up
+
+
+def test_a_listener_on_the_master_port_is_seen_and_nothing_else_is():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        assert not listening(port)  # bound, not listening: no process group store yet
+        server.listen()
+        assert listening(port)
+    assert not listening(port)
+    assert not listening(free_port())

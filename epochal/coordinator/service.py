@@ -152,6 +152,7 @@ class Coordinator:
         self._machine: RunMachine | None = None
         self._ended = False
         self._requested_abort: str | None = None
+        self._stood_down: str | None = None  # see stand_down
         self._outcome: RunSummary | RunAborted | None = None
         self._journal: RunJournal | None = None
         self._clock_read = time.monotonic()
@@ -344,6 +345,20 @@ class Coordinator:
         if self._requested_abort is None:
             self._requested_abort = reason
 
+    def stand_down(self, line: str) -> bool:
+        """The workers run a loop of their own and will never say hello (they made their process
+        group themselves, as under torchrun): log ``line`` and end :meth:`run` with an empty
+        summary, nothing decided. Refused (False) once a worker has said hello."""
+        machine = self._machine
+        if (
+            machine is None
+            or machine.rendezvous.members
+            or machine.phase is not RunPhase.RENDEZVOUS
+        ):
+            return False
+        self._stood_down = line
+        return True
+
     def _member_closed(self, peer: bytes) -> None:
         if self._machine is not None:
             self._machine.connection_closed(time.monotonic(), peer)
@@ -426,6 +441,10 @@ class Coordinator:
                     break
                 if self._requested_abort is not None:
                     await self._apply(machine.abort(self._requested_abort))
+                    break
+                if self._stood_down is not None:
+                    self._log(self._stood_down)
+                    self._outcome = RunSummary(self.run_id, None, None, 0)
                     break
                 await self._apply(machine.on_tick(now))
         finally:

@@ -37,6 +37,7 @@ from epochal.environment import (
     WORLD_SIZE_ENV,
 )
 from epochal.errors import RunAborted
+from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
 from epochal.launch.processes import die_with_parent, kill_group
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
@@ -162,17 +163,21 @@ def run_observed(config: CoordinatorConfig, nproc: int, command: list[str], **kw
 
 
 def worker_environment(
-    base: dict[str, str], index: int, nproc: int, worker_id: str
+    base: dict[str, str], index: int, nproc: int, worker_id: str, master_port: int
 ) -> dict[str, str]:
     """The environment of local worker ``index`` of ``nproc``: epochal's variables, and
-    torchrun's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) so that scripts
-    written for torchrun read what they expect."""
+    torchrun's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) so that a script written for torchrun runs unchanged (see
+    :mod:`epochal.launch.plain`)."""
     env = dict(base)
     env[RANK_ENV] = str(index)
     env[LOCAL_RANK_ENV] = str(index)
     env[WORKER_ID_ENV] = worker_id
     env["RANK"] = env["LOCAL_RANK"] = str(index)
     env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = str(nproc)
+    env["GROUP_RANK"] = "0"
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(master_port)
     return env
 
 
@@ -235,6 +240,7 @@ async def _attempt(
     if verbose:
         env_base[VERBOSE_ENV] = "1"  # the workers keep their tracebacks too
 
+    master_port = free_port()  # for a script that makes its own process group (torchrun's)
     relay = Relay(out, verbose=verbose)
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
@@ -242,7 +248,9 @@ async def _attempt(
     for index in range(nproc):
         proc = await asyncio.create_subprocess_exec(
             *command,
-            env=worker_environment(env_base, index, nproc, f"{coordinator.run_id}/local-{index}"),
+            env=worker_environment(
+                env_base, index, nproc, f"{coordinator.run_id}/local-{index}", master_port
+            ),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -278,7 +286,9 @@ async def _attempt(
     async def watch(index: int, proc: asyncio.subprocess.Process) -> int:
         code = await proc.wait()
         phase = coordinator.phase.value
-        if phase not in ("finishing", "ended"):
+        if plain:
+            pass  # the launcher alone watches a plain run's workers (wait_plain)
+        elif phase not in ("finishing", "ended"):
             what = (
                 f"exited with status {code}"
                 if code >= 0
@@ -294,15 +304,28 @@ async def _attempt(
 
     lost: list[int] = []
     # workers whose rank was lost while the others carried on (an elastic run)
+    plain: list[bool] = []
+    # [True] once the coordinator stood down for a script with a process group of its own
+    failed_first: int | None = None  # in such a run, the worker that failed first
+
+    async def stand_down() -> None:
+        await made_its_own_group(master_port)
+        if coordinator.stand_down(PLAIN_LINE):
+            plain.append(True)
+
     watchers = [asyncio.create_task(watch(i, p)) for i, p in enumerate(procs)]
+    detector = asyncio.create_task(stand_down())
     summary: RunSummary | None = None
     reason = ""
     try:
         summary = await coordinator.run()
+        if plain:  # no bound: the script trains for as long as it does
+            failed_first = await wait_plain(procs, watchers, ABORT_EXIT_TIMEOUT)
     except RunAborted as exc:
         reason = exc.reason
         relay.stop()
     finally:
+        detector.cancel()
         bound = exit_timeout if summary is not None else ABORT_EXIT_TIMEOUT
         await _wait_for_exit(watchers, bound, interrupted)
         stuck = [i for i, p in enumerate(procs) if p.returncode is None]
@@ -315,6 +338,8 @@ async def _attempt(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         relay.release(known_reasons=reason)
+    if plain:
+        return _plain_outcome(codes, failed_first, interrupted)
     hidden = hidden_note(relay.hidden)
     if interrupted and summary is not None:
         bound = ABORT_EXIT_TIMEOUT  # the signal bounded a wait that had none
@@ -349,6 +374,24 @@ async def _attempt(
         without = f" (worker{'s' if len(lost) > 1 else ''} {listed} lost on the way)"
     _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
+
+
+def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) -> Outcome:
+    """How a plain run (a torchrun script, :mod:`epochal.launch.plain`) ended: finished when
+    every worker exited 0; else ``first`` failed first."""
+    if interrupted:
+        _say(f"interrupted by {interrupted[0]}", logging.WARNING)
+        return Outcome(128 + int(getattr(signal, interrupted[0])), "interrupted")
+    if first is None:
+        _say(f"done: {counted(len(codes), 'worker')} exited 0", logging.INFO)
+        return Outcome(EXIT_OK)
+    code = codes[first]
+    what = (
+        f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+    )
+    reason = f"worker {first} {what}; the others were stopped"
+    _say(f"FAILED: {reason}", logging.ERROR)
+    return Outcome(EXIT_FAILED, reason, retry=True)
 
 
 def hidden_note(hidden: int) -> str:
