@@ -259,7 +259,7 @@ def test_restarts_used_up_give_a_clear_final_error(spawn, tmp_path):
     )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1
-    assert "FAILED: 1 restarts used up; the last failure:" in output
+    assert "FAILED: 1 restart used up; the last failure:" in output
     assert "InjectedFault" in output
     spawn.assert_none_left()
 

@@ -57,6 +57,8 @@ def test_workers_wait_for_the_address_file_and_take_their_ranks_from_slurm(
     assert coordinator.stdout is not None
     listening = coordinator.stdout.readline()
     endpoint = listening.split()[-1]
+    where = coordinator.stdout.readline()  # the run's directory, then the address file
+    assert where.startswith("epochal: run ") and str(tmp_path / "run") in where, where
     written = coordinator.stdout.readline()
     assert f"{endpoint} written to {address}" in written, written
     for procid, worker in workers.items():

@@ -89,9 +89,12 @@ def test_run_logs_json_and_its_workers_get_the_same_settings(spawn: Spawner) -> 
     entries = json_lines(proc.stderr)
     assert {e["logger"] for e in entries} == {"epochal.launcher", "epochal.coordinator"}
     assert all(e["message"].startswith("[epochal] ") for e in entries)
-    last = entries[-1]
-    assert (last["logger"], last["level"]) == ("epochal.launcher", "error")
-    assert last["message"].startswith("[epochal] FAILED: the run was aborted")
+    failed, last = entries[-2:]  # the failure, then the command that resumes the run
+    assert (failed["logger"], failed["level"]) == ("epochal.launcher", "error")
+    assert failed["message"].startswith("[epochal] FAILED: the run was aborted")
+    assert (last["logger"], last["level"]) == ("epochal.launcher", "warning")
+    assert last["message"].startswith("[epochal] to resume: ")
+    assert "epochal run --resume --run-dir " in last["message"]
     assert any(
         e["logger"] == "epochal.coordinator"
         and "did the script call epochal.train()" in e["message"]

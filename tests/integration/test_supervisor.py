@@ -54,7 +54,7 @@ def test_restarts_used_up_end_with_the_worker_status(spawn, tmp_path):
     code, output, runs = supervise(spawn, tmp_path, failures=99, restarts=1)
     assert code == 3
     assert runs == 2
-    assert "the worker failed (status 3); 1 restarts used up" in output
+    assert "the worker failed (status 3); 1 restart used up" in output
 
 
 def test_a_signal_during_the_restart_delay_ends_the_supervisor_without_a_restart(spawn, tmp_path):
