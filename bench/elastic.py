@@ -1,0 +1,140 @@
+"""What a lost worker costs: an elastic run (the others carry on) against a restart of everyone.
+
+    python bench/elastic.py [--kills 5] [--nproc 4] [--seed 0]
+
+Side by side on the resume test's workload (``resumable.py``, 10 epochs, 4 workers): an undisturbed
+run, then ``--kills`` trials each of
+
+- elastic: ``--min-workers NPROC-1``; a random worker is SIGKILLed a random moment into training,
+  and the time is taken from the kill until the coordinator logs the new world formed (its Go goes
+  out at that moment: the survivors train again);
+- restart-all: ``--max-restarts 1`` (today's recovery, and torchrun's: every worker stopped and
+  started again); from the kill until the restarted coordinator has welcomed a full set of new
+  workers (they load the last checkpoint next, and redo every epoch since it).
+
+For both: the wall time the run lost against the undisturbed run's (median of its runs). Prints
+medians and maxima and the ratio restart-all / elastic of each. Defaults apply otherwise
+(heartbeats, abort grace, the settle window of 0.25 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from faults import SCRIPT, marked, worker_pids
+
+EPOCHS = 10
+
+
+def workers_of(launcher: int, mark: str) -> list[int]:
+    """The launcher's worker processes: its children among the marked ones (rank 0's store
+    server carries a rank too, but is rank 0's child)."""
+    pids = []
+    for pid in worker_pids(mark):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher:
+            pids.append(pid)
+    return pids
+
+
+def run(
+    rng: random.Random, nproc: int, extra: list[str], tmp: Path, *, kill: str | None
+) -> tuple[float, float | None]:
+    """One ``epochal run``: its wall time, and (``kill`` given) the seconds from the kill to the
+    line ``kill`` names."""
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
+    env.update({"EPOCHAL_BENCH_MARK": mark, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    run_dir = tmp / mark
+    cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc), "--epochs", str(EPOCHS)]
+    cmd += ["--run-dir", str(run_dir), *extra, str(SCRIPT), "--out", str(run_dir / "out")]
+    cmd += ["--delay", "0.02"]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    took = None
+    try:
+        if kill is not None:
+            while not any("epoch 1 [" in line for line in lines):  # well into training
+                if proc.poll() is not None:
+                    raise RuntimeError("".join(lines))
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.8))
+            before = sum(kill in line for line in lines)
+            if proc.poll() is not None or any(f"epoch {EPOCHS - 1} [" in line for line in lines):
+                raise RuntimeError("the run finished before the kill: give it more epochs")
+            os.kill(rng.choice(workers_of(proc.pid, mark)), signal.SIGKILL)
+            killed = time.monotonic()
+            while sum(kill in line for line in lines) <= before:
+                if proc.poll() is not None:
+                    raise RuntimeError("".join(lines))
+                time.sleep(0.005)
+            took = time.monotonic() - killed
+        code = proc.wait(timeout=300)
+        if code != 0:
+            raise RuntimeError(f"exit {code}:\n" + "".join(lines))
+        return time.monotonic() - started, took
+    finally:
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="epochal-elastic-") as tmp:
+        base = statistics.median(
+            run(rng, args.nproc, [], Path(tmp), kill=None)[0]
+            for _ in range(max(1, args.kills // 2))
+        )
+        print(f"undisturbed run: {base:.2f} s ({args.nproc} workers, {EPOCHS} epochs)", flush=True)
+        results = {}
+        for name, extra, line in (
+            ("elastic", ["--min-workers", str(args.nproc - 1)], "formed:"),
+            ("restart-all", ["--max-restarts", "1"], "workers, backend"),
+        ):
+            trials = [run(rng, args.nproc, extra, Path(tmp), kill=line) for _ in range(args.kills)]
+            back = [t for _, t in trials if t is not None]
+            lost = [wall - base for wall, _ in trials]
+            results[name] = (statistics.median(back), statistics.median(lost))
+            print(
+                f"{name:12s} kill -> training again: median {statistics.median(back):.2f} s, "
+                f"max {max(back):.2f} s; wall time lost: median {statistics.median(lost):.2f} s, "
+                f"max {max(lost):.2f} s ({args.kills} kills)",
+                flush=True,
+            )
+        (e_back, e_lost), (r_back, r_lost) = results["elastic"], results["restart-all"]
+        print(
+            f"restart-all / elastic: {r_back / e_back:.1f}x to train again, "
+            f"{r_lost / max(e_lost, 1e-3):.1f}x the wall time lost",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
