@@ -14,7 +14,7 @@ import pytest
 
 from epochal.cli import build_parser
 from epochal.launch.launcher import hidden_note, worker_environment
-from epochal.launch.plain import free_port, listening
+from epochal.launch.plain import free_port, listening, made_its_own_group
 from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.launch.restarts import Outcome, restarting
 from epochal.output import PEER_LOST, Kind, RankStream, Relay, classify, in_words
@@ -295,3 +295,19 @@ def test_a_listener_on_the_master_port_is_seen_and_nothing_else_is():
         assert listening(port)
     assert not listening(port)
     assert not listening(free_port())
+
+
+def test_the_master_port_is_watched_only_while_no_worker_has_said_hello():
+    port = free_port()
+    calls = []
+
+    def possible() -> bool:
+        calls.append(1)
+        return len(calls) < 3  # a hello arrives before anything listens
+
+    assert asyncio.run(made_its_own_group(port, possible, interval=0.01)) is False
+    assert len(calls) == 3
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        assert asyncio.run(made_its_own_group(port, lambda: True, interval=0.01)) is True

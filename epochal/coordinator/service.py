@@ -345,6 +345,15 @@ class Coordinator:
         if self._requested_abort is None:
             self._requested_abort = reason
 
+    def heard_from_no_worker(self) -> bool:
+        """Whether the rendezvous is still waiting for its first hello."""
+        machine = self._machine
+        return (
+            machine is not None
+            and machine.phase is RunPhase.RENDEZVOUS
+            and not machine.rendezvous.members
+        )
+
     def stand_down(self, line: str) -> bool:
         """The workers run a loop of their own and will never say hello (they made their process
         group themselves, as under torchrun): log ``line`` and end :meth:`run` with an empty

@@ -309,8 +309,8 @@ async def _attempt(
     failed_first: int | None = None  # in such a run, the worker that failed first
 
     async def stand_down() -> None:
-        await made_its_own_group(master_port)
-        if coordinator.stand_down(PLAIN_LINE):
+        seen = await made_its_own_group(master_port, coordinator.heard_from_no_worker)
+        if seen and coordinator.stand_down(PLAIN_LINE):
             plain.append(True)
 
     watchers = [asyncio.create_task(watch(i, p)) for i, p in enumerate(procs)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from epochal.launch.processes import kill_group
@@ -59,10 +60,16 @@ def listening(port: int) -> bool:
     return False
 
 
-async def made_its_own_group(port: int, interval: float = 0.2) -> None:
-    """Return once something listens on ``port`` (rank 0's process group store)."""
-    while not listening(port):
+async def made_its_own_group(
+    port: int, possible: Callable[[], bool], interval: float = 0.2
+) -> bool:
+    """Whether something came to listen on ``port`` (rank 0's process group store) while
+    ``possible()`` held (no worker has said hello yet); checked every ``interval`` seconds."""
+    while possible():
+        if listening(port):
+            return True
         await asyncio.sleep(interval)
+    return False
 
 
 async def wait_plain(
