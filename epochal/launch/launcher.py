@@ -289,11 +289,7 @@ async def _attempt(
         if plain:
             pass  # the launcher alone watches a plain run's workers (wait_plain)
         elif phase not in ("finishing", "ended"):
-            what = (
-                f"exited with status {code}"
-                if code >= 0
-                else f"was killed by {signal.Signals(-code).name}"
-            )
+            what = exit_words(code)
             hint = NEVER_CALLED_HINT if code == 0 and phase == "rendezvous" else ""
             failure = f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}"
             if coordinator.worker_exited(proc.pid, what, failure):
@@ -376,6 +372,13 @@ async def _attempt(
     return Outcome(EXIT_OK)
 
 
+def exit_words(code: int) -> str:
+    """A worker's exit status in words: "exited with status 3", "was killed by SIGKILL"."""
+    if code >= 0:
+        return f"exited with status {code}"
+    return f"was killed by {signal.Signals(-code).name}"
+
+
 def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) -> Outcome:
     """How a plain run (a torchrun script, :mod:`epochal.launch.plain`) ended: finished when
     every worker exited 0; else ``first`` failed first."""
@@ -385,11 +388,7 @@ def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) 
     if first is None:
         _say(f"done: {counted(len(codes), 'worker')} exited 0", logging.INFO)
         return Outcome(EXIT_OK)
-    code = codes[first]
-    what = (
-        f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
-    )
-    reason = f"worker {first} {what}; the others were stopped"
+    reason = f"worker {first} {exit_words(codes[first])}; the others were stopped"
     _say(f"FAILED: {reason}", logging.ERROR)
     return Outcome(EXIT_FAILED, reason, retry=True)
 
