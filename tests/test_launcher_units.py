@@ -293,8 +293,32 @@ def test_a_listener_on_the_master_port_is_seen_and_nothing_else_is():
         assert not listening(port)  # bound, not listening: no process group store yet
         server.listen()
         assert listening(port)
+        assert listening(port, [os.getpid()])  # held by this process
     assert not listening(port)
     assert not listening(free_port())
+
+
+def test_a_listener_that_is_not_a_workers_is_not_their_process_group(tmp_path):
+    # the free port handed to the workers may be taken meanwhile by any other process (another
+    # run's store): only a socket one of the workers holds says the script made its own group
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert listening(port)
+            assert not listening(port, [worker.pid])
+            assert not listening(port, [])
+            looks = iter(range(5))  # five looks, then a hello came
+            possible = functools.partial(next, looks, None)
+            seen = asyncio.run(
+                made_its_own_group(port, lambda: possible() is not None, [worker.pid], 0.01)
+            )
+            assert seen is False
+        finally:
+            worker.kill()
+            worker.wait()
 
 
 def test_the_master_port_is_watched_only_while_no_worker_has_said_hello():
@@ -305,9 +329,9 @@ def test_the_master_port_is_watched_only_while_no_worker_has_said_hello():
         calls.append(1)
         return len(calls) < 3  # a hello arrives before anything listens
 
-    assert asyncio.run(made_its_own_group(port, possible, interval=0.01)) is False
+    assert asyncio.run(made_its_own_group(port, possible, [os.getpid()], 0.01)) is False
     assert len(calls) == 3
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))
         server.listen()
-        assert asyncio.run(made_its_own_group(port, lambda: True, interval=0.01)) is True
+        assert asyncio.run(made_its_own_group(port, lambda: True, [os.getpid()], 0.01)) is True

@@ -305,7 +305,9 @@ async def _attempt(
     failed_first: int | None = None  # in such a run, the worker that failed first
 
     async def stand_down() -> None:
-        seen = await made_its_own_group(master_port, coordinator.heard_from_no_worker)
+        seen = await made_its_own_group(
+            master_port, coordinator.heard_from_no_worker, [p.pid for p in procs]
+        )
         if seen and coordinator.stand_down(PLAIN_LINE):
             plain.append(True)
 

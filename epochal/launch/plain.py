@@ -5,7 +5,9 @@ Such a script calls ``torch.distributed.init_process_group()`` itself, reading `
 never calls :func:`epochal.train` or :func:`epochal.join`, so the coordinator never hears from it.
 The launcher gives every worker those variables (a free loopback port for ``MASTER_PORT``) and
 watches that port: ``init_process_group`` makes rank 0 listen there (torch's TCPStore server), so a
-listener on it, before any worker said hello, means the script set up its own process group. The
+worker listening on it, before any worker said hello, means the script set up its own process
+group. Only a socket one of the workers holds counts: the port was free when it was chosen, and
+any other process (another run's store, say) may have bound it since. The
 coordinator then stands down with one line saying what needs ``epochal.train``/``epochal.join``,
 and the launcher does what torchrun does for such a script: the run is finished when every worker
 exits 0; the first that exits otherwise stops the others (SIGTERM, then SIGKILL after
@@ -15,9 +17,10 @@ exits 0; the first that exits otherwise stops the others (SIGTERM, then SIGKILL 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from epochal.launch.processes import kill_group
@@ -41,9 +44,11 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def listening(port: int) -> bool:
+def listening(port: int, pids: Iterable[int] | None = None) -> bool:
     """Whether a TCP socket in this network namespace listens on ``port`` (Linux; read from
-    ``/proc/net``, so nothing connects to it)."""
+    ``/proc/net``, so nothing connects to it); with ``pids``, only a socket one of those
+    processes holds counts."""
+    inodes = set()
     for table in _TABLES:
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -52,21 +57,40 @@ def listening(port: int) -> bool:
         for row in rows:
             fields = row.split()
             if (
-                len(fields) > 3
+                len(fields) > 9
                 and fields[3] == _LISTEN
                 and int(fields[1].rsplit(":", 1)[1], 16) == port
             ):
-                return True
-    return False
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes or pids is None:
+        return bool(inodes)
+    return any(inodes & _sockets(pid) for pid in pids)
+
+
+def _sockets(pid: int) -> set[str]:
+    """The sockets process ``pid`` holds, as its descriptors' links name them
+    (``socket:[INODE]``); none for a process gone or not ours to read."""
+    held = set()
+    try:
+        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return held
+    for fd in descriptors:
+        try:
+            held.add(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            continue
+    return held
 
 
 async def made_its_own_group(
-    port: int, possible: Callable[[], bool], interval: float = 0.2
+    port: int, possible: Callable[[], bool], pids: Iterable[int], interval: float = 0.2
 ) -> bool:
-    """Whether something came to listen on ``port`` (rank 0's process group store) while
-    ``possible()`` held (no worker has said hello yet); checked every ``interval`` seconds."""
+    """Whether one of ``pids`` (the workers) came to listen on ``port`` (rank 0's process group
+    store) while ``possible()`` held (no worker has said hello yet); checked every ``interval``
+    seconds."""
     while possible():
-        if listening(port):
+        if listening(port, pids):
             return True
         await asyncio.sleep(interval)
     return False
