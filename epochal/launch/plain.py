@@ -48,7 +48,7 @@ def listening(port: int, pids: Iterable[int] | None = None) -> bool:
     """Whether a TCP socket in this network namespace listens on ``port`` (Linux; read from
     ``/proc/net``, so nothing connects to it); with ``pids``, only a socket one of those
     processes holds counts."""
-    inodes = set()
+    inodes: set[str] = set()
     for table in _TABLES:
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -70,7 +70,7 @@ def listening(port: int, pids: Iterable[int] | None = None) -> bool:
 def _sockets(pid: int) -> set[str]:
     """The sockets process ``pid`` holds, as its descriptors' links name them
     (``socket:[INODE]``); none for a process gone or not ours to read."""
-    held = set()
+    held: set[str] = set()
     try:
         descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
