@@ -29,13 +29,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from epochal.worker.checkpoints.checkpoint import rng_state
 from epochal.worker.dataplane.store import StoreServer, connect_store, scoped
 from epochal.worker.strategies import Strategy
 from epochal.worker.training.initialization import is_dtensor
+from tests.worker.ranks import rank_context
 
 COLLECTIVE_TIMEOUT = 60.0
 """Seconds: every process group's collective timeout, and how long a rank waits for a store or
@@ -68,10 +68,11 @@ def spawn(
     deadline: float,
     killed: frozenset[int] = frozenset(),
 ) -> None:
-    """Run ``fn(index, tmp, *args)`` in ``processes`` spawned processes; fail the test unless
+    """Run ``fn(index, tmp, *args)`` in ``processes`` processes (forked from the server
+    :func:`tests.worker.ranks.rank_context` keeps); fail the test unless
     those in ``killed`` end by SIGKILL and every other one ends with status 0, all within
     ``deadline`` seconds (past it every process is killed; each one left dumped its stacks)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs = [
         ctx.Process(target=_entry, args=(fn, i, str(tmp), deadline, args), daemon=True)
         for i in range(processes)
