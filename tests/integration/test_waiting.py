@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from epochal.errors import CoordinatorUnreachable
-from epochal.worker.control.client import ABORT_EXIT_CODE
+from epochal.worker.control.backstop import ABORT_EXIT_CODE
 from tests.integration.conftest import SCRIPTS, Spawner
 
 pytestmark = pytest.mark.slow

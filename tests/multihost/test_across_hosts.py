@@ -20,7 +20,7 @@ import pytest
 
 import epochal
 from epochal.protocol import Liveness
-from epochal.worker.control.client import ABORT_EXIT_CODE
+from epochal.worker.control.backstop import ABORT_EXIT_CODE
 from tests.multihost import netns
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from epochal.worker.control.client import ABORT_EXIT_CODE
+from epochal.worker.control.backstop import ABORT_EXIT_CODE
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0

@@ -6,10 +6,10 @@ turns an Abort or a vanished coordinator into :class:`~epochal.errors.RunAborted
 thread's next call (or its next :meth:`check`, made between batches). Each of the thread's tasks
 is watched: one that dies fails the worker at once, with its cause, both here (the next call
 raises) and at the coordinator (a Failed message), instead of leaving a silence that the
-coordinator would later blame on the worker's network. If the main thread does not
-come back within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the
-thread prints the reason and ends the process with :data:`ABORT_EXIT_CODE`: a bounded abort
-instead of a hang. The same holds for a coordinator that vanished while the training code was
+coordinator would later blame on the worker's network. If the main thread does not come back
+within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the thread prints
+the reason and ends the process (:mod:`~epochal.worker.control.backstop`): a bounded abort instead
+of a hang. The same holds for a coordinator that vanished while the training code was
 away: a worker that keeps making progress finishes its epoch and then waits to re-attach, but one
 whose training code made no progress for the run's heartbeat timeout + ``abort_grace`` seconds
 is blocked in a collective (its peer was cut off with it, or is gone) and could never re-attach,
@@ -22,7 +22,6 @@ import asyncio
 import functools
 import os
 import queue
-import secrets
 import sys
 import threading
 import time
@@ -37,7 +36,6 @@ from zmq.utils.monitor import parse_monitor_message
 from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
 from epochal.log import WORKER, ensure_configured
 from epochal.protocol import (
-    MAX_FRAME_BYTES,
     Abort,
     Awaiting,
     CoordinatorMessage,
@@ -61,29 +59,15 @@ from epochal.protocol.codec import decode_frame
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.protocol.paging import model_page
 from epochal.protocol.skipped import SkippedFields
-from epochal.security.curve import ClientSecurity, describe_handshake_failure, secure_client
+from epochal.security.curve import ClientSecurity, describe_handshake_failure
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
+from epochal.worker.control.backstop import exit_if_stuck, exit_unless_taken
+from epochal.worker.control.dealer import Dealer
 from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
 
-_WATCHED_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-ROUTING_NONCE_BYTES = 8
-"""Random bytes appended to the routing identity: another process cannot guess it and take over
-this worker's connection (the coordinator hands an identity over to whoever connects with it)."""
-
 DEFAULTS = JoinOptions()
-
-ABORT_EXIT_CODE = 75
-"""Exit status of a worker process ended by an abort it could not leave in time."""
 
 ABORT_CHARS = 8 * REASON_CHARS
 """Longest abort reason a worker shows: the coordinator's reason names at most a few failures of
@@ -346,30 +330,12 @@ class ControlClient:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
-        sock.setsockopt(zmq.IDENTITY, self.identity[: 255 - len(nonce)] + nonce)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.handshake.timeout * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if self._security is not None:
-            secure_client(sock, self._security)
-        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
-        try:
-            sock.connect(self.endpoint)
-        except zmq.ZMQError as exc:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
-            raise EpochalError(f"cannot connect to coordinator {self.endpoint!r}: {exc}") from None
+        dealer = Dealer(self.endpoint, self.identity, self.handshake.timeout, self._security)
+        sock = dealer.socket
         self._started.set()
         reader = self._watched(self._read(sock), "reading the coordinator's messages")
         ticker = self._watched(self._tick(), "sending heartbeats")
-        watcher = self._watched(self._watch(monitor), "watching the connection")
+        watcher = self._watched(self._watch(dealer.monitor), "watching the connection")
         try:
             while True:
                 message = await self._outbox.get()
@@ -385,10 +351,7 @@ class ControlClient:
             ticker.cancel()
             watcher.cancel()
             await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=2000)
-            ctx.term()
+            dealer.close()
 
     def _watched(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         """Run ``work`` as a task of this thread whose end, other than by cancelling, fails us."""
@@ -555,35 +518,17 @@ class ControlClient:
         ).start()
 
     def _exit_unless_taken(self, reason: str) -> None:
-        if self._abort_taken.wait(self.abort_grace):
-            return
-        WORKER.error(
-            f"epochal: run aborted: {reason}\n"
-            f"epochal: the training code did not return to epochal within {self.abort_grace:g} s "
-            f"(blocked in a collective?); exiting with status {ABORT_EXIT_CODE}"
-        )
-        os._exit(ABORT_EXIT_CODE)
+        exit_unless_taken(reason, self._abort_taken, self.abort_grace)
 
     def _exit_if_stuck(self, reason: str, taken: threading.Event) -> None:
-        """The coordinator is lost: end the process if the training code is blocked for good.
-
-        A main thread that takes the loss (or keeps making progress) re-attaches; one that made
-        no progress for the heartbeat timeout + ``abort_grace`` seconds sits in a collective whose
-        peer is gone and would otherwise stay there for the collective timeout.
-        """
-        limit = self.liveness.timeout + self.abort_grace
-        if taken.wait(self.abort_grace):
-            return
-        while True:
-            stalled = time.monotonic() - self._progress_at
-            if stalled >= limit:
-                break
-            if taken.wait(min(limit - stalled, self.liveness.interval)):
-                return
+        """The coordinator is lost (or the world changes): end the process if the training code
+        is blocked for good (:func:`~epochal.worker.control.backstop.exit_if_stuck`)."""
         who = f"rank {self.rank}" if self.rank is not None else "worker"
-        WORKER.error(
-            f"epochal: {who}: {reason}; the training code made no progress for {stalled:.0f} s "
-            f"(blocked in a collective whose peer is gone?) and cannot re-attach from there: "
-            f"exiting with status {ABORT_EXIT_CODE}"
+        exit_if_stuck(
+            reason,
+            taken,
+            self.abort_grace,
+            lambda: self.liveness,
+            lambda: self._progress_at,
+            who,
         )
-        os._exit(ABORT_EXIT_CODE)
