@@ -34,6 +34,8 @@ from epochal.rundir import DEFAULT_MONITOR, monitor_of
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
+EXTRA_HINT = "pip install 'epochal[metrics]'"
+
 DEFAULT_HOST = "127.0.0.1"
 
 EPOCH_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, math.inf)
@@ -108,14 +110,19 @@ class Prometheus(RunObserver):
     """Serves the metrics from construction until :meth:`close`; ``port`` is the bound port."""
 
     def __init__(self, address: str) -> None:
-        from prometheus_client import (
-            CONTENT_TYPE_LATEST,
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            Histogram,
-            generate_latest,
-        )
+        try:
+            from prometheus_client import (
+                CONTENT_TYPE_LATEST,
+                CollectorRegistry,
+                Counter,
+                Gauge,
+                Histogram,
+                generate_latest,
+            )
+        except ImportError:
+            raise ConfigError(
+                f"--metrics-address needs the prometheus-client package: {EXTRA_HINT}"
+            ) from None
 
         self.host, port = parse_address(address)
         self.registry = CollectorRegistry()

@@ -657,3 +657,29 @@ def test_joins_are_written_at_most_every_interval_and_at_once_when_all_are_in(
     assert json.loads(path.read_text())["joined"] == 3
     status.on_join(World(joined=4, world_size=4))  # the last one: at once
     assert json.loads(path.read_text())["joined"] == 4
+
+
+@pytest.mark.parametrize(
+    ("package", "make", "option", "extra"),
+    [
+        ("prometheus_client", lambda tmp: Prometheus("0"), "--metrics-address", "metrics"),
+        ("tensorboard", lambda tmp: TensorBoard(tmp / "tb"), "--tensorboard", "tensorboard"),
+    ],
+    ids=["metrics", "tensorboard"],
+)
+def test_an_observer_whose_extra_is_not_installed_says_which_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    package: str,
+    make: Any,
+    option: str,
+    extra: str,
+):
+    # a module set to None in sys.modules fails to import, as one never installed does
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(ConfigError) as refused:
+        make(tmp_path)
+    assert str(refused.value).startswith(f"{option} needs the ")
+    assert f"pip install 'epochal[{extra}]'" in str(refused.value)

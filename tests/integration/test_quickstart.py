@@ -17,17 +17,38 @@ DEADLINE = 300.0
 """Twenty epochs of a small classifier; only a hang should reach this."""
 
 
-def quick_start_command() -> list[str]:
-    """The ``epochal run ...`` part of the first command in the README's quick start."""
+def quick_start() -> list[str]:
+    """The lines of the README quick start's bash block: the two commands."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Quick start", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block is not None, "the quick start has no bash block"
-    first = block.group(1).splitlines()[0]
+    lines = block.group(1).splitlines()
+    assert len(lines) == 2, f"the quick start is two commands, not {len(lines)}: {lines}"
+    return lines
+
+
+def quick_start_command() -> list[str]:
+    """The ``epochal run ...`` part of the first command in the README's quick start."""
+    first = quick_start()[0]
     command = first.split("&&")[-1].strip()
     words = shlex.split(command)
     assert words[:2] == ["epochal", "run"], f"the quick start's first command changed: {first}"
     return words[1:]
+
+
+@pytest.mark.parametrize("extra", ["examples", "test"])
+def test_the_quick_start_installs_into_a_virtual_environment_only_what_it_runs(extra: str):
+    first, second = quick_start()
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && "), first
+    installs = first if extra == "examples" else second
+    assert f"-e '.[{extra}]'" in installs
+    assert "test" not in first, "the first command installs the test tools"
+
+
+def test_ci_runs_the_readmes_test_command_word_for_word():
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci[-1] == quick_start()[1]
 
 
 def test_the_quick_start_runs_as_the_readme_says(spawn: Spawner, tmp_path: Path):
