@@ -50,6 +50,22 @@ class Schedule:
     name: str
     params: dict[str, float] = field(default_factory=dict)
     epochs: int = 1
+    given: frozenset[str] = field(default=frozenset(), compare=False)
+    """The settings the spec named; the others are their defaults."""
+
+    def defaults_note(self) -> str | None:
+        """One line naming the settings the spec left to their defaults (``step:every=2`` takes
+        ``gamma=0.1``), so that nobody trains with a default they did not know; None when the
+        spec named every setting."""
+        taken = [k for k in sorted(self.params) if k not in self.given]
+        if not taken:
+            return None
+        listed = ", ".join(f"{k}={_number(self.params[k])}" for k in taken)
+        which = "is its default" if len(taken) == 1 else "are its defaults"
+        return (
+            f"learning-rate schedule {self.spec}: {listed} {which} (name "
+            f"{'it' if len(taken) == 1 else 'them'} in --lr-schedule to choose otherwise)"
+        )
 
     @property
     def spec(self) -> str:
@@ -123,7 +139,10 @@ def parse_schedule(spec: str, epochs: int) -> Schedule:
         except ValueError:
             raise ConfigError(f"schedule {name}: {key}={raw!r} is not a number") from None
     _check(name, params)
-    return Schedule(name=name, params=params, epochs=epochs)
+    given = frozenset(
+        k for k in params if any(i.split("=")[0].strip() == k for i in rest.split(","))
+    )
+    return Schedule(name=name, params=params, epochs=epochs, given=given)
 
 
 def _check(name: str, p: dict[str, float]) -> None:

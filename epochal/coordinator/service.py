@@ -236,7 +236,8 @@ class Coordinator:
         assert state is not None and machine is not None
         workers = self.config.world_size
         raise_nofile_limit()  # before the socket: each worker's connection is a file
-        for note in (oslimits.nofile_note(workers), oslimits.backlog_note(workers)):
+        schedule = self.config.schedule.defaults_note() if self._attempt == 0 else None
+        for note in (oslimits.nofile_note(workers), oslimits.backlog_note(workers), schedule):
             if note is not None:
                 self._log(note)
         limits = connection_limits(

@@ -472,3 +472,25 @@ def test_plateau_never_rises_and_never_drops_below_min_unless_it_stops(
         assert factor <= previous
         assert factor == 0.0 or factor >= min(low, previous)
         previous = factor
+
+
+@pytest.mark.parametrize(
+    ("spec", "note"),
+    [
+        (
+            "step:every=2",
+            "learning-rate schedule step:every=2,gamma=0.1: gamma=0.1 is its default (name it in "
+            "--lr-schedule to choose otherwise)",
+        ),
+        (
+            "plateau:patience=2,factor=0.5",
+            "learning-rate schedule plateau:factor=0.5,min=0,patience=2,threshold=0.0001: min=0, "
+            "threshold=0.0001 are its defaults (name them in --lr-schedule to choose otherwise)",
+        ),
+        ("step:every=2,gamma=0.5", None),
+        ("step: gamma=0.5 , every=3", None),
+        ("constant", None),
+    ],
+)
+def test_a_setting_left_to_its_default_is_named_once_at_the_start(spec: str, note: str | None):
+    assert parse_schedule(spec, 10).defaults_note() == note
