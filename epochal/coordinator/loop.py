@@ -127,9 +127,11 @@ class LoopState:
         *,
         validates: bool,
         metrics: Mapping[str, float] | None = None,
+        lr: float | None = None,
     ) -> EpochOutcome:
         """Record ``epoch``'s global losses and metrics (by journal key) and return the decision
-        for it; PolicyViolation (nothing changed) when the monitored metric is not reported."""
+        for it; PolicyViolation (nothing changed) when the monitored metric is not reported.
+        ``lr``: the learning rate the workers said their optimizer held (None: not said)."""
         metrics = dict(metrics or {})
         observed = self.observed(train_loss, valid_loss, metrics, validates=validates)
         is_best = False
@@ -174,6 +176,7 @@ class LoopState:
             next_lr_factor=self.lr_factor,
             stop_reason=stop_reason,
             metrics=metrics,
+            lr=lr,
         )
         self.history.append(outcome)
         return outcome

@@ -119,6 +119,8 @@ class RunMachine(Regrouping):
         self._reports: dict[int, LossSums] = {}
         self._next: dict[int, BatchCounts] = {}
         # phase running: the batch counts for the next epoch that the loss reports carried
+        self._rates: dict[int, float | None] = {}
+        # phase running: the learning rate each rank's optimizer held, where it said it
         self._checksums: dict[int, int | None] = {}
         # phase running: each rank's checksum of its weights after the epoch, where it sent one
         self._done: set[int] = set()
@@ -293,6 +295,7 @@ class RunMachine(Regrouping):
                     {m.name: (m.total, m.count) for m in message.valid_metrics},
                 )
                 self._checksums[rank] = message.checksum
+                self._rates[rank] = message.lr
                 if message.ready is not None:
                     ready = message.ready
                     self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
@@ -343,6 +346,7 @@ class RunMachine(Regrouping):
         self._reports.clear()
         self._next.clear()
         self._checksums.clear()
+        self._rates.clear()
         self._done.clear()
 
     def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> Go:
@@ -365,6 +369,8 @@ class RunMachine(Regrouping):
 
     def _decide(self, now: float) -> list[Action]:
         checksums, self._checksums = self._checksums, {}
+        rates, self._rates = self._rates, {}
+        rate = next((rates[r] for r in sorted(rates) if rates[r] is not None), None)
         if self.config.replica_check:
             differ = replicas_differ(self.epoch, checksums)
             if differ is not None:  # before the decision: nothing of this epoch is kept
@@ -378,6 +384,7 @@ class RunMachine(Regrouping):
                 valid_loss,
                 validates=self._validates,
                 metrics=metric_values(sums),
+                lr=rate,
             )
         except PolicyViolation as exc:
             return self.abort(f"epoch {self.epoch}: {exc}")

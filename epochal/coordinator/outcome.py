@@ -39,6 +39,9 @@ class EpochOutcome:
     # why the run stops after this epoch: "epochs", "lr_factor" or "patience"
     metrics: dict[str, float] = field(default_factory=dict)
     # every named metric's global value by its journal key: "train_accuracy", "valid_accuracy"
+    lr: float | None = None
+    # the learning rate the workers' optimizer held (rank 0's report, else the first that says
+    # it); None: no worker said it (a custom loop that does not pass learning_rate)
 
     def decision(
         self,
@@ -118,6 +121,15 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     )
 
 
+def format_rate(outcome: EpochOutcome) -> str:
+    """``lr 0.05``: the rate the optimizer held, with the coordinator's factor when it is not 1
+    (``lr 0.025 (x0.5)``); ``lr x0.5``, the factor alone, when no worker said the rate."""
+    factor = f"x{outcome.lr_factor:g}"
+    if outcome.lr is None:
+        return f"lr {factor}"
+    return f"lr {outcome.lr:.4g}" + ("" if outcome.lr_factor == 1 else f" ({factor})")
+
+
 def format_epoch_line(
     outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = DEFAULT_MONITOR
 ) -> str:
@@ -134,6 +146,6 @@ def format_epoch_line(
         f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}"
         f"{format_metrics(outcome.metrics)}  {smoothed_label(monitor)} "
         f"{format_loss(outcome.smoothed_loss)}  "
-        f"lr x{outcome.lr_factor:g}  best {best}  "
+        f"{format_rate(outcome)}  best {best}  "
         f"{seconds:.2f}s{marker}"
     )

@@ -37,7 +37,7 @@ INTERVAL = 2.0
 """Seconds between two rewrites of status.json for heartbeat snapshots alone (an epoch, a join,
 a start and the end are written at once)."""
 
-_LAST_FIELDS = ("epoch", "train_loss", "valid_loss", "smoothed_loss", "lr_factor", "seconds")
+_LAST_FIELDS = ("epoch", "train_loss", "valid_loss", "smoothed_loss", "lr_factor", "lr", "seconds")
 
 
 class StatusFile(RunObserver):
@@ -230,7 +230,12 @@ def _alive(pid: Any, host: Any) -> bool | None:
 
 
 def _epoch_line(record: Mapping[str, Any], monitor: str) -> str:
-    lr = record.get("lr_factor")
+    factor, rate = record.get("lr_factor"), record.get("lr")
+    lr = ""
+    if _is_number(rate):  # the rate the optimizer held, as the coordinator's epoch line says it
+        lr = f"  lr {rate:.4g}" + (f" (x{factor:g})" if _is_number(factor) and factor != 1 else "")
+    elif _is_number(factor):
+        lr = f"  lr x{factor:g}"
     seconds = record.get("seconds")
     return (
         f"last epoch {_t(record.get('epoch'))}: train {_loss(record.get('train_loss'))}  "
@@ -241,7 +246,7 @@ def _epoch_line(record: Mapping[str, Any], monitor: str) -> str:
             for key in _list(record.get("metrics"))
             if isinstance(key, str)
         )
-        + (f"  lr x{lr:g}" if _is_number(lr) else "")
+        + lr
         + (f"  {seconds:.2f}s" if _is_number(seconds) else "")
     )
 

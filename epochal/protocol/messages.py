@@ -232,6 +232,9 @@ class EpochReport(WorkerMessage):
     # and Welcome.replica_check asks for it; None: not compared
     generation: NonNeg = 0
     # the world this worker is in (Welcome.generation): a report of an older world is dropped
+    lr: _Annotated[float, Finite()] | None = None
+    # the learning rate this rank's optimizer holds (its first parameter group's) when the epoch
+    # is reported, where the training code says it (epochal.train does); None: not known
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)

@@ -11,6 +11,7 @@ the first epoch of a run (or of a resume) is announced on its own (``epoch_ready
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -103,6 +104,7 @@ class Session:
         self._reattach_timeout = reattach_timeout
         self._store_timeout = store_timeout
         self._closed = False
+        self._learning_rate: Callable[[], float] | None = None
         client.rank = self.rank
         self._adopt(welcome)
 
@@ -199,6 +201,7 @@ class Session:
         on_best: Callable[[int], None] | None = None,
         state: Stateful | None = None,
         rejoin: Rejoin | None = None,
+        learning_rate: Callable[[], float] | None = None,
     ) -> RunResult:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
@@ -220,7 +223,13 @@ class Session:
         and a rank is lost: its ``leave()`` drops every reference to the process group, its
         ``rebuild(epoch)`` builds over the new one and restores the start of ``epoch`` (which is
         then run again at the new rank and world size). Without it a lost rank ends the run.
+
+        ``learning_rate()`` is the rate the optimizer holds now (``lambda:
+        optimizer.param_groups[0]["lr"]``); asked when each epoch is reported, it is what the
+        coordinator's epoch line shows (``lr 0.05``) and its journal keeps. Without it the line
+        shows the coordinator's factor (``lr x1``).
         """
+        self._learning_rate = learning_rate
         curve: list[EpochRecord] = []
         try:
             curve = self._resume(state)
@@ -340,6 +349,7 @@ class Session:
                 ),
                 checksum=self._checksum(),
                 generation=self.generation,
+                lr=self._rate(),
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
@@ -426,6 +436,14 @@ class Session:
             f"({time.monotonic() - started:.2f} s to regroup)"
         )
         return welcome.start_epoch, state
+
+    def _rate(self) -> float | None:
+        """The optimizer's learning rate for the epoch report; None when not known or not a
+        finite number (a scheduler's tensor rate is read as a number)."""
+        if self._learning_rate is None:
+            return None
+        rate = float(self._learning_rate())
+        return rate if math.isfinite(rate) else None
 
     def _checksum(self) -> int | None:
         """This rank's weights' checksum for its epoch report, when the run compares them."""

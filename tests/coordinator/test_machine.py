@@ -7,6 +7,7 @@ and just after it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -707,3 +708,26 @@ def test_every_worker_is_told_the_runs_heartbeats_when_it_joins_and_is_welcomed(
     welcomed = [m for m in told if isinstance(m, Welcome)]
     assert len(joined) == 2 and len(welcomed) == 2
     assert {m.liveness for m in joined + welcomed} == {Liveness(interval=0.5, timeout=4.0)}
+
+
+# ----------------------------------------------------------------------------- the rate
+
+
+def test_the_epoch_line_shows_the_rate_the_ranks_optimizer_holds_and_the_journal_keeps_it():
+    run = start(epochs=3, lr_schedule="step:every=1,gamma=0.5")
+    run.all(1.0, ready)
+    said = run.all(2.0, lambda r: dataclasses.replace(report(1.0, 0), lr=[0.05, None][r]))
+    (line,) = [line for line in logged(said) if line.startswith("epoch 0 [")]
+    assert "  lr 0.05  best" in line  # the factor is 1 in epoch 0: not repeated
+    (record,) = [a.record for a in said if isinstance(a, Journal) and a.kind == "epoch"]
+    assert record["lr"] == 0.05 and record["lr_factor"] == 1.0
+    # rank 0 said nothing: the first rank that did; the factor beside the rate once it is not 1
+    said = run.all(3.0, lambda r: dataclasses.replace(report(1.0, 1), lr=[None, 0.025][r]))
+    (line,) = [line for line in logged(said) if line.startswith("epoch 1 [")]
+    assert "  lr 0.025 (x0.5)  best" in line
+    # no rank says its rate (a custom loop without learning_rate=): the factor alone
+    said = run.all(4.0, lambda r: last(1.0, 2))
+    (line,) = [line for line in logged(said) if line.startswith("epoch 2 [")]
+    assert "  lr x0.25  best" in line
+    (record,) = [a.record for a in said if isinstance(a, Journal) and a.kind == "epoch"]
+    assert record["lr"] is None

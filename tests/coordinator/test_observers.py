@@ -255,6 +255,9 @@ def test_status_of_a_live_run_shows_each_rank(tmp_path: Path) -> None:
     assert lines[0] == f"run run0 in {tmp_path}: running, epoch 1 [2/10], 2/2 workers joined"
     assert lines[1].startswith("updated ") and f"by pid {os.getpid()}" in lines[1]
     assert "last epoch 0: train 1.0000  valid 1.5000  smoothed 1.5000  lr x1  2.50s" in lines
+    # the rate the workers' optimizer held, where they said it, with a factor that is not 1
+    status.on_epoch(record(1, lr=0.025, lr_factor=0.5), snapshot(2))
+    assert "lr 0.025 (x0.5)  2.50s" in describe(tmp_path)
     assert lines[-3].split() == "rank host phase epoch step still for heard at".split()  # noqa: SIM905
     assert lines[-1].split() == "1 node2 waiting 1 16 3.0 s 0.9 s ago client.py:9 in wait".split()  # noqa: SIM905
     assert not ended(tmp_path)

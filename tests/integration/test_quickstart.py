@@ -60,6 +60,8 @@ def test_the_quick_start_runs_as_the_readme_says(spawn: Spawner, tmp_path: Path)
     assert re.search(r"\[rank 0\] best epoch \d+ of 20: .* test accuracy 0\.\d+", output), output
     # the example's accuracy metric is aggregated over both ranks and shown every epoch
     assert re.search(r"epoch 19 \[20/20\] .* valid accuracy 0\.\d{4}  smoothed", output), output
+    # the rate the example's optimizer holds (SGD, lr 0.05, no schedule), as its workers say it
+    assert re.search(r"epoch 19 \[20/20\] .*  lr 0\.05  best ", output), output
     assert "done: best epoch" in output
     (result,) = (tmp_path / "runs").glob("*/result.json")
     assert json.loads(result.read_text())["status"] == "finished"

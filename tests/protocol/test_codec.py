@@ -27,6 +27,7 @@ from epochal.protocol.messages import (
     MAX_PAGE_PARAMS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     TYPE_NAMES,
     Abort,
@@ -137,6 +138,11 @@ HAND_BUILT: dict[type, Any] = {
     Checkpointed: Checkpointed(epoch=2),
     ModelPage: ModelPage(first=0, entries=3, params=PARAMS),
 }
+
+
+MINOR = {"m": PROTOCOL_MINOR} if PROTOCOL_MINOR else {}
+"""What a frame of this version carries besides ``v`` and ``t``: its minor version, left out when
+0."""
 
 
 def frame_of(message: Any) -> dict[str, Any]:
@@ -407,8 +413,10 @@ def test_every_registered_message_round_trips_in_every_example(cls: type):
     cases = examples(cls) + ([HAND_BUILT[cls]] if cls in HAND_BUILT else [])
     for message in cases:
         data = encode(message, session="abc")
-        assert codec._whole(data) == Decoded(message, "abc")  # a valid frame takes the fast path
-        assert codec._by_value(data, len(data)) == Decoded(message, "abc")
+        assert codec._whole(data) == Decoded(
+            message, "abc", PROTOCOL_MINOR
+        )  # a valid frame takes the fast path
+        assert codec._by_value(data, len(data)) == Decoded(message, "abc", PROTOCOL_MINOR)
         decoded = decode(encode(message))
         assert type(decoded) is cls
         assert decoded == message
@@ -429,13 +437,14 @@ def test_any_valid_message_round_trips(message: Any):
 def test_wire_format_is_a_flat_map_with_version_and_type():
     assert frame_of(StoreReady(host="h", port=5, key="k")) == {
         "v": PROTOCOL_VERSION,
+        **MINOR,
         "t": "store_ready",
         "host": "h",
         "port": 5,
         "key": "k",
         "generation": 0,
     }
-    assert frame_of(Done()) == {"v": PROTOCOL_VERSION, "t": "done"}
+    assert frame_of(Done()) == {"v": PROTOCOL_VERSION, **MINOR, "t": "done"}
     assert frame_of(HAND_BUILT[Hello])["fingerprint"] == {
         "digest": "d" * 64,
         "torch_version": "2.4.0",
@@ -491,7 +500,11 @@ def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
     for message in (report, last, GOES_ON, HAND_BUILT[Decision]):
         data = encode(message, session="abc")
         assert decode(data) == message
-        assert codec._whole(data) == codec._by_value(data, len(data)) == Decoded(message, "abc")
+        assert (
+            codec._whole(data)
+            == codec._by_value(data, len(data))
+            == Decoded(message, "abc", PROTOCOL_MINOR)
+        )
     decoded = decode(encode(GOES_ON))
     assert isinstance(decoded, Decision) and isinstance(decoded.go, Go)
 
@@ -725,7 +738,7 @@ def test_a_missing_nested_field_names_its_path():
 def test_a_field_this_version_does_not_know_is_skipped_and_named(cls: type):
     frame = frame_of(HAND_BUILT[cls]) | {"colour": "blue"}
     assert decode_frame(pack(frame)) == Decoded(
-        HAND_BUILT[cls], skipped=(f"{TYPE_NAMES[cls]}.colour",)
+        HAND_BUILT[cls], minor=PROTOCOL_MINOR, skipped=(f"{TYPE_NAMES[cls]}.colour",)
     )
 
 
@@ -734,11 +747,15 @@ def test_a_nested_field_this_version_does_not_know_is_skipped_and_named_by_its_p
     frame["params"][0]["stride"] = [5, 1]
     frame["params"][2]["stride"] = []
     decoded = decode_frame(pack(frame))
-    assert decoded == Decoded(HAND_BUILT[ModelPage], skipped=("model_page.params.stride",))
+    assert decoded == Decoded(
+        HAND_BUILT[ModelPage], minor=PROTOCOL_MINOR, skipped=("model_page.params.stride",)
+    )
     frame = frame_of(HAND_BUILT[Hello])
     frame["fingerprint"]["params"] = [{"name": "w", "shape": [2], "dtype": "f"}]
     decoded = decode_frame(pack(frame))
-    assert decoded == Decoded(HAND_BUILT[Hello], skipped=("hello.fingerprint.params",))
+    assert decoded == Decoded(
+        HAND_BUILT[Hello], minor=PROTOCOL_MINOR, skipped=("hello.fingerprint.params",)
+    )
 
 
 def test_a_missing_field_names_the_unknown_ones_beside_it():
@@ -984,7 +1001,7 @@ def test_frames_with_arbitrary_fields_decode_or_are_refused(frame: dict[str, Any
         specs = fields_of(type(message))
         assert {f.name for f in specs if f.required} <= set(frame)
         skipped = {path for path in decode_frame(pack(frame)).skipped if path.count(".") == 1}
-        unknown = set(frame) - {"v", "t"} - {f.name for f in specs}
+        unknown = set(frame) - {"v", "t", "m", "s"} - {f.name for f in specs}
         assert {path.split(".")[1] for path in skipped} == unknown
 
 
@@ -1194,8 +1211,8 @@ def test_a_bomb_inside_a_declared_list_is_refused_at_its_first_item():
 
 def test_a_session_travels_beside_the_message():
     message = HAND_BUILT[Failed]
-    assert decode_frame(encode(message, session="abc")) == Decoded(message, "abc")
-    assert decode_frame(encode(message)) == Decoded(message, "")
+    assert decode_frame(encode(message, session="abc")) == Decoded(message, "abc", PROTOCOL_MINOR)
+    assert decode_frame(encode(message)) == Decoded(message, "", PROTOCOL_MINOR)
     assert decode(encode(message, session="abc")) == message
 
 

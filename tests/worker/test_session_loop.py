@@ -160,6 +160,16 @@ def test_only_the_first_epoch_is_announced_on_its_own_the_reports_carry_the_next
     assert all(announce for phase, announce in client.announced if phase is not Phase.WAITING)
 
 
+def test_each_report_carries_the_rate_the_optimizer_holds_when_the_loop_says_it():
+    rates = iter([0.1, 0.05, float("nan")])  # a rate that is not a number is not sent
+    client = ScriptedClient(epochs=3)
+    session(client).run_epochs(trainer([]), batches=(4, None), learning_rate=lambda: next(rates))
+    assert [m.lr for m in client.sent if isinstance(m, EpochReport)] == [0.1, 0.05, None]
+    client = ScriptedClient(epochs=2)  # without learning_rate=: not known
+    session(client).run_epochs(trainer([]), batches=(4, None))
+    assert [m.lr for m in client.sent if isinstance(m, EpochReport)] == [None, None]
+
+
 def test_a_decision_that_stops_early_needs_no_go(monkeypatch: pytest.MonkeyPatch):
     client = ScriptedClient(epochs=3)
     original = client.send

@@ -341,6 +341,7 @@ def fit(
         on_best=keep_best,
         state=train_state,
         rejoin=Rejoin(leave, rebuild),
+        learning_rate=lambda: optimizer.param_groups[0]["lr"],
     )
     if result.restore_best and result.best_epoch is not None:
         if best_state is not None:
