@@ -35,6 +35,20 @@ def monitored_key(monitor: str, validates: bool) -> str:
     return f"{'valid' if validates else 'train'}_{monitor}"
 
 
+def missing_monitor(monitor: str, names: list[str], what: str = "") -> str:
+    """Why ``--monitor monitor`` cannot be followed: the workers report only ``names`` (besides
+    the loss) of the ``what`` split ("validation ", "training ", "" before the first epoch); the
+    likeliest name they meant, else what to do."""
+    close = close_matches(monitor, names, n=1)
+    fix = (
+        f"did you mean --monitor {close[0]}? Else add" if close else "monitor one of those, or add"
+    )
+    return (
+        f"--monitor {monitor}: the workers report no {what}metric of that name (they report "
+        f"{', '.join(['loss', *names])}): {fix} {monitor!r} to the training code's metrics"
+    )
+
+
 @dataclass(slots=True)
 class LoopState:
     """lamp's epoch loop state: smoothed monitored value, best epoch, learning-rate factor, stop.
@@ -98,21 +112,9 @@ class LoopState:
         if key in metrics:
             return metrics[key]
         split = "valid" if validates else "train"
-        names = ["loss"] + [
-            k[len(split) + 1 :] for k in sorted(metrics) if k.startswith(f"{split}_")
-        ]
-        what = "validation" if validates else "training"
-        close = close_matches(self.monitor, names[1:], n=1)
-        fix = (
-            f"did you mean --monitor {close[0]}? Else add"
-            if close
-            else "monitor one of those, or add"
-        )
-        raise PolicyViolation(
-            f"--monitor {self.monitor}: the workers report no {what} metric of that name "
-            f"(they report {', '.join(names)}): {fix} {self.monitor!r} to the training code's "
-            "metrics"
-        )
+        names = [k[len(split) + 1 :] for k in sorted(metrics) if k.startswith(f"{split}_")]
+        what = "validation " if validates else "training "
+        raise PolicyViolation(missing_monitor(self.monitor, names, what))
 
     def _better(self, value: float, than: float, margin: float = 0.0) -> bool:
         if self.mode == "max":

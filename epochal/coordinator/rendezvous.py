@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.loop import missing_monitor
 from epochal.coordinator.models import describe_fingerprints
 from epochal.protocol import Hello
 from epochal.text import printable
@@ -193,6 +194,9 @@ class Rendezvous:
                     f"rank {hint} is already taken by {holder.describe()}: give each worker a "
                     "distinct EPOCHAL_RANK, or none"
                 )
+        if cfg.monitor != "loss" and hello.metrics is not None and cfg.monitor not in hello.metrics:
+            # said at the hello: stop before anyone trains, not after the first epoch
+            return Fatal(missing_monitor(cfg.monitor, sorted(hello.metrics)))
         member = Member(peer=peer, hello=hello)
         ref = self._reference
         if ref is not None and ref.hello.fingerprint.digest != hello.fingerprint.digest:

@@ -383,6 +383,15 @@ class Coordinator:
         self.report_failure(failure, cause=True)
         return False
 
+    def never_joined(self, pids: list[int]) -> list[int]:
+        """Of ``pids`` (the launcher's workers), those the abort of a rendezvous that never
+        completed cannot reach: they had not joined, so no Abort goes to them."""
+        machine = self._machine
+        if machine is None or machine.rendezvous.complete:
+            return []
+        joined = {member.hello.pid for member in machine.rendezvous.members.values()}
+        return [pid for pid in pids if pid not in joined]
+
     def was_lost(self, pid: int) -> bool:
         """Whether the worker process ``pid`` was lost from the run while the others went on."""
         machine = self._machine

@@ -322,6 +322,11 @@ async def _attempt(
     except RunAborted as exc:
         reason = exc.reason
         relay.stop()
+        # still connecting when the rendezvous was aborted (another worker's model or --monitor,
+        # say): nothing tells them, and they have nothing to keep
+        running = [p.pid for p in procs if p.returncode is None]
+        for pid in coordinator.never_joined(running):
+            kill_group(pid, signal.SIGTERM)
     finally:
         detector.cancel()
         bound = exit_timeout if summary is not None else ABORT_EXIT_TIMEOUT

@@ -66,8 +66,8 @@ def _encoder(spec: FieldSpec) -> Callable[[Any], Any] | None:
     if spec.kind is tuple:
         assert spec.item is not None
         item = _encoder(spec.item)
-        if item is None:
-            return list
+        if item is None:  # a list of plain values (an optional one may be None)
+            return lambda value: None if value is None else list(value)
         return lambda value: None if value is None else [item(v) for v in value]
     if isinstance(spec.kind, type) and issubclass(spec.kind, Record):
         plain = _plain_record(spec.kind)

@@ -181,6 +181,14 @@ class Hello(WorkerMessage):
     # the model's digest: the coordinator compares it with every other worker's
     data_address: MaybeName = ""
     # the address this worker's data plane uses (for the coordinator's log); "": not given
+    metrics: _Annotated[tuple[_Annotated[str, MetricName()], ...], Items(MAX_METRICS)] | None = None
+    # the names of the metrics the training code will report (epochal.train's metrics=), each a
+    # metric name, so that a --monitor naming none of them stops the run before it trains;
+    # None: not said
+
+    def _validate(self) -> None:
+        for index, name in enumerate(self.metrics or ()):
+            MetricName()(f"metrics[{index}]", name)
 
 
 @message

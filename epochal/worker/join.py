@@ -116,6 +116,7 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
             device="cuda" if dev.type == "cuda" else "cpu",
             fingerprint=described.fingerprint,
             data_address=plane.address,
+            metrics=options.metrics,
         )
         timeout = options.collective_timeout
         welcome, store = rendezvous(client, hello, endpoint, deadline_s, timeout)

@@ -109,6 +109,9 @@ class JoinOptions:
         default=None, metadata=_from(CURVE_SERVER_KEY_ENV)
     )
     # the coordinator's CURVE public key file
+    metrics: tuple[str, ...] | None = None
+    # the names of the metrics the training code reports (epochal.train says them): the
+    # coordinator stops a run whose --monitor names none of them before it trains; None: not said
 
     def __post_init__(self) -> None:
         try:

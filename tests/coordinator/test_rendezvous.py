@@ -296,3 +296,27 @@ def test_an_explicit_backend_is_used_as_given(backend: str):
     rv = rendezvous(world_size=1, backend=backend)
     rv.offer(b"a", hello("w0", device="cuda" if backend == "gloo" else "cpu"))
     assert rv.assign()[1] == backend
+
+
+# ----------------------------------------------------------------------------- --monitor
+
+
+def test_a_monitor_the_worker_says_it_does_not_report_is_fatal_at_its_hello():
+    r = rendezvous(monitor="acc", monitor_mode="max")
+    reason = fatal(r.offer(b"p0", hello(metrics=("accuracy", "f1"))))
+    assert reason == (
+        "--monitor acc: the workers report no metric of that name (they report loss, accuracy, "
+        "f1): did you mean --monitor accuracy? Else add 'acc' to the training code's metrics"
+    )
+    assert r.members == {}  # nobody admitted: the run stops before anyone trains
+    reason = fatal(r.offer(b"p1", hello("w1", metrics=())))  # a worker that reports none
+    assert "(they report loss): monitor one of those, or add 'acc'" in reason
+
+
+def test_a_monitor_is_checked_only_against_names_a_worker_said():
+    r = rendezvous(monitor="accuracy", monitor_mode="max")
+    assert isinstance(r.offer(b"p0", hello(metrics=("accuracy",))), Admitted)
+    # a custom loop that did not say its metrics: checked at the first report instead
+    assert isinstance(r.offer(b"p1", hello("w1")), Admitted)
+    # the loss is always reported: nothing to check
+    assert isinstance(rendezvous().offer(b"p0", hello(metrics=())), Admitted)

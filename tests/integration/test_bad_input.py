@@ -176,7 +176,7 @@ def test_an_unwritable_run_directory_is_refused_naming_it(
     assert output.splitlines() == [f"epochal: error: {said}"]
 
 
-def test_a_misspelt_monitor_is_refused_at_the_first_report_naming_the_metrics(
+def test_a_misspelt_monitor_is_refused_when_the_workers_join_naming_the_metrics(
     spawn: Spawner, tmp_path: Path
 ):
     run_dir = tmp_path / "run"
@@ -200,13 +200,14 @@ def test_a_misspelt_monitor_is_refused_at_the_first_report_naming_the_metrics(
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1, output
     said = (
-        "epoch 0: --monitor acc: the workers report no validation metric of that name (they "
-        "report loss, accuracy): did you mean --monitor accuracy? Else add 'acc' to the training "
-        "code's metrics"
+        "--monitor acc: the workers report no metric of that name (they report loss, accuracy): "
+        "did you mean --monitor accuracy? Else add 'acc' to the training code's metrics"
     )
     assert output.count(said) == 1, output
     assert "Traceback" not in output
-    # refused before the epoch's decision was journaled: no epoch decided, none to resume from
+    # epochal.train told the coordinator its metrics' names in the hello: refused before any
+    # rank trained, so no epoch ran, none was decided, there is none to resume from
+    assert "epoch 0 [" not in output and "train 0." not in output, output
     journal = (run_dir / "epochs.jsonl").read_text()
     assert journal == "", journal
     spawn.assert_none_left()

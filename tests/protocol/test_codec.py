@@ -51,6 +51,7 @@ from epochal.protocol.messages import (
     Length,
     Liveness,
     Metric,
+    MetricName,
     ModelPage,
     OneOf,
     ParamSpec,
@@ -305,6 +306,8 @@ def _plain_values(spec: FieldSpec) -> st.SearchStrategy[Any]:
         return finite if any(isinstance(c, Finite) for c in spec.constraints) else no_nan
     if spec.kind is bool:
         return st.booleans()
+    if spec.kind is str and any(isinstance(c, MetricName) for c in spec.constraints):
+        return metric_names
     if spec.kind is str:
         least, most = 0, 24
         for c in spec.constraints:

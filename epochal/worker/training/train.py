@@ -412,7 +412,10 @@ def train(
     are checked before joining.
     """
     fitting = FitOptions(**{k: v for k, v in options.items() if k in FIT_OPTIONS})
-    joining = JoinOptions.from_env(**{k: v for k, v in options.items() if k not in FIT_OPTIONS})
+    joining = JoinOptions.from_env(
+        **{k: v for k, v in options.items() if k not in FIT_OPTIONS},
+        metrics=tuple(fitting.metrics),  # the coordinator checks --monitor against them at once
+    )
     session = join(model, joining)
     try:
         return fit(session, model, optimizer, train_loader, valid_loader, loss_fn, fitting)
