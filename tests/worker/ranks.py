@@ -137,6 +137,7 @@ class LocalSession:
         on_best: Any,
         state: Any,
         rejoin: Any = None,
+        learning_rate: Any = None,
     ) -> RunResult:
         start = 0
         if self.resume_epoch is not None:

@@ -104,6 +104,7 @@ class OneEpoch:
         on_best: Any,
         state: Any,
         rejoin: Any = None,
+        learning_rate: Any = None,
     ) -> RunResult:
         train_epoch(
             EpochContext(
