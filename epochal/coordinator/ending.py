@@ -35,6 +35,8 @@ def finish(loop: LoopState, config: CoordinatorConfig, run_id: str) -> tuple[Fin
         epochs_run=len(loop.history),
         restore_best=config.restore_best,
     )
+    if not loop.history:  # the workers kept a loop of their own (join() for the group only)
+        return message, f"run {run_id} finished: its workers ran their own loop, no epochs here"
     line = (
         f"run {run_id} finished after {counted(len(loop.history), 'epoch')}: best epoch "
         f"{loop.best_epoch} (smoothed {loop.monitor} {format_loss(loop.best_loss)})"

@@ -304,6 +304,10 @@ class RunMachine(Regrouping):
                 return []
             case Checkpointed() if rank == 0 and message.epoch <= self.epoch:
                 return self._on_checkpointed(message.epoch)
+            case Done() if self.phase is RunPhase.READY and rank not in self._ready:
+                # before any epoch_ready: the script keeps its own loop and used join() for the
+                # rendezvous and the process group only; its session closed cleanly
+                return self._closed_early(now, rank)
             case Done() if self.phase is RunPhase.FINISHING:
                 self._done.add(rank)
                 if len(self._done) == len(self.members):
@@ -435,6 +439,24 @@ class RunMachine(Regrouping):
             if pruned:
                 actions.append(Prune(tuple(pruned)))
             self._committed = [e for e in self._committed if e not in pruned]
+        return actions
+
+    def _closed_early(self, now: float, rank: int) -> list[Action]:
+        """A rank closed its session before it announced any epoch (a script with a loop of its
+        own): the run finishes; every rank gets the Finish now, and the run ends when each has
+        closed (or at ``--finish-timeout``). A rank that still asks for an epoch is out of step."""
+        actions = [
+            Log(
+                f"rank {rank} ({self.members[rank].describe()}) closed its session without "
+                "running epochs: its script keeps its own loop (epochal.join() for the process "
+                "group only); the run finishes once every rank has closed its session"
+            ),
+            *self._finish(now),
+        ]
+        self._ready.clear()
+        self._done.add(rank)
+        if len(self._done) == len(self.members):
+            actions += self._end()
         return actions
 
     def _finish(self, now: float) -> list[Action]:

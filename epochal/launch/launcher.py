@@ -375,6 +375,12 @@ async def _attempt(
     if lost:
         listed = ", ".join(map(str, sorted(lost)))
         without = f" (worker{'s' if len(lost) > 1 else ''} {listed} lost on the way)"
+    if summary.epochs_run == 0:  # join() for the process group only: the script's own loop
+        _say(
+            f"done: {counted(len(codes), 'worker')} closed their sessions and exited 0",
+            logging.INFO,
+        )
+        return Outcome(EXIT_OK)
     _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
 

@@ -105,6 +105,7 @@ class Session:
         self._store_timeout = store_timeout
         self._closed = False
         self._learning_rate: Callable[[], float] | None = None
+        self._ran_epochs = False  # run_epochs was called: this run's epochs are epochal's
         client.rank = self.rank
         self._adopt(welcome)
 
@@ -230,6 +231,7 @@ class Session:
         shows the coordinator's factor (``lr x1``).
         """
         self._learning_rate = learning_rate
+        self._ran_epochs = True
         curve: list[EpochRecord] = []
         try:
             curve = self._resume(state)
@@ -530,11 +532,40 @@ class Session:
                 "the worker and the coordinator are out of step (mixed epochal versions?)"
             )
 
-    def close(self) -> None:
-        """Leave the process group and stop the control client. Safe to call twice."""
+    def close(self, *, finished: bool = True) -> None:
+        """Leave the process group and stop the control client. Safe to call twice.
+
+        A session that never ran :meth:`run_epochs` belongs to a script with a loop of its own,
+        which used :func:`~epochal.worker.join.join` for the rendezvous and the process group
+        only: closing it ``finished`` (the ``with`` block ended without an exception) tells the
+        coordinator this rank is done and waits, at most the run's heartbeat timeout, for the
+        run's Finish; the run is finished once every rank has closed. RunAborted when the run was
+        aborted meanwhile (another rank failed).
+        """
         if self._closed:
             return
         self._closed = True
+        try:
+            if finished and not self._ran_epochs:
+                self._finish_without_epochs()
+        finally:
+            self._teardown()
+
+    def _finish_without_epochs(self) -> None:
+        self.client.at(Phase.FINISHING, self.start_epoch)
+        self.client.send(Done())
+        end = time.monotonic() + self.client.liveness.timeout
+        try:
+            while (left := end - time.monotonic()) > 0:
+                if isinstance(self.client.receive(timeout=left), Finish):
+                    return
+        except (TimeoutError, CoordinatorLost) as exc:
+            WORKER.info(
+                f"epochal: rank {self.rank}: closed its session without the run's finish "
+                f"({exc}); the coordinator ends the run at its --finish-timeout"
+            )
+
+    def _teardown(self) -> None:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -545,8 +576,8 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(finished=kind is None)
 
 
 def failure_reason(exc: BaseException) -> str:

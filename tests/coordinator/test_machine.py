@@ -582,9 +582,11 @@ def test_a_stranger_gets_a_few_answers_then_silence():
 
 
 def test_a_message_out_of_step_aborts_naming_the_phase():
-    run = start()
-    reason = aborted(run.send(1.0, run.peers[0], Done()))
-    assert reason is not None and "sent Done while the coordinator was in phase ready" in reason
+    run = start()  # a loss report before the epoch's go (a Done there closes a join-only run)
+    reason = aborted(run.send(1.0, run.peers[0], report(1.0, 0)))
+    assert reason is not None and "sent EpochReport while the coordinator was in phase ready" in (
+        reason
+    )
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -731,3 +733,27 @@ def test_the_epoch_line_shows_the_rate_the_ranks_optimizer_holds_and_the_journal
     assert "  lr x0.25  best" in line
     (record,) = [a.record for a in said if isinstance(a, Journal) and a.kind == "epoch"]
     assert record["lr"] is None
+
+
+# ----------------------------------------------------------------------------- join() only
+
+
+def test_ranks_that_close_their_sessions_before_any_epoch_finish_the_run_with_no_epochs():
+    run = start(epochs=3)
+    first = run.send(1.0, run.peers[1], Done())
+    (finish,) = broadcast(first, Finish)  # every rank hears at once that the run is finishing
+    assert finish == Finish(best_epoch=None, best_loss=None, epochs_run=0, restore_best=True)
+    assert any("rank 1 (" in line and "without running epochs" in line for line in logged(first))
+    assert run.machine.phase is RunPhase.FINISHING and not run.machine.over
+    last = run.send(2.0, run.peers[0], Done())
+    (ended,) = [a for a in last if isinstance(a, Finished)]
+    assert ended.summary.epochs_run == 0 and ended.summary.best_epoch is None
+    (result,) = [a.record for a in last if isinstance(a, Journal) and a.kind == "result"]
+    assert (result["status"], result["epochs_run"]) == ("finished", 0)
+
+
+def test_a_rank_that_asks_for_an_epoch_after_another_closed_its_session_is_out_of_step():
+    run = start(epochs=3)
+    run.send(1.0, run.peers[0], Done())
+    reason = aborted(run.send(1.5, run.peers[1], ready(1)))
+    assert reason is not None and "out of step" in reason, reason

@@ -216,3 +216,53 @@ def test_a_rank_that_lost_a_data_plane_peer_says_so_in_words_its_own_errors_as_t
     assert reason == f"{PEER_LOST}; the RuntimeError it raised is in this worker's output"
     assert "gloo" not in reason and "127.0.0.1" not in reason
     assert failure_reason(ValueError("boom: in the loss")) == "ValueError: boom: in the loss"
+
+
+class ClosingClient(ScriptedClient):
+    """A coordinator that answers a Done before any epoch with the run's Finish (or, with
+    ``answer=False``, says nothing at all); closing is recorded."""
+
+    def __init__(self, *, answer: bool = True) -> None:
+        super().__init__(epochs=1)
+        self.answer = answer
+        self.liveness = Liveness()
+        self.closed = False
+
+    def send(self, message: Message) -> None:
+        self.sent.append(message)
+        if isinstance(message, Done) and self.answer:
+            self.inbox.append(Finish(None, None, 0, False))
+
+    def receive(self, timeout: float | None = None) -> Message:
+        if not self.inbox:
+            raise TimeoutError("no message from the coordinator")
+        return self.inbox.popleft()
+
+    def close(self, *, flush: float = 2.0) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["finished", "no-answer"])
+def test_a_session_closed_cleanly_before_any_epoch_says_done_and_waits_for_the_finish(
+    answer: bool,
+):
+    # a script with a loop of its own used join() for the process group only
+    client = ClosingClient(answer=answer)
+    with session(client):  # type: ignore[arg-type]
+        pass
+    assert client.sent == [Done()] and client.closed
+    assert client.waits[-1] == (Phase.FINISHING, 0, None)  # its heartbeats say it is finishing
+    assert not client.inbox  # the Finish was taken (when one came)
+
+
+def test_a_session_left_by_an_exception_or_after_its_epochs_says_no_early_done():
+    client = ClosingClient()
+    with pytest.raises(ValueError), session(client):  # type: ignore[arg-type]
+        raise ValueError("the script failed")
+    assert client.sent == [] and client.closed  # the script's failure is the run's, not a finish
+    client = ScriptedClient(epochs=1)  # a session that ran its epochs: its Done was the finish's
+    client.close = lambda **_: None  # type: ignore[attr-defined]
+    s = session(client)
+    s.run_epochs(trainer([]), batches=(4, None))
+    s.close()
+    assert [type(m).__name__ for m in client.sent].count("Done") == 1
