@@ -416,8 +416,5 @@ def train(
         **{k: v for k, v in options.items() if k not in FIT_OPTIONS},
         metrics=tuple(fitting.metrics),  # the coordinator checks --monitor against them at once
     )
-    session = join(model, joining)
-    try:
+    with join(model, joining) as session:  # closed as failed if fit raises before its epochs
         return fit(session, model, optimizer, train_loader, valid_loader, loss_fn, fitting)
-    finally:
-        session.close()
