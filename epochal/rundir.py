@@ -63,3 +63,12 @@ def smoothed_label(monitor: str) -> str:
     ``smoothed`` for the loss (beside the train and valid losses it is made of), ``smoothed
     accuracy`` for a metric."""
     return "smoothed" if monitor == DEFAULT_MONITOR else f"smoothed {monitor}"
+
+
+def rate_label(lr: float | None, factor: float) -> str:
+    """How the epoch line and ``epochal status`` show an epoch's learning rate: ``lr 0.05``, the
+    rate the optimizer held, with the coordinator's factor when it is not 1 (``lr 0.025
+    (x0.5)``); ``lr x0.5``, the factor alone, when no worker said the rate."""
+    if lr is None:
+        return f"lr x{factor:g}"
+    return f"lr {lr:.4g}" + ("" if factor == 1 else f" (x{factor:g})")

@@ -309,10 +309,7 @@ class RunMachine(Regrouping):
                 # rendezvous and the process group only; its session closed cleanly
                 return self._closed_early(now, rank)
             case Done() if self.phase is RunPhase.FINISHING:
-                self._done.add(rank)
-                if len(self._done) == len(self.members):
-                    return self._end()
-                return []
+                return self._done_by(rank)
             case Failed():
                 reason = printable(message.reason, REASON_CHARS)
                 if self.lose(now, rank, f"failed: {reason}"):
@@ -454,10 +451,12 @@ class RunMachine(Regrouping):
             *self._finish(now),
         ]
         self._ready.clear()
+        return actions + self._done_by(rank)
+
+    def _done_by(self, rank: int) -> list[Action]:
+        """``rank`` has finished (said done); the run ends once every rank has."""
         self._done.add(rank)
-        if len(self._done) == len(self.members):
-            actions += self._end()
-        return actions
+        return self._end() if len(self._done) == len(self.members) else []
 
     def _finish(self, now: float) -> list[Action]:
         finish, line = ending.finish(self._loop, self.config, self.run_id)

@@ -16,7 +16,7 @@ from epochal.coordinator.batches import EpochPlan
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.sums import MetricSums, metric_records
 from epochal.protocol import Decision, Go
-from epochal.rundir import DEFAULT_MONITOR, smoothed_label
+from epochal.rundir import DEFAULT_MONITOR, rate_label, smoothed_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +121,6 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     )
 
 
-def format_rate(outcome: EpochOutcome) -> str:
-    """``lr 0.05``: the rate the optimizer held, with the coordinator's factor when it is not 1
-    (``lr 0.025 (x0.5)``); ``lr x0.5``, the factor alone, when no worker said the rate."""
-    factor = f"x{outcome.lr_factor:g}"
-    if outcome.lr is None:
-        return f"lr {factor}"
-    return f"lr {outcome.lr:.4g}" + ("" if outcome.lr_factor == 1 else f" ({factor})")
-
-
 def format_epoch_line(
     outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = DEFAULT_MONITOR
 ) -> str:
@@ -146,6 +137,6 @@ def format_epoch_line(
         f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}"
         f"{format_metrics(outcome.metrics)}  {smoothed_label(monitor)} "
         f"{format_loss(outcome.smoothed_loss)}  "
-        f"{format_rate(outcome)}  best {best}  "
+        f"{rate_label(outcome.lr, outcome.lr_factor)}  best {best}  "
         f"{seconds:.2f}s{marker}"
     )

@@ -30,7 +30,7 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
-from epochal.rundir import RESULT_FILE, STATUS_FILE, monitor_of, smoothed_label
+from epochal.rundir import RESULT_FILE, STATUS_FILE, monitor_of, rate_label, smoothed_label
 from epochal.text import PRINTABLE_CHARS, counted, printable
 
 INTERVAL = 2.0
@@ -232,10 +232,10 @@ def _alive(pid: Any, host: Any) -> bool | None:
 def _epoch_line(record: Mapping[str, Any], monitor: str) -> str:
     factor, rate = record.get("lr_factor"), record.get("lr")
     lr = ""
-    if _is_number(rate):  # the rate the optimizer held, as the coordinator's epoch line says it
-        lr = f"  lr {rate:.4g}" + (f" (x{factor:g})" if _is_number(factor) and factor != 1 else "")
-    elif _is_number(factor):
-        lr = f"  lr x{factor:g}"
+    if _is_number(rate) or _is_number(factor):  # as the coordinator's epoch line says it
+        lr = "  " + rate_label(
+            rate if _is_number(rate) else None, factor if _is_number(factor) else 1
+        )
     seconds = record.get("seconds")
     return (
         f"last epoch {_t(record.get('epoch'))}: train {_loss(record.get('train_loss'))}  "
