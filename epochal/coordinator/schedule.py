@@ -129,6 +129,7 @@ def parse_schedule(spec: str, epochs: int) -> Schedule:
             "(e.g. step:every=10,gamma=0.5)"
         )
     params = dict(_PARAMS[name])
+    given: set[str] = set()
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or key not in params:
@@ -138,11 +139,9 @@ def parse_schedule(spec: str, epochs: int) -> Schedule:
             params[key] = float(raw)
         except ValueError:
             raise ConfigError(f"schedule {name}: {key}={raw!r} is not a number") from None
+        given.add(key)
     _check(name, params)
-    given = frozenset(
-        k for k in params if any(i.split("=")[0].strip() == k for i in rest.split(","))
-    )
-    return Schedule(name=name, params=params, epochs=epochs, given=given)
+    return Schedule(name=name, params=params, epochs=epochs, given=frozenset(given))
 
 
 def _check(name: str, p: dict[str, float]) -> None:
