@@ -12,6 +12,7 @@ the first epoch of a run (or of a resume) is announced on its own (``epoch_ready
 from __future__ import annotations
 
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -53,7 +54,8 @@ from epochal.protocol import (
 from epochal.worker import faults
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.checkpoints.state import Stateful
-from epochal.worker.control.client import ControlClient, RegroupNow
+from epochal.worker.control.client import ControlClient, RegroupNow, thread_cpu
+from epochal.worker.control.finish import finish_without_epochs
 from epochal.worker.control.rendezvous import StillRunning, StoreRef, rendezvous
 from epochal.worker.control.worlds import Rejoin, leave_group, meet
 from epochal.worker.dataplane.sockets import GroupSockets
@@ -106,6 +108,8 @@ class Session:
         self._closed = False
         self._learning_rate: Callable[[], float] | None = None
         self._ran_epochs = False  # run_epochs was called: this run's epochs are epochal's
+        client.busy = thread_cpu(threading.get_ident())
+        # until run_epochs: a loop of the script's own, whose progress is the CPU it uses
         client.rank = self.rank
         self._adopt(welcome)
 
@@ -232,6 +236,7 @@ class Session:
         """
         self._learning_rate = learning_rate
         self._ran_epochs = True
+        self.client.busy = None  # from here on the epochs' steps say the progress
         curve: list[EpochRecord] = []
         try:
             curve = self._resume(state)
@@ -547,23 +552,9 @@ class Session:
         self._closed = True
         try:
             if finished and not self._ran_epochs:
-                self._finish_without_epochs()
+                finish_without_epochs(self.client, self.rank, self.start_epoch)
         finally:
             self._teardown()
-
-    def _finish_without_epochs(self) -> None:
-        self.client.at(Phase.FINISHING, self.start_epoch)
-        self.client.send(Done())
-        end = time.monotonic() + self.client.liveness.timeout
-        try:
-            while (left := end - time.monotonic()) > 0:
-                if isinstance(self.client.receive(timeout=left), Finish):
-                    return
-        except (TimeoutError, CoordinatorLost) as exc:
-            WORKER.info(
-                f"epochal: rank {self.rank}: closed its session without the run's finish "
-                f"({exc}); the coordinator ends the run at its --finish-timeout"
-            )
 
     def _teardown(self) -> None:
         if dist.is_initialized():

@@ -28,7 +28,7 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.limits import MAX_TEXT_CHARS
-from epochal.worker.control.client import ABORT_CHARS, ControlClient
+from epochal.worker.control.client import ABORT_CHARS, BUSY_STEP, ControlClient
 from epochal.worker.options import JoinOptions
 
 HEARTBEAT_INTERVAL = 0.2
@@ -204,3 +204,62 @@ def test_the_client_takes_the_runs_heartbeats_from_its_joined(
     client.watch_coordinator()
     with pytest.raises(CoordinatorLost, match="sent nothing for 1 s"):
         client.receive(timeout=run.timeout + MARGIN)
+
+
+def test_a_loop_of_its_own_shows_progress_by_its_cpu_and_only_while_it_uses_some(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    # a session opened for the rendezvous only, or a torchrun script: nobody reports steps, so
+    # the heartbeats count one whenever the watched CPU time grew (the coordinator's stall
+    # report and --stall-abort would otherwise take a long loop of the script's own for a hang)
+    sock, _ = router
+    used = [0.0]
+    client.busy = lambda: used[0]
+    client.at(Phase.TRAIN, 0)
+    still = first_status(sock, Phase.TRAIN, 0)
+    assert still is not None
+    frames_until(sock, 3 * HEARTBEAT_INTERVAL, Failed)  # a few heartbeats with no CPU used
+    idle = [s for s in frames_until(sock, 3 * HEARTBEAT_INTERVAL, Failed) if isinstance(s, Status)]
+    assert idle and {s.step for s in idle} == {still.step}, idle  # no CPU: no progress
+
+    used[0] = BUSY_STEP / 2  # less than a step's worth
+    later = [s for s in frames_until(sock, 3 * HEARTBEAT_INTERVAL, Failed) if isinstance(s, Status)]
+    assert later and {s.step for s in later} == {still.step}, later
+    used[0] = 1.0
+    moved = [s for s in frames_until(sock, 3 * HEARTBEAT_INTERVAL, Failed) if isinstance(s, Status)]
+    assert moved and moved[-1].step == still.step + 1, moved
+
+
+def test_thread_cpu_and_cpu_seconds_grow_with_work_only():
+    import subprocess
+    import sys
+    import threading
+
+    from epochal.worker.control.client import thread_cpu
+    from epochal.worker.plain import cpu_seconds
+
+    clock = thread_cpu(threading.get_ident())
+    before = clock()
+    end = time.monotonic() + 30.0  # a loaded machine gives this thread its share, slowly
+    while clock() - before < BUSY_STEP and time.monotonic() < end:
+        pass
+    assert clock() - before >= BUSY_STEP
+    before = clock()
+    time.sleep(0.2)
+    assert clock() - before < BUSY_STEP
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(1.0)  # both interpreters started
+        first = cpu_seconds(spinner.pid), cpu_seconds(sleeper.pid)
+        end = time.monotonic() + 30.0
+        while cpu_seconds(spinner.pid) - first[0] < BUSY_STEP and time.monotonic() < end:
+            time.sleep(0.05)
+        assert cpu_seconds(spinner.pid) - first[0] >= BUSY_STEP
+        assert cpu_seconds(sleeper.pid) - first[1] < BUSY_STEP
+    finally:
+        spinner.kill()
+        sleeper.kill()
+        spinner.wait()
+        sleeper.wait()

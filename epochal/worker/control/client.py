@@ -99,6 +99,17 @@ class RegroupNow(Exception):
         self.regroup = regroup
 
 
+BUSY_STEP = 0.01
+"""CPU seconds of training code that count as progress between two heartbeats: more than a
+thread blocked in a collective uses, less than any step of training."""
+
+
+def thread_cpu(thread_id: int) -> Callable[[], float]:
+    """The CPU seconds thread ``thread_id`` (a :func:`threading.get_ident`) has used so far."""
+    clock = time.pthread_getcpuclockid(thread_id)
+    return lambda: time.clock_gettime(clock)
+
+
 class ControlClient:
     """Owns the DEALER socket; safe to call from one user thread while its own thread runs."""
 
@@ -163,6 +174,12 @@ class ControlClient:
         # now instead of at the collective timeout
         # the newest world change the main thread has not taken yet
         self._regroup_taken = threading.Event()
+        self.busy: Callable[[], float] | None = None
+        # CPU seconds used by training code that runs a loop of its own (a session opened for the
+        # rendezvous only, a torchrun script): a heartbeat counts a step of progress when it grew
+        # by BUSY_STEP, so the coordinator's stall report and --stall-abort tell such a loop from
+        # a hung one. None: the steps the training code reports say it
+        self._busy_seen = 0.0
 
     @property
     def phase(self) -> Phase:
@@ -468,6 +485,7 @@ class ControlClient:
                 # was its own. What the coordinator sent meanwhile is waiting to be read (an
                 # abort, say: this worker was dropped), so its clock starts again now
                 self._last_heard = time.monotonic()
+            self._own_progress()
             self._beat()
             heard = self._last_heard
             gone = self._disconnected
@@ -490,6 +508,20 @@ class ControlClient:
                     f"the coordinator at {self.endpoint} sent nothing for "
                     f"{self.liveness.timeout:g} s: it died or the network to it is down"
                 )
+
+    def _own_progress(self) -> None:
+        """Count a step when training code with a loop of its own used CPU since the last one."""
+        busy = self.busy
+        if busy is None:
+            return
+        try:
+            used = busy()
+        except OSError:  # the process it watches has just ended
+            return
+        if used - self._busy_seen >= BUSY_STEP:
+            self._busy_seen = used
+            self.step += 1
+            self._progress_at = time.monotonic()
 
     def _beat(self) -> None:
         """Queue a heartbeat saying where the training code is (on this thread)."""
