@@ -319,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait before a restart (default: 1)",
     )
     w.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="COMMAND is a script written for torchrun (it calls init_process_group() itself and "
+        "keeps its own loop): the supervisor joins the run for it and gives it torchrun's "
+        "variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)",
+    )
+    w.add_argument(
         "--verbose",
         action="store_true",
         help=f"the worker prints the full traceback of an error that stops the run (sets "
@@ -446,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_restarts=args.max_restarts,
                 restart_delay=args.restart_delay,
                 verbose=args.verbose,
+                torchrun=args.torchrun,
             )
         from epochal.launch.launcher import run_observed, script_command
 

@@ -4,11 +4,14 @@ a peer, a file or another user wrote reaches a log line or a terminal.
 A worker id, a host name, a failure reason or a field of ``status.json`` may hold a newline (a
 forged log line), a terminal escape (that drives the reader's terminal) or 60,000 characters;
 :func:`printable` shows control characters escaped and cuts the text to a bound. :func:`counted`
-says a count with its noun ("1 line", "3 lines"). Standard library only: the coordinator, the
+says a count with its noun ("1 line", "3 lines"), :func:`exit_words` an exit status.
+Standard library only: the coordinator, the
 workers and the observers all use it.
 """
 
 from __future__ import annotations
+
+import signal
 
 PRINTABLE_CHARS = 200
 """Longest text :func:`printable` shows by default; longer text is cut and marked."""
@@ -33,3 +36,10 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, the noun in the plural (``plural``, else ``noun + "s"``) unless ``n``
     is 1: ``"1 line"``, ``"3 lines"``, ``"0 lines"``."""
     return f"{n} {noun if n == 1 else (plural or noun + 's')}"
+
+
+def exit_words(code: int) -> str:
+    """A worker's exit status in words: "exited with status 3", "was killed by SIGKILL"."""
+    if code >= 0:
+        return f"exited with status {code}"
+    return f"was killed by {signal.Signals(-code).name}"

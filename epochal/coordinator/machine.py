@@ -446,7 +446,8 @@ class RunMachine(Regrouping):
             Log(
                 f"rank {rank} ({self.members[rank].describe()}) closed its session without "
                 "running epochs: its script keeps its own loop (epochal.join() for the process "
-                "group only); the run finishes once every rank has closed its session"
+                "group only, or a torchrun script); the run finishes once every rank has closed "
+                "its session"
             ),
             *self._finish(now),
         ]

@@ -44,7 +44,7 @@ from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configu
 from epochal.observe import RunObserver
 from epochal.observe import options as observe_options
 from epochal.output import RankStream, Relay
-from epochal.text import counted
+from epochal.text import counted, exit_words
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -383,13 +383,6 @@ async def _attempt(
         return Outcome(EXIT_OK)
     _say(f"done: best epoch {summary.best_epoch} of {summary.epochs_run}{without}", logging.INFO)
     return Outcome(EXIT_OK)
-
-
-def exit_words(code: int) -> str:
-    """A worker's exit status in words: "exited with status 3", "was killed by SIGKILL"."""
-    if code >= 0:
-        return f"exited with status {code}"
-    return f"was killed by {signal.Signals(-code).name}"
 
 
 def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) -> Outcome:

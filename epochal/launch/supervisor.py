@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 
 from epochal.environment import COORDINATOR_ENV, VERBOSE_ENV, WORKER_ID_ENV
@@ -31,6 +32,10 @@ from epochal.text import counted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+PLAIN_MODULE = "epochal.worker.plain"
+"""Runs a torchrun script as a worker (``epochal worker --torchrun``); started by name, since
+the launcher does not import the worker's side."""
+
 
 def supervise(
     endpoint: str,
@@ -39,12 +44,16 @@ def supervise(
     max_restarts: int = 0,
     restart_delay: float = 1.0,
     verbose: bool = False,
+    torchrun: bool = False,
 ) -> int:
     """Run ``command`` as a worker of ``endpoint``; return the exit status to leave with.
 
     ``verbose`` sets ``EPOCHAL_VERBOSE=1`` for the worker: full tracebacks instead of the one line
-    it prints for an error that stops the run.
+    it prints for an error that stops the run. ``torchrun``: ``command`` is a script written for
+    torchrun, run by :mod:`epochal.worker.plain`, which joins the run for it.
     """
+    if torchrun:
+        command = [sys.executable, "-m", PLAIN_MODULE, "--", *command]
     ensure_configured()
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     try:
