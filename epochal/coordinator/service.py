@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -44,25 +41,24 @@ from epochal.coordinator.connections import (
     open_files,
 )
 from epochal.coordinator.directories import check_directories
-from epochal.coordinator.feed import ObserverFeed, snapshot
+from epochal.coordinator.feed import ObserverFeed
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.recording import Recording
 from epochal.coordinator.router import LINGER_MS, open_router
 from epochal.errors import RunAborted
-from epochal.files import remove
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
 from epochal.nofile import raise_nofile_limit
-from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot
+from epochal.observe import Observers, RunObserver, RunStart
 from epochal.protocol import (
     MAX_FRAME_BYTES,
     CoordinatorMessage,
     Heartbeat,
     encode,
 )
-from epochal.rundir import RESULT_FILE
 from epochal.security.curve import RefusedHandshakes, ServerSecurity
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
@@ -84,7 +80,7 @@ def _log_line(line: str) -> None:
     COORDINATOR.info(line)
 
 
-class Coordinator:
+class Coordinator(Recording):
     """Runs one training job's control plane.
 
     ``await start()`` reads the run directory (deleting it first when ``fresh``), binds and returns
@@ -287,37 +283,6 @@ class Coordinator:
             )
         return self.endpoint
 
-    def _start_journal(self, run_dir: Path, state: resume.RunState) -> None:
-        """Open the journal (keeping the records up to the resumed checkpoint), write run.json
-        and say where the run resumes. A run given more epochs has no result any more: a kill
-        before its new end must not leave it looking finished at its old one."""
-        if state.extended_from is not None:
-            remove(run_dir / RESULT_FILE)
-        self._journal = RunJournal(run_dir)
-        self._journal.rewrite(state.records)
-        info: dict[str, Any] = {
-            "run_id": self.run_id,
-            "endpoint": self.endpoint,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": time.time(),
-            "resumed_from": state.resume_epoch,
-            "config": resume.config_record(self.config),
-        }
-        if state.extensions:
-            info["extended"] = state.extensions
-        self._journal.start(info)
-        if state.extended_from is not None:
-            self._log(
-                f"training the run in {run_dir} further: {state.extended_from} epochs before, "
-                f"{self.config.epochs} now"
-            )
-        if state.resume_epoch is not None:
-            self._log(
-                f"resuming {run_dir} at epoch {state.start_epoch} from the checkpoint of epoch "
-                f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch})"
-            )
-
     def _close(self) -> None:
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
         if self._socket is not None:
@@ -501,22 +466,6 @@ class Coordinator:
                 await self._carry_out(self.machine.unrecorded(self._unwritten(exc)))
                 return
 
-    def _unwritten(self, exc: JournalError) -> str:
-        """What a failed write says; out of file descriptors, also how to raise the limit."""
-        if oslimits.is_too_many_files(exc):
-            return f"{exc}: {oslimits.too_many_files_message(self.config.world_size)}"
-        return str(exc)
-
-    # ------------------------------------------------------------------ observers
-
-    def _tell_observers(self) -> None:
-        self._feed.tell(self._machine, self._outcome is None, self._snapshot)
-
-    def _snapshot(self) -> StatusSnapshot:
-        """The run as the observers see it (status.json, metrics)."""
-        assert self._state is not None
-        return snapshot(self.machine, self._state.loop, self.run_id, self.phase, time.monotonic())
-
     async def _do(self, action: Action) -> None:
         match action:
             case Send(peer=peer, message=message):
@@ -540,27 +489,6 @@ class Coordinator:
                 self._outcome = summary
             case Aborted(reason=reason):
                 self._outcome = RunAborted(reason)
-
-    def _write(self, action: Journal) -> None:
-        """Write the record, then tell the observers: an epoch's once every action of this turn
-        is carried out (the decision is not held up for them), the result at once."""
-        record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
-        if action.kind == "result" and self._state is not None and self._state.extensions:
-            record = {**record, "extended": self._state.extensions}  # as run.json says
-        try:
-            if self._journal is not None:
-                if action.kind == "epoch":
-                    self._journal.epoch(record)
-                else:
-                    self._journal.result(record)
-        except JournalError as exc:
-            if not action.tolerant:
-                raise
-            self._log(f"the abort is not recorded in the run directory: {self._unwritten(exc)}")
-        if action.kind == "epoch":
-            self._feed.written(record)
-        else:
-            self._feed.end(record, self._machine, self._snapshot)
 
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
         await self._send_frame(peer, encode(message))

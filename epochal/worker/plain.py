@@ -24,6 +24,7 @@ The script runs in this process's process group, so the supervisor's signals rea
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -45,6 +46,7 @@ from epochal.worker import launchenv
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.exits import install as install_excepthook
 from epochal.worker.control.finish import finish_without_epochs
+from epochal.worker.control.progress import CpuProgress, process_cpu
 from epochal.worker.control.rendezvous import StoreRef, rendezvous, tell_join_failure
 from epochal.worker.dataplane import network
 from epochal.worker.dataplane.store import scoped
@@ -106,13 +108,6 @@ def script_environment(
     env["MASTER_ADDR"], env["MASTER_PORT"] = address[0], str(address[1])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` has used (its threads included), from ``/proc``."""
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        fields = stat.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop(script: subprocess.Popen[bytes], grace: float) -> None:
@@ -182,7 +177,7 @@ def run(command: Sequence[str]) -> int:
         address=meet,
     )
     script = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL)
-    client.busy = lambda: cpu_seconds(script.pid)
+    client.busy = CpuProgress(functools.partial(process_cpu, script.pid))
     client.at(Phase.TRAIN, welcome.start_epoch)
     finish: Finish | None = None  # another rank's script ended first: the run is finishing
     try:

@@ -14,10 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,12 @@ import torch.distributed as dist
 
 from epochal.errors import (
     CoordinatorLost,
-    CoordinatorUnreachable,
     EpochalError,
-    JoinRefused,
     RunAborted,
 )
 from epochal.log import WORKER
-from epochal.output import in_words
 from epochal.protocol import (
     Awaiting,
-    Broken,
     Checkpointed,
     Decision,
     Done,
@@ -54,12 +48,15 @@ from epochal.protocol import (
 from epochal.worker import faults
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.checkpoints.state import Stateful
-from epochal.worker.control.client import ControlClient, RegroupNow, thread_cpu
+from epochal.worker.control.client import ControlClient, RegroupNow
+from epochal.worker.control.exits import failure_reason
 from epochal.worker.control.finish import finish_without_epochs
-from epochal.worker.control.rendezvous import StillRunning, StoreRef, rendezvous
-from epochal.worker.control.worlds import Rejoin, leave_group, meet
+from epochal.worker.control.progress import CpuProgress, thread_cpu
+from epochal.worker.control.rendezvous import StoreRef
+from epochal.worker.control.worlds import Rejoin
 from epochal.worker.dataplane.sockets import GroupSockets
-from epochal.worker.dataplane.store import scoped
+from epochal.worker.reattaching import Reattaching, TakenBack
+from epochal.worker.regrouping import Regrouping
 from epochal.worker.training.replicas import weights_checksum
 from epochal.worker.training.results import (
     EpochContext,
@@ -73,7 +70,7 @@ from epochal.worker.training.results import (
 __all__ = ["EpochContext", "EpochRecord", "LossSum", "Rejoin", "RunResult", "Session"]
 
 
-class Session:
+class Session(Reattaching, Regrouping):
     """One worker's membership in a run: rank, world, the control client and the process group."""
 
     def __init__(
@@ -108,7 +105,7 @@ class Session:
         self._closed = False
         self._learning_rate: Callable[[], float] | None = None
         self._ran_epochs = False  # run_epochs was called: this run's epochs are epochal's
-        client.busy = thread_cpu(threading.get_ident())
+        client.busy = CpuProgress(thread_cpu(threading.get_ident()))
         # until run_epochs: a loop of the script's own, whose progress is the CPU it uses
         client.rank = self.rank
         self._adopt(welcome)
@@ -128,72 +125,6 @@ class Session:
             if welcome.checkpoint_dir
             else None
         )
-
-    def _reattach(self, lost: CoordinatorLost, waiting: tuple[type[Any], ...]) -> Any:
-        """Say hello again after losing the coordinator; carry on, or resume from a checkpoint.
-
-        The coordinator that answers is either the same one, which was only stalled (its process
-        stopped, its machine suspended) and still runs this run with this worker in it, or a
-        restarted one. The same one answers with the message this worker was waiting for
-        (``waiting``), queued while it was stalled, or with a ``welcome`` carrying this run's id
-        and this worker's session: that answer is returned and the exchange goes on where it was
-        (a ``welcome`` is skipped by :meth:`_expect`, as any answer to a retried hello). A
-        restarted coordinator issues a new session: the worker adopts its ``welcome`` and raises
-        :class:`_TakenBack`, so that :meth:`run_epochs` resumes from its last checkpoint.
-        """
-        if self._reattach_timeout <= 0:
-            raise lost
-        WORKER.info(
-            f"epochal: rank {self.rank}: {lost.reason}; waiting up to {self._reattach_timeout:g} s "
-            "for a coordinator to take this worker back"
-        )
-        session = self.client.session
-        hello = replace(self._hello, rank_hint=self.rank)
-        stalled_since = time.monotonic()
-        try:
-            welcome, _ = rendezvous(
-                self.client,
-                hello,
-                self._endpoint,
-                self._reattach_timeout,
-                self._store_timeout,
-                store=self._store,
-                answers=waiting,
-            )
-        except StillRunning as running:
-            return self._carry_on(running.message, stalled_since)
-        except (CoordinatorUnreachable, JoinRefused) as exc:
-            raise CoordinatorLost(f"{lost.reason}; and then: {exc}") from None
-        if welcome.run_id == self.run_id and welcome.session == session:
-            return self._carry_on(welcome, stalled_since)
-        same = (welcome.rank, welcome.world_size, welcome.backend)
-        if same != (self.rank, self.world_size, self.backend):
-            raise CoordinatorLost(
-                f"the restarted coordinator gave rank {welcome.rank} of {welcome.world_size} "
-                f"({welcome.backend}) to what was rank {self.rank} of {self.world_size} "
-                f"({self.backend}): the running process group cannot change; restart the run"
-            )
-        if welcome.resume_epoch is None:
-            raise CoordinatorLost(
-                "the restarted coordinator has no committed checkpoint to resume from, so the "
-                "workers cannot carry on: start the run again"
-            )
-        self._adopt(welcome)
-        WORKER.info(
-            f"epochal: rank {self.rank}: re-attached to run {self.run_id}; resuming after epoch "
-            f"{welcome.resume_epoch}"
-        )
-        raise _TakenBack
-
-    def _carry_on(self, answer: Any, stalled_since: float) -> Any:
-        """The coordinator that was lost answered again: it was stalled, not gone; go on."""
-        self.client.watch_coordinator()
-        WORKER.info(
-            f"epochal: rank {self.rank}: the coordinator of run {self.run_id} answered again after "
-            f"{time.monotonic() - stalled_since:.1f} s (it was stalled, not restarted); carrying "
-            f"on where this worker was (epoch {self.client.epoch})"
-        )
-        return answer
 
     # ------------------------------------------------------------------ the loop
 
@@ -252,7 +183,7 @@ class Session:
                     outcome = self._epoch(
                         epoch, go, train_epoch, valid_epoch, batches, state, curve
                     )
-                except _TakenBack:  # by a restarted coordinator: go on from its checkpoint
+                except TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
                     epoch, stopped, go = self.start_epoch, False, None
                     curve = [r for r in curve if r.epoch < epoch]
@@ -374,75 +305,6 @@ class Session:
             self.client.at(Phase.CHECKPOINT, epoch)
             self._save(decision.epoch, state, [*curve, record])
         return decision, record
-
-    # ------------------------------------------------------------------ a new world
-
-    def _broken(self, epoch: int, exc: Exception) -> Regroup:
-        """The epoch failed (a collective, most likely, whose peer is gone): tell the
-        coordinator, and wait for the new world it decides (or its abort, raised)."""
-        reason = failure_reason(exc)
-        self._sockets.shut()  # peers blocked in a collective with this rank raise too
-        self.client.send(Broken(epoch=epoch, generation=self.generation, reason=clip(reason)))
-        WORKER.info(
-            f"epochal: rank {self.rank}: epoch {epoch} broke ({reason}); waiting for the "
-            "coordinator to form a new world"
-        )
-        while True:
-            message = self.client.receive()
-            if isinstance(message, Regroup) and message.generation > self.generation:
-                return message
-
-    def _leave_now(self, regroup: Regroup) -> None:
-        """In the control client's thread, as a new world is decided: shut this group's
-        connections, so that a collective this rank is blocked in raises now (its peer may be
-        frozen or cut off, and gloo has no abort); the main thread then follows the Regroup."""
-        if regroup.generation > self.generation:
-            self._sockets.shut()
-
-    def _regroup(
-        self, regroup: Regroup, rejoin: Rejoin | None, error: BaseException | None
-    ) -> tuple[int, Stateful | None]:
-        """Leave the broken world (``error``: what broke the epoch, whose frames may hold the
-        old group), meet the next, rebuild over it: the epoch to redo, and the state a
-        checkpoint holds from now on (None: the same)."""
-        self.client.take_regroup(regroup)
-        if rejoin is None:
-            raise EpochalError(
-                "a rank was lost and the run goes on without it, but this training loop cannot: "
-                "pass rejoin= to Session.run_epochs (epochal.train does), or run without "
-                "--min-workers"
-            )
-        started = time.monotonic()
-        was = self.rank
-        self.client.at(Phase.CONNECT, regroup.epoch)
-        self._sockets.shut()
-        rejoin.leave(error)
-        leave_group()
-        welcome, self._store = meet(
-            self.client, regroup, self._store, endpoint=self._endpoint, timeout=self._store_timeout
-        )
-        self.rank, self.world_size = welcome.rank, welcome.world_size
-        self.client.rank = self.rank
-        self._adopt(welcome)
-        store = self._store
-        _, self._sockets = GroupSockets.opened_by(
-            lambda: dist.init_process_group(
-                backend=welcome.backend,
-                store=scoped(store.store, welcome.run_id, store.key),
-                rank=welcome.rank,
-                world_size=welcome.world_size,
-                timeout=timedelta(seconds=self._store_timeout),
-                device_id=self.device if self.device.type == "cuda" else None,
-            )
-        )
-        self.client.at(Phase.SETUP, welcome.start_epoch)
-        state = rejoin.rebuild(welcome.start_epoch)
-        WORKER.info(
-            f"epochal: rank {was} is rank {self.rank} of {self.world_size} in world "
-            f"{self.generation}: epoch {welcome.start_epoch} again "
-            f"({time.monotonic() - started:.2f} s to regroup)"
-        )
-        return welcome.start_epoch, state
 
     def _rate(self) -> float | None:
         """The optimizer's learning rate for the epoch report; None when not known or not a
@@ -571,17 +433,6 @@ class Session:
         self.close(finished=kind is None)
 
 
-def failure_reason(exc: BaseException) -> str:
-    """Why this rank stops, for the coordinator's abort line: the exception as Python prints its
-    last line, or, for the data plane losing a peer, what that means in words (the backend's own
-    text, source path and peer address included, stays in this worker's output)."""
-    said = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    words = in_words(said)
-    if words is None:
-        return said
-    return f"{words}; the {type(exc).__name__} it raised is in this worker's output"
-
-
 def _ready(
     epoch: int,
     batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
@@ -594,7 +445,3 @@ def _ready(
     return EpochReady(
         epoch, train_batches, None if valid_epoch is None else valid_batches, generation
     )
-
-
-class _TakenBack(Exception):
-    """A restarted coordinator took this worker back: resume from the checkpoint it names."""

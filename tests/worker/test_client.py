@@ -28,7 +28,8 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.limits import MAX_TEXT_CHARS
-from epochal.worker.control.client import ABORT_CHARS, BUSY_STEP, ControlClient
+from epochal.worker.control.client import ABORT_CHARS, ControlClient
+from epochal.worker.control.progress import BUSY_STEP, CpuProgress, process_cpu, thread_cpu
 from epochal.worker.options import JoinOptions
 
 HEARTBEAT_INTERVAL = 0.2
@@ -214,7 +215,7 @@ def test_a_loop_of_its_own_shows_progress_by_its_cpu_and_only_while_it_uses_some
     # report and --stall-abort would otherwise take a long loop of the script's own for a hang)
     sock, _ = router
     used = [0.0]
-    client.busy = lambda: used[0]
+    client.busy = CpuProgress(lambda: used[0])
     client.at(Phase.TRAIN, 0)
     still = first_status(sock, Phase.TRAIN, 0)
     assert still is not None
@@ -230,13 +231,10 @@ def test_a_loop_of_its_own_shows_progress_by_its_cpu_and_only_while_it_uses_some
     assert moved and moved[-1].step == still.step + 1, moved
 
 
-def test_thread_cpu_and_cpu_seconds_grow_with_work_only():
+def test_thread_cpu_and_process_cpu_grow_with_work_only():
     import subprocess
     import sys
     import threading
-
-    from epochal.worker.control.client import thread_cpu
-    from epochal.worker.plain import cpu_seconds
 
     clock = thread_cpu(threading.get_ident())
     before = clock()
@@ -252,12 +250,12 @@ def test_thread_cpu_and_cpu_seconds_grow_with_work_only():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(1.0)  # both interpreters started
-        first = cpu_seconds(spinner.pid), cpu_seconds(sleeper.pid)
+        first = process_cpu(spinner.pid), process_cpu(sleeper.pid)
         end = time.monotonic() + 30.0
-        while cpu_seconds(spinner.pid) - first[0] < BUSY_STEP and time.monotonic() < end:
+        while process_cpu(spinner.pid) - first[0] < BUSY_STEP and time.monotonic() < end:
             time.sleep(0.05)
-        assert cpu_seconds(spinner.pid) - first[0] >= BUSY_STEP
-        assert cpu_seconds(sleeper.pid) - first[1] < BUSY_STEP
+        assert process_cpu(spinner.pid) - first[0] >= BUSY_STEP
+        assert process_cpu(sleeper.pid) - first[1] < BUSY_STEP
     finally:
         spinner.kill()
         sleeper.kill()

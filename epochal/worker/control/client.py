@@ -64,6 +64,7 @@ from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.control.backstop import exit_if_stuck, exit_unless_taken
 from epochal.worker.control.dealer import Dealer
+from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
 
@@ -97,17 +98,6 @@ class RegroupNow(Exception):
     def __init__(self, regroup: Regroup) -> None:
         super().__init__(f"the world changes (generation {regroup.generation})")
         self.regroup = regroup
-
-
-BUSY_STEP = 0.01
-"""CPU seconds of training code that count as progress between two heartbeats: more than a
-thread blocked in a collective uses, less than any step of training."""
-
-
-def thread_cpu(thread_id: int) -> Callable[[], float]:
-    """The CPU seconds thread ``thread_id`` (a :func:`threading.get_ident`) has used so far."""
-    clock = time.pthread_getcpuclockid(thread_id)
-    return lambda: time.clock_gettime(clock)
 
 
 class ControlClient:
@@ -174,12 +164,10 @@ class ControlClient:
         # now instead of at the collective timeout
         # the newest world change the main thread has not taken yet
         self._regroup_taken = threading.Event()
-        self.busy: Callable[[], float] | None = None
-        # CPU seconds used by training code that runs a loop of its own (a session opened for the
-        # rendezvous only, a torchrun script): a heartbeat counts a step of progress when it grew
-        # by BUSY_STEP, so the coordinator's stall report and --stall-abort tell such a loop from
-        # a hung one. None: the steps the training code reports say it
-        self._busy_seen = 0.0
+        self.busy: CpuProgress | None = None
+        # training code that runs a loop of its own (a session opened for the rendezvous only, a
+        # torchrun script): each heartbeat counts a step when it used CPU (see .progress); None:
+        # the steps the training code reports say its progress
 
     @property
     def phase(self) -> Phase:
@@ -512,14 +500,7 @@ class ControlClient:
     def _own_progress(self) -> None:
         """Count a step when training code with a loop of its own used CPU since the last one."""
         busy = self.busy
-        if busy is None:
-            return
-        try:
-            used = busy()
-        except OSError:  # the process it watches has just ended
-            return
-        if used - self._busy_seen >= BUSY_STEP:
-            self._busy_seen = used
+        if busy is not None and busy.grew():
             self.step += 1
             self._progress_at = time.monotonic()
 

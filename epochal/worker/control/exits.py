@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from types import TracebackType
 
 from epochal.environment import VERBOSE_ENV
 from epochal.errors import CoordinatorUnreachable, JoinRefused, RunAborted
-from epochal.output import Kind, classify
+from epochal.output import Kind, classify, in_words
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
@@ -101,3 +102,14 @@ def install(aborted: Callable[[], str | None] = lambda: None) -> None:
         return
     _installed = True
     sys.excepthook = make_hook(sys.excepthook, lambda: _aborted())
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why this rank stops, for the coordinator's abort line: the exception as Python prints its
+    last line, or, for the data plane losing a peer, what that means in words (the backend's own
+    text, source path and peer address included, stays in this worker's output)."""
+    said = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    words = in_words(said)
+    if words is None:
+        return said
+    return f"{words}; the {type(exc).__name__} it raised is in this worker's output"
