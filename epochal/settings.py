@@ -4,8 +4,8 @@ A field of :class:`~epochal.coordinator.config.CoordinatorConfig` is declared as
 ``field(default=..., metadata=setting(...))``, its :class:`Setting` in the field's metadata. From
 there the command line is generated (:func:`field_options`, :meth:`Option.add_to`: flag, default,
 help, type), the resume check learns which settings may change between a run and its resumption
-and how to name them, and the README's options table is checked (:meth:`Option.row`). A default,
-a help text or a flag is therefore written in one place, where the field is.
+and how to name them, and the guide's options table (docs/cli.md) is checked (:meth:`Option.row`).
+A default, a help text or a flag is therefore written in one place, where the field is.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Flag:
     negated: bool = False
     # a boolean whose flag is --no-NAME, which stores False
     shown: str | None = None
-    # the default as help and the README say it; None: the field's default as written
+    # the default as help and the guide say it; None: the field's default as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ def _shown(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    """One command-line option: its flag, default, help and type, and its README row."""
+    """One command-line option: its flag, default, help and type, and its row in the guide."""
 
     dest: str
     help: str
@@ -101,7 +101,7 @@ class Option:
     type: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     shown: str | None = None
-    # the default as written in help and the README; None: the default itself
+    # the default as written in help and the guide; None: the default itself
 
     @property
     def flag(self) -> str:
@@ -109,7 +109,7 @@ class Option:
 
     @property
     def shown_default(self) -> str | None:
-        """The default as help and the README say it; None for a switch."""
+        """The default as help and the guide say it; None for a switch."""
         if self.action != "store":
             return None
         return self.shown if self.shown is not None else _shown(self.default)
@@ -135,7 +135,7 @@ class Option:
         parser.add_argument(self.flag, dest=self.dest, **kwargs)
 
     def row(self) -> str:
-        """The option's row in the README's options table (Markdown)."""
+        """The option's row in the options table of docs/cli.md (Markdown)."""
         if self.choices is not None:
             usage = f"{self.flag} {'|'.join(self.choices)}"
         elif self.action == "store" and self.metavar is not None:

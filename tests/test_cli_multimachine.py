@@ -1,7 +1,7 @@
 """The coordinator's command line for workers on other machines: what it refuses and what it says.
 
-No sockets: the bind address is checked, the README's commands are parsed and the attach hint
-is rendered, all in this process.
+No sockets: the bind address is checked, the commands of the guide's page on workers of other
+machines (docs/hosts.md) are parsed and the attach hint is rendered, all in this process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from epochal.coordinator.attach import attach_hint, connectable
 from epochal.errors import ConfigError
 from epochal.security.cli import server_security_from_args
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+HOSTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "hosts.md"
 
 
 @pytest.mark.parametrize("insecure", [False, True])
@@ -58,19 +58,16 @@ def test_wellformed_binds_pass(bind):
     assert check_bind(bind) == bind
 
 
-def _commands(section: str) -> list[list[str]]:
-    """The shell commands of a README section's code blocks, continuation lines joined."""
-    text = README.read_text()
-    start = text.index(f"## {section}")
-    end = text.index("\n## ", start + 1)
-    blocks = re.findall(r"```bash\n(.*?)```", text[start:end], flags=re.S)
+def _commands(page: Path) -> list[list[str]]:
+    """The shell commands of a guide page's code blocks, continuation lines joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
     joined = "\n".join(blocks).replace("\\\n", " ")
     return [shlex.split(line) for line in joined.splitlines() if line and not line.startswith("#")]
 
 
-def test_the_readme_multi_machine_coordinator_command_is_accepted(tmp_path, monkeypatch):
+def test_the_guides_multi_machine_coordinator_command_is_accepted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    commands = _commands("Workers on other machines")
+    commands = _commands(HOSTS_PAGE)
     keys = next(c for c in commands if c[:3] == ["epochal", "keys", "generate"])
     assert main(keys[1:]) == 0
     coordinator = next(c for c in commands if c[:2] == ["epochal", "coordinator"])

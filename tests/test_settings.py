@@ -1,7 +1,8 @@
-"""Each option is declared once, on its CoordinatorConfig field; the CLI and the README follow it.
+"""Each option is declared once, on its CoordinatorConfig field; the CLI and the guide follow it.
 
-The README's options table is compared with the rows rendered from the fields, so that a default
-or a meaning changed in one place and not the other fails here, naming the row to write.
+The options table of the guide's command-line page (docs/cli.md) is compared with the rows
+rendered from the fields, so that a default or a meaning changed in one place and not the other
+fails here, naming the row to write.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from epochal.cli import _config, build_parser, run_options
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.settings import GROUPS, SETTING, Flag, Option, field_options, settings
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CLI_PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 TABLE_HEAD = "| option | default | meaning |\n| --- | --- | --- |\n"
 
 
-def readme_rows() -> list[str]:
-    text = README.read_text(encoding="utf-8")
+def table_rows() -> list[str]:
+    text = CLI_PAGE.read_text(encoding="utf-8")
     start = text.index(TABLE_HEAD) + len(TABLE_HEAD)
     return text[start:].split("\n\n", 1)[0].splitlines()
 
@@ -36,23 +37,23 @@ def test_every_config_field_is_documented_once_in_its_metadata():
             assert spec.flag.group in GROUPS, field.name
 
 
-def test_the_readme_options_table_is_the_one_the_fields_render():
-    rows = readme_rows()
+def test_the_guides_options_table_is_the_one_the_fields_render():
+    rows = table_rows()
     expected = [option.row() for option in run_options()]
     for got, want in zip(rows, expected, strict=False):
-        assert got == want, f"README options table: write\n{want}\ninstead of\n{got}"
-    assert rows[: len(expected)] == expected, "README options table: rows missing:\n" + "\n".join(
-        expected[len(rows) :]
+        assert got == want, f"docs/cli.md options table: write\n{want}\ninstead of\n{got}"
+    assert rows[: len(expected)] == expected, (
+        "docs/cli.md options table: rows missing:\n" + "\n".join(expected[len(rows) :])
     )
 
 
-def test_the_readme_rows_after_the_shared_ones_name_coordinator_flags():
-    rows = readme_rows()[len(run_options()) :]
+def test_the_guides_rows_after_the_shared_ones_name_coordinator_flags():
+    rows = table_rows()[len(run_options()) :]
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     coordinator_flags = set(sub.choices["coordinator"]._option_string_actions)
     shared = {option.flag for option in run_options()}
-    assert rows, "the coordinator-only options are missing from the README table"
+    assert rows, "the coordinator-only options are missing from the docs/cli.md table"
     for row in rows:
         flags = re.findall(r"`(--[a-z-]+)", row.split("|")[1])
         assert flags, row

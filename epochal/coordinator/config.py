@@ -71,8 +71,8 @@ class CoordinatorConfig:
     """Everything the coordinator decides a run by.
 
     Each field is documented once, in its :func:`~epochal.settings.setting`: the help the command
-    line shows (and the README's options table repeats, checked by a test), the flag and its value
-    type, and whether a resumed run may change it.
+    line shows (and the options table in docs/cli.md repeats, checked by a test), the flag and its
+    value type, and whether a resumed run may change it.
     """
 
     world_size: int = field(

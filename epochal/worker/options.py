@@ -2,10 +2,11 @@
 
 Every option of :func:`epochal.join` (and of :func:`epochal.train`'s joining part) is a field of
 :class:`JoinOptions`, with its default written once, here. :meth:`JoinOptions.from_env` applies
-the precedence the README states: an explicit argument, then its ``EPOCHAL_*`` variable (see
-:mod:`epochal.environment`), then what the launcher says (:mod:`epochal.worker.launchenv`), then
-the default; each variable is parsed once, and a bad one is refused naming it. The checks of the
-coordinator's address that need no connection live here too.
+the precedence the guide states (docs/worker-api.md): an explicit argument, then its
+``EPOCHAL_*`` variable (see :mod:`epochal.environment`), then what the launcher says
+(:mod:`epochal.worker.launchenv`), then the default; each variable is parsed once, and a bad one
+is refused naming it. The checks of the coordinator's address that need no connection live here
+too.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The README's failure bounds, each checked on short configured timeouts.
+"""The guide's failure bounds (docs/failures.md), each checked on short configured timeouts.
 
-Every bound is the formula the README states, computed from the values configured here, plus
+Every bound is the formula the guide states, computed from the values configured here, plus
 ``TEARDOWN``: the time a worker takes from its decision to leave to its last words (unwinding,
 leaving the process group, printing the traceback), a few seconds on a loaded 2-core machine.
 The interpreter's own exit after that (torch's teardown: 2-5 s under load) is not counted where a
 worker's last words can be seen; where the bound is "every process gone", it is, up to the moment
 the last worker process is gone (exited, or killed by ``epochal run``). What ``epochal run`` does
-after that (it writes the result, then its own interpreter exits: the README's "+ teardown") has
+after that (it writes the result, then its own interpreter exits: the guide's "+ teardown") has
 only the deadline that fails a hang, since how long it takes is a matter of the machine's load.
 """
 
@@ -58,8 +58,8 @@ def test_a_frozen_worker_bound(spawn, tmp_path):
     gone = workers_gone(spawn, proc.pid, "resumable.py") - stopped
     assert proc.wait(timeout=DEADLINE) != 0
     spawn.assert_none_left()
-    # README: the abort after heartbeat timeout + 0.1 s; every worker gone (the frozen one killed
-    # by the launcher) after a further kill grace K
+    # docs/failures.md: the abort after heartbeat timeout + 0.1 s; every worker gone (the frozen
+    # one killed by the launcher) after a further kill grace K
     assert aborted < timeout + TICK + 1.0, f"abort {aborted:.1f} s after SIGSTOP"
     assert gone < timeout + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN, f"gone {gone:.1f} s after SIGSTOP"
 
@@ -97,9 +97,9 @@ def test_a_killed_coordinator_bound(spawn, tmp_path, reattach):
     for w in workers:
         assert w.wait(timeout=DEADLINE) != 0
     spawn.assert_none_left()
-    # README: noticed within 3 heartbeat intervals; without re-attach, stopped at once (the worker
-    # waits for the coordinator) or within the abort grace; with a re-attach window, at the end of
-    # the epoch in progress (these last well under EPOCH) plus the window
+    # docs/failures.md: noticed within 3 heartbeat intervals; without re-attach, stopped at once
+    # (the worker waits for the coordinator) or within the abort grace; with a re-attach window, at
+    # the end of the epoch in progress (these last well under EPOCH) plus the window
     epoch = 1.0
     if reattach == 0:
         bound = 3 * HEARTBEAT_INTERVAL + ABORT_GRACE + TEARDOWN
@@ -135,8 +135,8 @@ def test_a_stuck_rank_bound(spawn, tmp_path):
     gone = workers_gone(spawn, proc.pid, "linear.py") - seen
     assert proc.wait(timeout=DEADLINE) == 1
     spawn.assert_none_left()
-    # README: the abort once every rank has been idle stall-abort seconds (heartbeats report
-    # progress each interval); the stuck rank leaves after the abort grace, within the launcher's
-    # kill grace
+    # docs/failures.md: the abort once every rank has been idle stall-abort seconds (heartbeats
+    # report progress each interval); the stuck rank leaves after the abort grace, within the
+    # launcher's kill grace
     assert aborted < stall_abort + HEARTBEAT_INTERVAL + TICK, f"abort after {aborted:.1f} s"
     assert gone < stall_abort + HEARTBEAT_INTERVAL + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN

@@ -369,9 +369,10 @@ def test_a_coordinator_stopped_past_the_workers_heartbeat_timeout_is_waited_for(
 def test_workers_that_may_not_reattach_to_a_stopped_coordinator_name_its_silence(spawn: Spawner):
     """With no re-attach window the workers stop; every reason names the coordinator's stall.
 
-    The coordinator stays stopped until both workers have left (README: within the abort grace
-    after their heartbeat timeout and a tick), so its stall outlasts their timeout; once running
-    again it aborts after the failure settle window, naming its own stall and their reason.
+    The coordinator stays stopped until both workers have left (docs/failures.md: within the
+    abort grace after their heartbeat timeout and a tick), so its stall outlasts their timeout;
+    once running again it aborts after the failure settle window, naming its own stall and their
+    reason.
     """
     heartbeat_timeout = 3.0
     # the workers' notice (timeout + their heartbeat tick), abort grace, unwinding, torch's exit

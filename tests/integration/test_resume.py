@@ -308,7 +308,8 @@ HOLD_MS = 8000
 @pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
     """Killed while both ranks train an epoch. Not in the instant between two epochs, where a
-    Go may reach one rank and not the other: the README ("When things fail") says what then."""
+    Go may reach one rank and not the other: the guide's "When things fail" (docs/failures.md)
+    says what then."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
     first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0")

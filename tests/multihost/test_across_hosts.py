@@ -1,8 +1,8 @@
 """A coordinator and two workers on three hosts (network namespaces), CURVE on, no network hints.
 
 Every host resolves its hostname to a loopback address, as in many containers; the workers are
-started exactly as the README's "Workers on other machines" says, with nothing but the
-coordinator's address and the CURVE key files. Bounds derive from the configured timeouts.
+started exactly as the guide's "Workers on other machines" (docs/hosts.md) says, with nothing but
+the coordinator's address and the CURVE key files. Bounds derive from the configured timeouts.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A relay between a worker's DEALER and the coordinator's ROUTER keeps every byte that crosses it,
 as a reader of the network path (or root on either machine) would. Without CURVE the job token
-crosses in clear, so such a reader could join as a worker: the README says so, and the first
-test shows it (and that the relay does see what crosses). Under CURVE the token never appears,
-and the bytes the reader kept, sent again on a connection of its own, get nothing through.
+crosses in clear, so such a reader could join as a worker: docs/security.md says so, and the
+first test shows it (and that the relay does see what crosses). Under CURVE the token never
+appears, and the bytes the reader kept, sent again on a connection of its own, get nothing
+through.
 """
 
 from __future__ import annotations

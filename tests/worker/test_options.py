@@ -1,4 +1,4 @@
-"""JoinOptions: every join option read once, argument over variable over default; the README and
+"""JoinOptions: every join option read once, argument over variable over default; the guide and
 the launcher say the defaults it has."""
 
 from __future__ import annotations
@@ -15,29 +15,36 @@ from epochal.launch.launcher import WORKER_ABORT_GRACE
 from epochal.worker.launchenv import Placement
 from epochal.worker.options import RUN_SETTINGS, VARIABLE, JoinOptions, env_seconds
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+WORKER_API = DOCS / "worker-api.md"
+"""The guide's page of the worker API: its options for joining, with their variables."""
 SECONDS = ["connect_timeout", "collective_timeout", "abort_grace", "reattach_timeout"]
 ENDPOINT = {"EPOCHAL_COORDINATOR": "tcp://127.0.0.1:4000"}
 
 
+def guide_text() -> str:
+    """Every page of the guide: a default is stated alike wherever it is stated."""
+    return "\n".join(page.read_text(encoding="utf-8") for page in sorted(DOCS.glob("*.md")))
+
+
 def joining_bullet() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = WORKER_API.read_text(encoding="utf-8")
     start = text.index("- Options for joining")
     return text[start : text.index("\n- ", start + 1)]
 
 
-def test_the_readme_names_every_join_option():
+def test_the_guide_names_every_join_option():
     bullet = joining_bullet()
     names = [f.name for f in dataclasses.fields(JoinOptions) if f.name != "placement"]
     for name in [*names, "rank", "world_size"]:
-        assert f"`{name}=" in bullet, f"the README's joining options do not name {name}="
+        assert f"`{name}=" in bullet, f"docs/worker-api.md's joining options do not name {name}="
 
 
 @pytest.mark.parametrize("name", SECONDS)
-def test_the_readme_states_each_default_the_options_have(name: str):
+def test_the_guide_states_each_default_the_options_have(name: str):
     default = next(f.default for f in dataclasses.fields(JoinOptions) if f.name == name)
-    stated = re.findall(rf"`{name}=?` \((?:default )?([0-9.]+) s[,)]", README.read_text())
-    assert stated, f"the README states no default for {name}"
+    stated = re.findall(rf"`{name}=?` \((?:default )?([0-9.]+) s[,)]", guide_text())
+    assert stated, f"the guide states no default for {name}"
     assert {float(s) for s in stated} == {default}, name
 
 
@@ -138,9 +145,9 @@ def test_every_option_with_a_variable_is_read_from_it_and_its_default_is_the_fie
         if VARIABLE in f.metadata
     }
     assert set(declared) >= {*SECONDS, "job", "token", "worker_id", "curve_key"}
-    text = README.read_text(encoding="utf-8")
+    text = WORKER_API.read_text(encoding="utf-8")
     for name, variable in declared.items():
-        assert variable in text, f"the README does not name {variable} ({name})"
+        assert variable in text, f"docs/worker-api.md does not name {variable} ({name})"
     defaults = JoinOptions.from_env(ENDPOINT)
     for name in SECONDS:
         field = next(f for f in dataclasses.fields(JoinOptions) if f.name == name)
