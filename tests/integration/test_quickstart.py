@@ -65,3 +65,35 @@ def test_the_quick_start_runs_as_the_readme_says(spawn: Spawner, tmp_path: Path)
     assert "done: best epoch" in output
     (result,) = (tmp_path / "runs").glob("*/result.json")
     assert json.loads(result.read_text())["status"] == "finished"
+
+
+def first_real_script() -> tuple[str, list[str], str]:
+    """The README's first real script: its code, its ``epochal run`` command and the output
+    shown for it."""
+    section = (REPO / "README.md").read_text().split("## The first real script", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    command = re.search(r"```bash\n(.*?)```", section, re.S)
+    shown = re.search(r"```\n(.*?)```", section, re.S)
+    assert code and command and shown, "the first real script lost a block"
+    words = shlex.split(command.group(1))
+    assert words[:2] == ["epochal", "run"], words
+    return code.group(1), words[1:], shown.group(1)
+
+
+def test_the_readmes_first_real_script_runs_as_shown(spawn: Spawner, tmp_path: Path):
+    code, words, shown = first_real_script()
+    script = tmp_path / words[-1]
+    script.write_text(code)
+    proc = spawn.epochal(*words[:-1], str(script))
+    status, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert status == 0, output
+    # the lines the README shows, from the same seed: the same epochs and the same result
+    for line in shown.splitlines():
+        if line.startswith("[epochal] epoch"):  # its seconds vary with the machine
+            line = line.rsplit("  ", 1)[0]
+        elif line.startswith("[epochal] run "):  # its run id is new
+            line = line.split(" finished", 1)[1]
+        assert line in output, f"the README shows {line!r}; the run printed:\n{output}"
+    assert (tmp_path / "model.pt").is_file()
