@@ -17,7 +17,7 @@ from epochal.coordinator import resume
 from epochal.coordinator.actions import Action, Log, RunPhase, Send
 from epochal.coordinator.batches import BatchCounts
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.membership import Membership
+from epochal.coordinator.membership import Membership, NewWorld
 from epochal.coordinator.models import Checked, Differ, ModelChecks, Outcome
 from epochal.coordinator.rendezvous import (
     Admitted,
@@ -42,6 +42,7 @@ from epochal.protocol import (
     ModelPage,
     OpenStore,
     Reject,
+    Restore,
     Status,
     StoreReady,
     Welcome,
@@ -80,6 +81,7 @@ class Joining:
     membership: Membership
     generation: int
     epoch: int
+    _change: NewWorld | None
 
     def abort(self, reason: str, *, force: bool = False) -> list[Action]:
         raise NotImplementedError  # the machine's
@@ -93,6 +95,7 @@ class Joining:
         joined = self.rendezvous.members.get(peer)
         if joined is not None and isinstance(message, Failed):
             self.rendezvous.leave(peer)
+            self.membership.leave(peer)  # a standby newcomer, if it was one
             self.gate.sessions.forget(peer)
             self.watchdog.drop(peer)
             reason = printable(message.reason, REASON_CHARS)
@@ -104,6 +107,16 @@ class Joining:
         if refused is not None:
             return refused
         verdict = self.rendezvous.offer(peer, hello)
+        if self.phase is not RunPhase.RENDEZVOUS and isinstance(verdict, Fatal | Differs):
+            # a newcomer to a run under way: refused, and the run goes on
+            self.rendezvous.leave(peer)
+            why = (
+                verdict.reason
+                if isinstance(verdict, Fatal)
+                else "its model differs from the run's (another digest of its parameters): start "
+                "it with the run's model"
+            )
+            verdict = Refused(why)
         match verdict:
             case Refused(reason=reason):
                 self.refused += 1
@@ -124,7 +137,11 @@ class Joining:
                 )
                 return asks + self._checked(now, outcome)
             case Admitted(again=False) if self.phase is not RunPhase.RENDEZVOUS:
-                self.rendezvous.leave(peer)  # a world that lost ranks has room; not for this
+                if self.membership.has_room() and not self.membership.dropped(
+                    hello.worker_id, hello.host, hello.pid
+                ):
+                    return self._standby(now, peer, hello, user_id)
+                self.rendezvous.leave(peer)
                 return self.gate.reject(peer, self._no_newcomer(hello), "refused")
             case Admitted(again=again):
                 self.watchdog.heard(peer, now)
@@ -154,14 +171,41 @@ class Joining:
                 return actions
         raise AssertionError(f"unknown verdict {verdict!r}")
 
+    def _standby(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
+        """A newcomer to an elastic run with room: it waits as a standby, heartbeating, and
+        joins the world at the next epoch boundary (:meth:`Membership.at_boundary`)."""
+        member = Member(peer, hello)
+        self.membership.wait(member)
+        self.watchdog.heard(peer, now)
+        session = self.gate.sessions.issue(peer, user_id)
+        joined = Joined(
+            joined=len(self.members),
+            world_size=self.config.world_size,
+            session=session,
+            liveness=self.config.liveness,
+        )
+        size = len(self.members) + len(self.membership.standby)
+        return [
+            Send(peer, joined),
+            Log(
+                f"{member.describe()} is waiting to join the run: it joins at the next epoch "
+                f"boundary ({size} of at most {self.config.world_size} workers then)"
+            ),
+        ]
+
     def _no_newcomer(self, hello: Hello) -> str:
         """Why a new worker may not join a run under way."""
         why = self.membership.dropped(hello.worker_id, hello.host, hello.pid)
         if why is not None:
             return self.membership.why_dropped(printable(why, REASON_CHARS))
+        if self.config.elastic:
+            return (
+                f"the run has as many workers and newcomers waiting as --world-size "
+                f"{self.config.world_size} admits: a newcomer joins once a worker is lost"
+            )
         return (
-            "the run is under way with its workers and admits no newcomer in this version: "
-            "start the worker with the next run"
+            "the run is under way with its workers and admits newcomers only when it is elastic "
+            "(--min-workers below --world-size): start the worker with the next run"
         )
 
     def _rehello(self, now: float, peer: bytes) -> list[Action]:
@@ -249,9 +293,20 @@ class Joining:
             store_key=self._store.key,
             replica_check=self.config.replica_check,
             generation=self.generation,
-            restore="none" if first else "memory",
+            restore=self._restore_for(peer),
             elastic=self.config.elastic,
         )
+
+    def _restore_for(self, peer: bytes) -> str:
+        """How ``peer`` takes the state of the epoch it starts (``welcome.restore``): nothing to
+        restore in the run's first world; in a new one as the change decided, a newcomer always
+        from its peers."""
+        change = self._change
+        if change is None:
+            return Restore.NONE.value if self.generation == 0 else Restore.MEMORY.value
+        if any(member.peer == peer for member in change.joined):
+            return Restore.PEERS.value
+        return change.restore.value
 
     def _welcome_all(self, now: float) -> list[Action]:
         assert self._store is not None

@@ -423,6 +423,11 @@ class RunMachine(Regrouping):
             return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
         actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums, go)), said]
         self.epoch = following
+        change = self.membership.at_boundary(now) if self.config.elastic else None
+        if change is not None:
+            # newcomers are waiting: the world grows, and the epoch just started begins again in
+            # it (each member restores its start, taken before its first step, if it got there)
+            return actions + self._change_world(now, change)
         self._run(now)
         return actions
 
@@ -478,6 +483,13 @@ class RunMachine(Regrouping):
         losses = self._check_losses(now)
         if losses is not None:
             return losses
+        for peer in dog.silent(now):  # a standby newcomer that went silent is forgotten
+            member = self.membership.leave(peer)
+            if member is not None:
+                self.rendezvous.leave(peer)
+                self.gate.sessions.forget(peer)
+                dog.drop(peer)
+                return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
         if self.elastic:
             silent = dog.first_silent(now, self._ranks)
             if silent is not None:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from epochal.coordinator.rendezvous import Member
+from epochal.protocol import Restore
 from epochal.text import printable
 
 LOSS_SETTLE = 0.25
@@ -44,17 +45,6 @@ class Snapshots(enum.StrEnum):
     # while rank 0 lives
     NONE = "none"
     # no rank's copy is the whole state (sharded, fully_sharded), or copies are switched off
-
-
-class Restore(enum.StrEnum):
-    """Where the members of a new world take the state of the epoch they start from."""
-
-    MEMORY = "memory"
-    # each survivor from its in-memory copy of the epoch's start (nothing read from disk)
-    CHECKPOINT = "checkpoint"
-    # every member from the last committed checkpoint, resharded to the new size
-    PEERS = "peers"
-    # nobody was lost: the members keep their state, and newcomers receive it from rank 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +225,8 @@ class Membership:
         joined = tuple(list(self.standby.values())[:room])
         for member in joined:
             del self.standby[member.peer]
+        if joined and restore is Restore.MEMORY:
+            restore = Restore.PEERS  # each survivor restores its copy, then rank 0 shares it
         self.world = World(world.generation + 1, survivors + joined)
         return NewWorld(self.world, world, lost, joined, restore, since)
 
@@ -251,7 +243,7 @@ class Membership:
     def has_room(self) -> bool:
         """Whether a newcomer could join at the next boundary."""
         world = self.world
-        size = 0 if world is None else world.size
+        size = 0 if world is None else world.size - len(self._lost)
         return self.elastic and size + len(self.standby) < self.max_workers
 
     def why_dropped(self, why: str) -> str:

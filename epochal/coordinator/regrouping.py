@@ -136,8 +136,16 @@ class Regrouping(Joining):
             )
             for loss in change.lost
         ]
+        actions += [
+            Log(
+                f"{member.describe()} joins: {size} workers from epoch {self.epoch} "
+                "(the state sent from rank 0 over the data plane)"
+            )
+            for member in change.joined
+        ]
         regroup = Regroup(generation=self.generation, epoch=self.epoch)
-        actions += [Send(member.peer, regroup) for member in self.members]
+        newcomers = {member.peer for member in change.joined}  # in rendezvous still: no regroup
+        actions += [Send(m.peer, regroup) for m in self.members if m.peer not in newcomers]
         self._set_phase(RunPhase.STORE, now)
         actions.append(
             Send(self.members[0].peer, OpenStore(run_id=self.run_id, generation=self.generation))
@@ -160,10 +168,14 @@ class Regrouping(Joining):
             "seconds": seconds,
         }
         self.world_changes.append(entry)
+        if change.lost:
+            formed = f"redo epoch {self.epoch} ({seconds:.1f} s after the loss)"
+        else:
+            formed = f"train epoch {self.epoch} ({seconds:.1f} s after the boundary)"
         return [
             Journal("epoch", {"kind": "world", **entry}),
             Log(
                 f"world of generation {self.generation} formed: {change.world.size} workers "
-                f"redo epoch {self.epoch} ({seconds:.1f} s after the loss)"
+                f"{formed}"
             ),
         ]

@@ -177,6 +177,11 @@ class Rendezvous:
                 "worker a distinct id (EPOCHAL_WORKER_ID), or stop the duplicate process"
             )
         if self.complete:
+            if cfg.elastic:
+                return Refused(
+                    f"the run already has its {cfg.world_size} workers, the most --world-size "
+                    "admits: a newcomer joins this elastic run once a worker is lost"
+                )
             return Refused(
                 f"the run already has its {cfg.world_size} workers: this worker is surplus; "
                 "start exactly --world-size workers"

@@ -142,7 +142,8 @@ class Restore(_enum.StrEnum):
     CHECKPOINT = "checkpoint"
     # every member from the checkpoint of resume_epoch, resharded to the new size
     PEERS = "peers"
-    # the members keep their state; newcomers receive rank 0's over the data plane
+    # newcomers joined: each member keeps (or restores from memory) its state, then every rank
+    # takes rank 0's over the data plane
 
 
 class Backend(_enum.StrEnum):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from epochal.coordinator import resume
-from epochal.coordinator.actions import Action, Journal, RunPhase, Send
+from epochal.coordinator.actions import Action, Broadcast, Journal, RunPhase, Send
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.membership import LOSS_SETTLE
@@ -22,13 +22,14 @@ from epochal.protocol import (
     Failed,
     Go,
     Heartbeat,
+    Joined,
     OpenStore,
     Regroup,
     Reject,
     StoreReady,
     Welcome,
 )
-from tests.conftest import hello
+from tests.conftest import FINGERPRINT, hello
 from tests.coordinator.test_machine import Run, aborted, broadcast, report
 
 SETTLED = max(LOSS_SETTLE, FAILURE_SETTLE) + 0.01
@@ -210,3 +211,100 @@ def test_without_min_workers_a_lost_worker_is_a_failure_as_before():
     for i in range(2):
         run.send(0.0, f"w{i}".encode(), hello(f"w{i}", pid=100 + i))
     assert run.machine.process_exited(1.0, 101, "was killed by SIGKILL") is False
+
+
+def journal(actions: list[Action], kind: str) -> list[dict[str, Any]]:
+    return [
+        a.record
+        for a in actions
+        if isinstance(a, Journal) and a.kind == "epoch" and a.record.get("kind") == kind
+    ]
+
+
+def lose_rank_3(run: Run) -> list[bytes]:
+    """Rank 3 (pid 103) is lost in epoch 0; the survivors' world of 3 redoes it. Its peers."""
+    before = list(run.peers)
+    run.machine.process_exited(2.0, 103, "was killed by SIGKILL")
+    go = regroup(run, 3.0, run.machine.on_tick(2.0 + SETTLED), 1)
+    assert broadcast(go, Go) and run.peers == before[:3]
+    return before
+
+
+def test_a_newcomer_waits_as_a_standby_and_joins_at_the_next_epoch_boundary():
+    run = elastic()
+    survivors = lose_rank_3(run)[:3]
+    # a replacement says hello while epoch 0 is redone at three: it waits, heartbeating
+    waiting = run.send(4.0, b"w9", hello("w9", pid=109))
+    assert sent(waiting, Joined) and not sent(waiting, Welcome)
+    assert any("is waiting to join the run" in getattr(a, "line", "") for a in waiting)
+    assert run.send(4.5, b"w9", Heartbeat()) == []
+    # the epoch is decided (its decision carries the next Go, as ever), then the world grows:
+    # the next epoch begins again in it
+    actions = run.all(5.0, lambda r: dataclasses.replace(report(1.0, 0), generation=1))
+    (decision,) = broadcast(actions, Decision)
+    assert decision.epoch == 0 and decision.go is not None and not decision.stop
+    assert actions.index(next(a for a in actions if isinstance(a, Send))) > actions.index(
+        next(a for a in actions if isinstance(a, Broadcast))
+    )  # the regroups follow the decision
+    regroups = sent(actions, Regroup)
+    assert [peer for peer, _ in regroups] == survivors  # the newcomer is not in a group yet
+    assert {r for _, r in regroups} == {Regroup(generation=2, epoch=1)}
+    assert any("joins: 4 workers from epoch 1" in getattr(a, "line", "") for a in actions)
+    assert run.machine.phase is RunPhase.STORE and run.machine.epoch == 1
+    # an epoch_ready of the old world, sent before the regroup arrived, is dropped
+    assert run.send(5.1, survivors[1], EpochReady(1, 5, 2, generation=1)) == []
+
+    ((opener, _),) = sent(actions, OpenStore)
+    assert opener == survivors[0]  # rank 0 keeps its rank and hosts the new store
+    welcome = run.send(5.2, opener, StoreReady(host="h", port=2, key="k3", generation=2))
+    welcomes = dict(sent(welcome, Welcome))
+    assert [welcomes[p].rank for p in [*survivors, b"w9"]] == [0, 1, 2, 3]
+    assert {w.world_size for w in welcomes.values()} == {4}
+    assert {w.restore for w in welcomes.values()} == {"peers"}  # rank 0's state to everyone
+    assert {w.start_epoch for w in welcomes.values()} == {1}
+    run.peers = [*survivors, b"w9"]
+    go = run.all(6.0, lambda r: EpochReady(1, 5, 2, generation=2))
+    assert broadcast(go, Go)[0].epoch == 1
+    (world,) = journal(go, "world")
+    assert (world["epoch"], world["from"], world["to"], world["lost"]) == (1, 3, 4, [])
+    assert world["joined"] == ["w9"] and world["generation"] == 2
+    assert any("4 workers train epoch 1" in getattr(a, "line", "") for a in go)
+    # the epoch at four is journaled at four
+    decided = run.all(7.0, lambda r: dataclasses.replace(report(1.0, 1), generation=2))
+    (record,) = journal(decided, "epoch")
+    assert (record["world_size"], record["generation"]) == (4, 2)
+
+
+def test_newcomers_past_the_most_workers_are_refused():
+    run = elastic()
+    refused = sent(run.send(2.0, b"w9", hello("w9", pid=109)), Reject)
+    assert refused and "the most --world-size admits" in refused[0][1].reason
+    lose_rank_3(run)
+    assert sent(run.send(4.0, b"w9", hello("w9", pid=109)), Joined)  # room for one
+    refused = sent(run.send(4.1, b"w10", hello("w10", pid=110)), Reject)
+    assert refused and "the most --world-size admits" in refused[0][1].reason
+    assert list(run.machine.membership.standby) == [b"w9"]
+
+
+def test_a_newcomer_with_another_model_is_refused_and_the_run_goes_on():
+    run = elastic()
+    lose_rank_3(run)
+    other = dataclasses.replace(FINGERPRINT, digest="b" * 64)
+    refused = sent(run.send(4.0, b"w9", hello("w9", fingerprint=other, pid=109)), Reject)
+    assert refused and "its model differs from the run's" in refused[0][1].reason
+    assert run.machine.phase is RunPhase.RUNNING and not run.machine.over
+    assert not run.machine.membership.standby
+
+
+def test_a_standby_that_goes_silent_is_forgotten():
+    run = elastic(heartbeat_timeout=5.0)
+    lose_rank_3(run)
+    run.send(4.0, b"w9", hello("w9", pid=109))
+    for t in (6.0, 8.0, 9.5):
+        for peer in run.peers:
+            run.send(t, peer, Heartbeat())
+    actions = run.machine.on_tick(9.6)
+    assert any("w9" in getattr(a, "line", "") and "went silent" in a.line for a in actions)
+    assert aborted(actions) is None and not run.machine.membership.standby
+    decided = run.all(10.0, lambda r: dataclasses.replace(report(1.0, 0), generation=1))
+    assert broadcast(decided, Decision)[0].go is not None  # nobody waits: no world change
