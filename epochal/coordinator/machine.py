@@ -467,7 +467,9 @@ class RunMachine(Regrouping):
     def _finish(self, now: float) -> list[Action]:
         finish, line = ending.finish(self._loop, self.config, self.run_id)
         self._set_phase(RunPhase.FINISHING, now)
-        return [Broadcast(self._recipients(), finish), Log(line)]
+        late = Abort(reason="the run finished before this worker could join it")
+        waiting = [Send(peer, late) for peer in self.membership.standby]
+        return [Broadcast(self._recipients(), finish), Log(line), *waiting]
 
     def _end(self) -> list[Action]:
         summary, result = ending.result(self._loop, self.run_id)

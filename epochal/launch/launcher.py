@@ -130,6 +130,7 @@ async def launch(
             out,
             verbose=verbose,
             exit_timeout=exit_timeout,
+            max_restarts=max_restarts,
         )
         outcomes.append(outcome)
         return outcome
@@ -211,6 +212,7 @@ async def _attempt(
     *,
     verbose: bool,
     exit_timeout: float | None,
+    max_restarts: int = 0,
 ) -> Outcome:
     """One coordinator and one set of workers; a failed run's outcome asks for a retry (the
     workers failing after the run finished, or a signal, do not)."""
@@ -244,13 +246,14 @@ async def _attempt(
     relay = Relay(out, verbose=verbose)
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
+    slots: list[int] = []
+    # the worker index each process stands for (a replacement takes its lost worker's)
     width = len(str(nproc - 1))
-    for index in range(nproc):
+
+    async def start(index: int, worker_id: str) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
             *command,
-            env=worker_environment(
-                env_base, index, nproc, f"{coordinator.run_id}/local-{index}", master_port
-            ),
+            env=worker_environment(env_base, index, nproc, worker_id, master_port),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -258,12 +261,17 @@ async def _attempt(
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         procs.append(proc)
+        slots.append(index)
         assert proc.stdout is not None
         pumps.append(
             asyncio.create_task(
                 _pump(proc.stdout, relay.stream(f"[rank {index:>{width}}] ", rank=index))
             )
         )
+        return proc
+
+    for index in range(nproc):
+        await start(index, f"{coordinator.run_id}/local-{index}")
 
     interrupted: list[str] = []
 
@@ -283,9 +291,10 @@ async def _attempt(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    async def watch(index: int, proc: asyncio.subprocess.Process) -> int:
+    async def watch(position: int, proc: asyncio.subprocess.Process) -> int:
         code = await proc.wait()
         phase = coordinator.phase.value
+        index = slots[position]
         if plain:
             pass  # the launcher alone watches a plain run's workers (wait_plain)
         elif phase not in ("finishing", "ended"):
@@ -293,10 +302,29 @@ async def _attempt(
             hint = NEVER_CALLED_HINT if code == 0 and phase == "rendezvous" else ""
             failure = f"worker {index} (pid {proc.pid}) {what} before the run finished{hint}"
             if coordinator.worker_exited(proc.pid, what, failure):
-                lost.append(index)  # the others carry on without it
+                lost.append(position)  # the others carry on without it
+                if len(replaced) < spares and not interrupted:
+                    replaced.append(position)
+                    replacing.append(asyncio.create_task(replace(index, len(replaced))))
         elif code != 0 and coordinator.was_lost(proc.pid):
-            lost.append(index)  # dropped from the run (frozen, say), and it ended after it
+            lost.append(position)  # dropped from the run (frozen, say), and it ended after it
         return code
+
+    async def replace(index: int, n: int) -> None:
+        """Start a replacement for lost worker ``index``: it joins at the next boundary."""
+        worker_id = f"{coordinator.run_id}/local-{index}/{n}"
+        proc = await start(index, worker_id)
+        _say(
+            f"worker {index} lost: started {worker_id} (pid {proc.pid}) in its place, "
+            f"replacement {n} of {spares}; it joins at the next epoch boundary",
+            logging.INFO,
+        )
+        watchers.append(asyncio.create_task(watch(len(procs) - 1, proc)))
+
+    spares = max_restarts if config.elastic else 0
+    # an elastic run replaces lost workers, up to --max-restarts of them, instead of restarting
+    replaced: list[int] = []
+    replacing: list[asyncio.Task[None]] = []
 
     lost: list[int] = []
     # workers whose rank was lost while the others carried on (an elastic run)
@@ -317,6 +345,10 @@ async def _attempt(
     reason = ""
     try:
         summary = await coordinator.run()
+        for position, proc in enumerate(procs):
+            if proc.returncode is None and coordinator.waiting_to_join(proc.pid):
+                lost.append(position)  # a replacement the run finished without: not a failure
+                kill_group(proc.pid, signal.SIGTERM)
         if plain:  # no bound: the script trains for as long as it does
             failed_first = await wait_plain(procs, watchers, ABORT_EXIT_TIMEOUT)
     except RunAborted as exc:
@@ -329,6 +361,7 @@ async def _attempt(
             kill_group(pid, signal.SIGTERM)
     finally:
         detector.cancel()
+        await asyncio.gather(*replacing, return_exceptions=True)
         bound = exit_timeout if summary is not None else ABORT_EXIT_TIMEOUT
         await _wait_for_exit(watchers, bound, interrupted)
         stuck = [i for i, p in enumerate(procs) if p.returncode is None]
@@ -346,7 +379,11 @@ async def _attempt(
     hidden = hidden_note(relay.hidden)
     if interrupted and summary is not None:
         bound = ABORT_EXIT_TIMEOUT  # the signal bounded a wait that had none
-    killed = f"; {_workers(stuck)} still running {bound:g} s later and killed" if stuck else ""
+    killed = (
+        f"; {_workers([slots[i] for i in stuck])} still running {bound:g} s later and killed"
+        if stuck
+        else ""
+    )
     if interrupted:
         when = " after the run finished (result.json says so)" if summary is not None else ""
         _say(f"interrupted by {interrupted[0]}{when}{killed}{hidden}", logging.WARNING)
@@ -357,14 +394,15 @@ async def _attempt(
         return Outcome(EXIT_FAILED, reason, retry=True, unfinished=True)
     if stuck:
         _say(
-            f"FAILED: the run finished (result.json says so), but {_workers(stuck)} still "
+            f"FAILED: the run finished (result.json says so), but "
+            f"{_workers([slots[i] for i in stuck])} still "
             f"running {bound:g} s later (--exit-timeout) and killed",
             logging.ERROR,
         )
         return Outcome(EXIT_FAILED, "workers did not exit after the finish")
     bad = [(i, c) for i, c in enumerate(codes) if c != 0 and i not in lost]
     if bad:
-        listed = ", ".join(f"worker {i}: status {c}" for i, c in bad)
+        listed = ", ".join(f"worker {slots[i]}: status {c}" for i, c in bad)
         _say(
             "FAILED: the run finished (result.json says so), but the script failed after "
             f"epochal.train() returned ({listed})",
@@ -373,8 +411,9 @@ async def _attempt(
         return Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
     without = ""
     if lost:
-        listed = ", ".join(map(str, sorted(lost)))
-        without = f" (worker{'s' if len(lost) > 1 else ''} {listed} lost on the way)"
+        gone = sorted({slots[i] for i in lost})
+        listed = ", ".join(map(str, gone))
+        without = f" (worker{'s' if len(gone) > 1 else ''} {listed} lost on the way)"
     if summary.epochs_run == 0:  # join() for the process group only: the script's own loop
         _say(
             f"done: {counted(len(codes), 'worker')} closed their sessions and exited 0",

@@ -120,7 +120,7 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
         )
         timeout = options.collective_timeout
         welcome, store = rendezvous(client, hello, endpoint, deadline_s, timeout)
-        mismatch = launchenv.check_world_size(where, welcome.world_size)
+        mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)
         if mismatch is not None:
             client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
             raise JoinRefused(mismatch)

@@ -178,9 +178,14 @@ def placement(
     )
 
 
-def check_world_size(expected: Placement, coordinator_world_size: int) -> str | None:
-    """Why this worker must not run in a world of ``coordinator_world_size``; None if it may."""
+def check_world_size(
+    expected: Placement, coordinator_world_size: int, *, elastic: bool = False
+) -> str | None:
+    """Why this worker must not run in a world of ``coordinator_world_size``; None if it may.
+    In an ``elastic`` run the world may be smaller than the one started (ranks were lost)."""
     if expected.world_size is None or expected.world_size == coordinator_world_size:
+        return None
+    if elastic and coordinator_world_size < expected.world_size:
         return None
     return (
         f"this worker was started for a world of {expected.world_size} workers "

@@ -153,7 +153,7 @@ def run(command: Sequence[str]) -> int:
             data_address=plane.address,
         )
         welcome, store = rendezvous(client, hello, endpoint, deadline_s, options.collective_timeout)
-        mismatch = launchenv.check_world_size(where, welcome.world_size)
+        mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)
         if mismatch is not None:
             client.send(Failed(reason=clip(mismatch)))
             raise JoinRefused(mismatch)

@@ -114,6 +114,9 @@ class Session(Reattaching, Regrouping):
         self.run_id = welcome.run_id
         self.generation = welcome.generation
         self.client.on_regroup = self._leave_now  # see _leave_now
+        self.restore = welcome.restore
+        # how this world's members take the state of start_epoch (Restore): "peers" means
+        # newcomers joined, and every rank takes rank 0's state over the data plane
         self.elastic = welcome.elastic
         # the run goes on without a lost rank: each epoch's start is kept (Rejoin)
         self.start_epoch = welcome.start_epoch

@@ -197,3 +197,60 @@ def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
     assert "done: best epoch 2 of 3 (worker 2 lost on the way)" in output, output
     epochs = [r for r in epoch_records(run_dir) if r["kind"] == "epoch"]
     assert [(r["epoch"], r["world_size"]) for r in epochs] == [(0, 4), (1, 3), (2, 3)]
+
+
+def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_stop(
+    spawn: Spawner, tmp_path: Path
+):
+    """``--max-restarts 1`` in an elastic run: the launcher starts a replacement for the killed
+    worker, which waits as a standby and joins at the next epoch boundary with rank 0's state,
+    sent over the data plane; the survivors never restart and no checkpoint is read. Every rank
+    then holds the same weights (the replica check compares them after each epoch, and the
+    files here at the end)."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "4",
+        "--min-workers",
+        "3",
+        "--max-restarts",
+        "1",
+        "--epochs",
+        "12",
+        "--no-restore-best",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "linear.py"),
+        "--out",
+        str(out),
+        "--step-delay",
+        "0.25",  # an epoch of about a second: the replacement joins while the run trains
+        EPOCHAL_FAULT="kill@train-step:rank=3:epoch=1:step=2:world=0",
+    )
+    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
+    first = set(marked_pids(spawn.mark))
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    lost, joined = world_changes(run_dir)
+    assert (lost["epoch"], lost["from"], lost["to"], lost["joined"]) == (1, 4, 3, [])
+    assert (joined["from"], joined["to"], joined["lost"]) == (3, 4, [])
+    assert joined["epoch"] >= 2 and joined["generation"] == 2, joined
+    (newcomer,) = joined["joined"]
+    assert newcomer.endswith("/local-3/1"), newcomer
+    assert "worker 3 lost: started" in output and "replacement 1 of 1" in output, output
+    assert "joins: 4 workers from epoch" in output, output
+    assert "took rank 0's state" in output, output
+    assert "resuming" not in output  # nothing read from a checkpoint
+    epochs = [r for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    sizes = [(r["epoch"], r["world_size"]) for r in epochs]
+    j = joined["epoch"]
+    assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [(e, 4) for e in range(j, 12)]
+    final = weights(out)
+    assert sorted(final) == [0, 1, 2, 3]
+    assert {final[r]["pid"] for r in (0, 1, 2)} <= first  # the survivors never restarted
+    assert final[3]["pid"] not in first  # the replacement
+    for rank in (1, 2, 3):
+        for key, tensor in final[0]["state"].items():
+            assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)

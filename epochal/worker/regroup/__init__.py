@@ -28,7 +28,7 @@ costs.
 """
 
 from epochal.worker.regroup.leave import clear_frames, leave, rebuild
-from epochal.worker.regroup.share import FullState, Transfer, consolidate, share
+from epochal.worker.regroup.share import FullState, Transfer, consolidate, share, share_tree
 from epochal.worker.regroup.snapshot import Snapshot
 
 __all__ = [
@@ -40,4 +40,5 @@ __all__ = [
     "leave",
     "rebuild",
     "share",
+    "share_tree",
 ]

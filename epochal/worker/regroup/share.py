@@ -275,3 +275,15 @@ def _share_fully_sharded(
     if state["optim"]["state"]:
         set_optimizer_state_dict(strategy.model, strategy.optimizer, state["optim"])
     return state, nbytes
+
+
+def share_tree(strategy: Strategy, tree: Any) -> tuple[Any, int]:
+    """Give every rank of the strategy's group rank 0's ``tree`` (JSON-able structure and
+    tensors, such as the best epoch's weights; None inside it is kept) and the bytes it took.
+    Collective; what the other ranks pass is ignored."""
+    layout = strategy.layout
+    group = layout.group
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    wrapped = {"tree": tree} if layout.rank == 0 else None
+    got, nbytes = broadcast_tree(wrapped, src=root, group=group, device=layout.device)
+    return host_copy(got["tree"]), nbytes

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
+from epochal.log import WORKER
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
 from epochal.worker import faults
 from epochal.worker.checkpoints.state import Stateful
@@ -28,7 +29,7 @@ from epochal.worker.checkpoints.state import (
 )
 from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.regroup import Snapshot
+from epochal.worker.regroup import Snapshot, share, share_tree
 from epochal.worker.regroup import leave as leave_group
 from epochal.worker.regroup import rebuild as rebuild_strategy
 from epochal.worker.session import Rejoin, Session
@@ -230,6 +231,25 @@ def fit(
     start: tuple[int, Snapshot] | None = None
     # elastic runs: this rank's state at the start of the epoch under way, and that epoch
 
+    def from_peers() -> None:
+        """Newcomers joined this world: every rank takes rank 0's state (model, optimizer,
+        scaler) and its best epoch's weights over the data plane, a newcomer to train on, the
+        others to stay equal to it."""
+        nonlocal best_state
+        moved = share(strategy)
+        best_state, more = share_tree(strategy, best_state)
+        nbytes = moved.nbytes + more
+        if session.rank != 0:
+            took = max(moved.seconds, 1e-9)
+            WORKER.info(
+                f"epochal: rank {session.rank}: took rank 0's state, {nbytes / 2**20:.2f} MiB in "
+                f"{took:.2f} s ({nbytes / 2**20 / took:.1f} MiB/s), for epoch "
+                f"{session.start_epoch} in a world of {session.world_size}"
+            )
+
+    if session.restore == "peers":  # a newcomer: the run's state comes from rank 0
+        from_peers()
+
     def train_epoch(ctx: EpochContext) -> LossSum:
         nonlocal start
         if session.elastic and (start is None or start[0] != ctx.epoch):
@@ -328,6 +348,8 @@ def fit(
         if start is not None and start[0] == epoch:
             start[1].restore(strategy)
         # else the epoch had not begun here: what this rank holds is its start already
+        if session.restore == "peers":
+            from_peers()
         again = _resolve(train_loader, session, "train")
         assert again is not None
         train_data = again

@@ -63,6 +63,22 @@ def close(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ((out - target).abs() < 0.5).sum(), len(target)
 
 
+class SlowLoader:
+    """Batches that each take ``delay`` seconds to load (a slow disk): epochs long enough for
+    another process to start meanwhile."""
+
+    def __init__(self, batches: list, delay: float) -> None:
+        self.batches, self.delay = batches, delay
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield batch
+
+
 class HangingLoader:
     """A validation loader whose iterator never yields (a stuck file system, say)."""
 
@@ -85,6 +101,7 @@ def main() -> None:
         choices=["train", "uneven", "empty", "mismatch", "raise", "no-valid", "hang-valid"],
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds per batch")
     parser.add_argument("--precision", default="32")
     parser.add_argument("--clip-grad-norm", type=float, default=None)
     parser.add_argument(
@@ -107,7 +124,7 @@ def main() -> None:
             return batches[:-1]
         if broken and args.mode == "empty":
             return []
-        return batches
+        return SlowLoader(batches, args.step_delay) if args.step_delay else batches
 
     def valid_loader(rank: int, world: int) -> Any:
         split = uneven_shard if args.metrics else shard
@@ -138,6 +155,7 @@ def main() -> None:
                 "best_epoch": result.best_epoch,
                 "valid_losses": [r.valid_loss for r in result.curve],
                 "train_losses": [r.train_loss for r in result.curve],
+                "pid": os.getpid(),
                 "metrics": [r.metrics for r in result.curve],
             },
             args.out / f"rank{result.rank}.pt",
