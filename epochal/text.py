@@ -43,3 +43,11 @@ def exit_words(code: int) -> str:
     if code >= 0:
         return f"exited with status {code}"
     return f"was killed by {signal.Signals(-code).name}"
+
+
+def byte_size(n: float) -> str:
+    """A number of bytes for a reader: "812 B", "3.4 KiB", "25.2 MiB", "1.50 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:.0f} B"

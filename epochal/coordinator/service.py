@@ -357,12 +357,11 @@ class Coordinator(Recording):
         joined = {member.hello.pid for member in machine.rendezvous.members.values()}
         return [pid for pid in pids if pid not in joined]
 
-    def waiting_to_join(self, pid: int) -> bool:
-        """Whether the worker process ``pid`` is a newcomer still waiting for a boundary."""
+    def in_world(self, pid: int) -> bool:
+        """Whether the worker process ``pid`` is a member of the run's world now (not lost, not
+        a newcomer still starting or waiting for a boundary)."""
         machine = self._machine
-        return machine is not None and any(
-            member.hello.pid == pid for member in machine.membership.standby.values()
-        )
+        return machine is not None and any(m.hello.pid == pid for m in machine.members)
 
     def was_lost(self, pid: int) -> bool:
         """Whether the worker process ``pid`` was lost from the run while the others went on."""

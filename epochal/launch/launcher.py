@@ -314,6 +314,7 @@ async def _attempt(
         """Start a replacement for lost worker ``index``: it joins at the next boundary."""
         worker_id = f"{coordinator.run_id}/local-{index}/{n}"
         proc = await start(index, worker_id)
+        spare_positions.append(len(procs) - 1)
         _say(
             f"worker {index} lost: started {worker_id} (pid {proc.pid}) in its place, "
             f"replacement {n} of {spares}; it joins at the next epoch boundary",
@@ -325,6 +326,7 @@ async def _attempt(
     # an elastic run replaces lost workers, up to --max-restarts of them, instead of restarting
     replaced: list[int] = []
     replacing: list[asyncio.Task[None]] = []
+    spare_positions: list[int] = []  # the processes started as replacements
 
     lost: list[int] = []
     # workers whose rank was lost while the others carried on (an elastic run)
@@ -345,10 +347,17 @@ async def _attempt(
     reason = ""
     try:
         summary = await coordinator.run()
-        for position, proc in enumerate(procs):
-            if proc.returncode is None and coordinator.waiting_to_join(proc.pid):
-                lost.append(position)  # a replacement the run finished without: not a failure
+        for position in spare_positions:
+            proc = procs[position]
+            if proc.returncode is None and not coordinator.in_world(proc.pid):
+                # a replacement the run finished without (starting, or waiting for a boundary)
+                lost.append(position)
                 kill_group(proc.pid, signal.SIGTERM)
+                _say(
+                    f"worker {slots[position]}'s replacement (pid {proc.pid}) had not joined when "
+                    "the run finished; stopped",
+                    logging.INFO,
+                )
         if plain:  # no bound: the script trains for as long as it does
             failed_first = await wait_plain(procs, watchers, ABORT_EXIT_TIMEOUT)
     except RunAborted as exc:

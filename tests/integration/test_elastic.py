@@ -217,15 +217,19 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
         "--max-restarts",
         "1",
         "--epochs",
-        "12",
+        "40",
         "--no-restore-best",
         "--run-dir",
         str(run_dir),
         str(SCRIPTS / "linear.py"),
         "--out",
         str(out),
+        # epochs of about a second while the world is short of a worker: tens of seconds for
+        # the replacement to start and join while the run trains; fast once it is whole again
         "--step-delay",
-        "0.25",  # an epoch of about a second: the replacement joins while the run trains
+        "0.25",
+        "--slow-below",
+        "4",
         EPOCHAL_FAULT="kill@train-step:rank=3:epoch=1:step=2:world=0",
     )
     wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
@@ -246,7 +250,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     epochs = [r for r in epoch_records(run_dir) if r["kind"] == "epoch"]
     sizes = [(r["epoch"], r["world_size"]) for r in epochs]
     j = joined["epoch"]
-    assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [(e, 4) for e in range(j, 12)]
+    assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [(e, 4) for e in range(j, 40)]
     final = weights(out)
     assert sorted(final) == [0, 1, 2, 3]
     assert {final[r]["pid"] for r in (0, 1, 2)} <= first  # the survivors never restarted

@@ -22,6 +22,7 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.log import WORKER
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
+from epochal.text import byte_size
 from epochal.worker import faults
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.checkpoints.state import (
@@ -242,9 +243,9 @@ def fit(
         if session.rank != 0:
             took = max(moved.seconds, 1e-9)
             WORKER.info(
-                f"epochal: rank {session.rank}: took rank 0's state, {nbytes / 2**20:.2f} MiB in "
-                f"{took:.2f} s ({nbytes / 2**20 / took:.1f} MiB/s), for epoch "
-                f"{session.start_epoch} in a world of {session.world_size}"
+                f"epochal: rank {session.rank}: took rank 0's state, {byte_size(nbytes)} in "
+                f"{took:.2f} s ({byte_size(nbytes / took)}/s), for epoch {session.start_epoch} "
+                f"in a world of {session.world_size}"
             )
 
     if session.restore == "peers":  # a newcomer: the run's state comes from rank 0

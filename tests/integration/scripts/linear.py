@@ -102,6 +102,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds per batch")
+    parser.add_argument(
+        "--slow-below",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batches take --step-delay only in a world of fewer than N workers",
+    )
     parser.add_argument("--precision", default="32")
     parser.add_argument("--clip-grad-norm", type=float, default=None)
     parser.add_argument(
@@ -124,7 +131,8 @@ def main() -> None:
             return batches[:-1]
         if broken and args.mode == "empty":
             return []
-        return SlowLoader(batches, args.step_delay) if args.step_delay else batches
+        slow = args.step_delay and (args.slow_below is None or world < args.slow_below)
+        return SlowLoader(batches, args.step_delay) if slow else batches
 
     def valid_loader(rank: int, world: int) -> Any:
         split = uneven_shard if args.metrics else shard
