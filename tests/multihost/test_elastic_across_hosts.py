@@ -1,0 +1,60 @@
+"""An elastic run across hosts (network namespaces, CURVE on, no hints): ``epochal coordinator
+--world-size 2 --min-workers 1`` on one host and ``epochal worker --max-restarts 1`` on two
+others. A worker's script is killed mid-epoch: the other carries on alone from the start of that
+epoch, the killed worker's supervisor starts it again, and the new process waits as a standby and
+joins at the next epoch boundary with rank 0's state, sent over the data plane between the
+hosts. No checkpoint is read, the survivor never restarts, and both end with the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multihost.test_across_hosts import Cluster
+
+LINEAR = Path(__file__).resolve().parents[1] / "integration" / "scripts" / "linear.py"
+EPOCHS = 40
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(make_hosts, tmp_path):
+    net = make_hosts(3)
+    cluster = Cluster(net, tmp_path)
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    coordinator = cluster.coordinator(
+        "--min-workers",
+        "1",
+        "--epochs",
+        str(EPOCHS),
+        "--no-restore-best",
+        "--run-dir",
+        str(run_dir),
+    )
+    supervisor = ["python", "-m", "epochal", "worker", "--connect", cluster.endpoint]
+    supervisor += ["--max-restarts", "1", "--"]
+    # epochs of about a second while the world is short of a worker, fast once it is whole
+    work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.25", "--slow-below", "2"]
+    fault = "kill@train-step:rank=1:epoch=1:step=2:world=0"
+    workers = [cluster.worker(i, [*supervisor, *work], EPOCHAL_FAULT=fault) for i in range(2)]
+    outputs = [cluster.wait(w) for w in workers]
+    log = cluster.wait(coordinator)
+    assert coordinator.returncode == 0, cluster.dump()
+    assert all(w.returncode == 0 for w in workers), cluster.dump()
+    assert "resuming" not in log, log  # nothing read from a checkpoint
+    changes = json.loads((run_dir / "result.json").read_text())["world_changes"]
+    lost, joined = changes
+    assert (lost["epoch"], lost["from"], lost["to"], lost["joined"]) == (1, 2, 1, []), changes
+    assert (joined["from"], joined["to"], joined["lost"]) == (1, 2, []), changes
+    assert joined["epoch"] >= 2, changes
+    assert "restart 1 of 1" in outputs[1], outputs[1]
+    assert "took rank 0's state" in outputs[1], outputs[1]
+    # the survivor never restarted; the other ends with its weights, bit for bit
+    assert "restart" not in outputs[0], outputs[0]
+    final = {r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)}
+    for key, tensor in final[0]["state"].items():
+        assert torch.equal(tensor, final[1]["state"][key]), key
+    cluster.none_left()
