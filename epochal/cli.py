@@ -77,7 +77,8 @@ RUN_ONLY_OPTIONS = (
         metavar="K",
         type=nonnegative_int,
         help="after a failure, hold a new rendezvous and resume from the last checkpoint, up to "
-        "K times",
+        "K times; in an elastic run (--min-workers) epochal run instead starts a replacement for "
+        "each lost worker, up to K, which joins at the next epoch boundary",
     ),
 )
 """Options of both commands that are not settings of the run (how it is served)."""
