@@ -420,9 +420,15 @@ async def _attempt(
         return Outcome(EXIT_FAILED, f"workers exited non-zero ({listed})")
     without = ""
     if lost:
-        gone = sorted({slots[i] for i in lost})
+        gone = sorted({slots[i] for i in lost if i not in spare_positions})
+        back = sorted({slots[i] for i in spare_positions if i not in lost})
         listed = ", ".join(map(str, gone))
-        without = f" (worker{'s' if len(gone) > 1 else ''} {listed} lost on the way)"
+        what = "lost on the way"
+        if back == gone:
+            what = "lost and replaced"
+        elif back:
+            what += f"; worker{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} replaced"
+        without = f" (worker{'s' if len(gone) > 1 else ''} {listed} {what})"
     if summary.epochs_run == 0:  # join() for the process group only: the script's own loop
         _say(
             f"done: {counted(len(codes), 'worker')} closed their sessions and exited 0",

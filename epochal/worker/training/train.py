@@ -232,7 +232,7 @@ def fit(
     start: tuple[int, Snapshot] | None = None
     # elastic runs: this rank's state at the start of the epoch under way, and that epoch
 
-    def from_peers() -> None:
+    def from_peers(newcomer: bool) -> None:
         """Newcomers joined this world: every rank takes rank 0's state (model, optimizer,
         scaler) and its best epoch's weights over the data plane, a newcomer to train on, the
         others to stay equal to it."""
@@ -240,7 +240,7 @@ def fit(
         moved = share(strategy)
         best_state, more = share_tree(strategy, best_state)
         nbytes = moved.nbytes + more
-        if session.rank != 0:
+        if newcomer:
             took = max(moved.seconds, 1e-9)
             WORKER.info(
                 f"epochal: rank {session.rank}: took rank 0's state, {byte_size(nbytes)} in "
@@ -249,7 +249,7 @@ def fit(
             )
 
     if session.restore == "peers":  # a newcomer: the run's state comes from rank 0
-        from_peers()
+        from_peers(newcomer=True)
 
     def train_epoch(ctx: EpochContext) -> LossSum:
         nonlocal start
@@ -350,7 +350,7 @@ def fit(
             start[1].restore(strategy)
         # else the epoch had not begun here: what this rank holds is its start already
         if session.restore == "peers":
-            from_peers()
+            from_peers(newcomer=False)
         again = _resolve(train_loader, session, "train")
         assert again is not None
         train_data = again
