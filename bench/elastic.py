@@ -1,6 +1,6 @@
 """What a lost worker costs: an elastic run (the others carry on) against a restart of everyone.
 
-    python bench/elastic.py [--kills 5] [--nproc 4] [--seed 0]
+    python bench/elastic.py [--kills 5] [--nproc 4] [--seed 0] [--epochs 10]
 
 Side by side on the resume test's workload (``resumable.py``, 10 epochs, 4 workers): an undisturbed
 run, then ``--kills`` trials each of
@@ -10,7 +10,11 @@ run, then ``--kills`` trials each of
   out at that moment: the survivors train again);
 - restart-all: ``--max-restarts 1`` (today's recovery, and torchrun's: every worker stopped and
   started again); from the kill until the restarted coordinator has welcomed a full set of new
-  workers (they load the last checkpoint next, and redo every epoch since it).
+  workers (they load the last checkpoint next, and redo every epoch since it);
+- replaced: ``--min-workers NPROC-1 --max-restarts 1``: the elastic run, and a replacement started
+  at once that joins at the next epoch boundary. Besides the time to train again, from the
+  replacement's hello (the coordinator's "waiting to join" line) to the world at full size formed,
+  and the rate at which the replacement took rank 0's state.
 
 For both: the wall time the run lost against the undisturbed run's (median of its runs). Prints
 medians and maxima and the ratio restart-all / elastic of each. Defaults apply otherwise
@@ -37,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import SCRIPT, marked, worker_pids
 
 EPOCHS = 10
+"""Epochs of each run (``--epochs``): enough for a kill well inside training; a replacement needs
+more on a machine where its interpreter starts slowly."""
 
 
 def workers_of(launcher: int, mark: str) -> list[int]:
@@ -53,16 +59,40 @@ def workers_of(launcher: int, mark: str) -> list[int]:
     return pids
 
 
+def stamped(lines: list[tuple[float, str]], needle: str) -> float | None:
+    """When the first line holding ``needle`` arrived."""
+    return next((t for t, line in lines if needle in line), None)
+
+
+def join_figures(lines: list[tuple[float, str]]) -> tuple[float, float] | None:
+    """A replacement's seconds from its hello to the full world formed, and the bytes per second
+    it took rank 0's state at; None when it did not join."""
+    hello, formed = stamped(lines, "is waiting to join"), stamped(lines, "generation 2 formed")
+    said = next((line for _, line in lines if "took rank 0's state" in line), None)
+    if hello is None or formed is None or said is None:
+        return None
+    size, unit = said.split("(")[-1].split("/s)")[0].split()
+    rate = float(size) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    return formed - hello, rate
+
+
 def run(
-    rng: random.Random, nproc: int, extra: list[str], tmp: Path, *, kill: str | None
+    rng: random.Random,
+    nproc: int,
+    extra: list[str],
+    tmp: Path,
+    *,
+    kill: str | None,
+    seen: list[list[tuple[float, str]]] | None = None,
+    epochs: int = EPOCHS,
 ) -> tuple[float, float | None]:
     """One ``epochal run``: its wall time, and (``kill`` given) the seconds from the kill to the
-    line ``kill`` names."""
+    line ``kill`` names. ``seen`` gets the run's lines, each with when it arrived."""
     mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
     env.update({"EPOCHAL_BENCH_MARK": mark, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     run_dir = tmp / mark
-    cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc), "--epochs", str(EPOCHS)]
+    cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc), "--epochs", str(epochs)]
     cmd += ["--run-dir", str(run_dir), *extra, str(SCRIPT), "--out", str(run_dir / "out")]
     cmd += ["--delay", "0.02"]
     started = time.monotonic()
@@ -70,7 +100,14 @@ def run(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    stamps: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            stamps.append((time.monotonic(), line))
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     took = None
     try:
@@ -81,7 +118,7 @@ def run(
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.8))
             before = sum(kill in line for line in lines)
-            if proc.poll() is not None or any(f"epoch {EPOCHS - 1} [" in line for line in lines):
+            if proc.poll() is not None or any(f"epoch {epochs - 1} [" in line for line in lines):
                 raise RuntimeError("the run finished before the kill: give it more epochs")
             os.kill(rng.choice(workers_of(proc.pid, mark)), signal.SIGKILL)
             killed = time.monotonic()
@@ -93,6 +130,9 @@ def run(
         code = proc.wait(timeout=300)
         if code != 0:
             raise RuntimeError(f"exit {code}:\n" + "".join(lines))
+        reader.join(timeout=5)
+        if seen is not None:
+            seen.append(stamps)
         return time.monotonic() - started, took
     finally:
         for pid in marked(mark):
@@ -104,20 +144,37 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="epochal-elastic-") as tmp:
         base = statistics.median(
-            run(rng, args.nproc, [], Path(tmp), kill=None)[0]
+            run(rng, args.nproc, [], Path(tmp), kill=None, epochs=args.epochs)[0]
             for _ in range(max(1, args.kills // 2))
         )
-        print(f"undisturbed run: {base:.2f} s ({args.nproc} workers, {EPOCHS} epochs)", flush=True)
+        print(
+            f"undisturbed run: {base:.2f} s ({args.nproc} workers, {args.epochs} epochs)",
+            flush=True,
+        )
         results = {}
+        elastic = ["--min-workers", str(args.nproc - 1)]
+        seen: list[list[tuple[float, str]]] = []
         for name, extra, line in (
-            ("elastic", ["--min-workers", str(args.nproc - 1)], "formed:"),
+            ("elastic", elastic, "formed:"),
             ("restart-all", ["--max-restarts", "1"], "workers, backend"),
+            ("replaced", [*elastic, "--max-restarts", "1"], "formed:"),
         ):
-            trials = [run(rng, args.nproc, extra, Path(tmp), kill=line) for _ in range(args.kills)]
+            trials = [
+                run(
+                    rng,
+                    args.nproc,
+                    extra,
+                    Path(tmp),
+                    kill=line,
+                    seen=seen if name == "replaced" else None,
+                )
+                for _ in range(args.kills)
+            ]
             back = [t for _, t in trials if t is not None]
             lost = [wall - base for wall, _ in trials]
             results[name] = (statistics.median(back), statistics.median(lost))
@@ -133,6 +190,18 @@ def main() -> int:
             f"{r_lost / max(e_lost, 1e-3):.1f}x the wall time lost",
             flush=True,
         )
+        joins = [f for f in map(join_figures, seen) if f is not None]
+        if joins:
+            waits, rates = [w for w, _ in joins], [r for _, r in joins]
+            print(
+                f"replacement: hello -> training at {args.nproc} workers median "
+                f"{statistics.median(waits):.2f} s, max {max(waits):.2f} s; state taken at "
+                f"median {statistics.median(rates) / 2**20:.1f} MiB/s "
+                f"({len(joins)} of {len(seen)} replacements joined before the run ended)",
+                flush=True,
+            )
+        else:
+            print("replacement: none joined before the run ended: give it more epochs", flush=True)
     return 0
 
 
