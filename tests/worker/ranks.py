@@ -101,7 +101,27 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-class LocalSession:
+class StandIn:
+    """The attributes ``fit`` reads of a Session, for a run without a coordinator whose world
+    never changes: the stand-ins below share them, so a new one that ``fit`` reads is added
+    here once."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        *,
+        resume_epoch: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.resume_epoch = rank, world, resume_epoch
+        self.device = torch.device("cpu") if device is None else device
+        self.elastic, self.generation, self.restore = False, 0, "none"
+        self.start_epoch = 0 if resume_epoch is None else resume_epoch + 1
+        self.client = SimpleNamespace(check=lambda: None)
+
+
+class LocalSession(StandIn):
     """What fit needs of a Session, without a coordinator: ``epochs`` epochs (learning-rate
     factor 0.5 per epoch), epoch 0 declared best, a checkpoint after each epoch (real
     Checkpointer), resume from ``resume_epoch``; on ``device``."""
@@ -117,11 +137,8 @@ class LocalSession:
         device: torch.device | None = None,
         epochs: int = 2,
     ) -> None:
-        self.rank, self.world_size, self.resume_epoch = rank, world, resume_epoch
-        self.device = torch.device("cpu") if device is None else device
+        super().__init__(rank, world, resume_epoch=resume_epoch, device=device)
         self.epochs = epochs
-        self.elastic, self.generation = False, 0  # a run whose world never changes
-        self.client = SimpleNamespace(check=lambda: None)
         self.checkpointer = Checkpointer(directory, rank=rank, run_id="t")
         self.model = model  # [the model fit trains], to read its weights at the end
         self.last: dict[str, torch.Tensor] = {}

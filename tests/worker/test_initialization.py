@@ -12,7 +12,6 @@ computation that raises on rank 0 fails every rank instead of leaving them in a 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from epochal.errors import EpochalError
 from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.training.initialization import buckets, initialize_on_rank
 from epochal.worker.training.train import fit
-from tests.worker.ranks import run_ranks, start_rank
+from tests.worker.ranks import StandIn, run_ranks, start_rank
 
 # every test here in one test process: the ranks (module-scoped) run once
 pytestmark = pytest.mark.xdist_group("initialization-ranks")
@@ -65,14 +64,11 @@ def set_from_data(data: torch.Tensor) -> Any:
     return compute
 
 
-class OneEpoch:
+class OneEpoch(StandIn):
     """The part of a Session fit needs, without a coordinator: one epoch, no checkpoints."""
 
     def __init__(self, rank: int) -> None:
-        self.rank, self.world_size, self.resume_epoch = rank, WORLD, None
-        self.device = torch.device("cpu")
-        self.elastic, self.generation = False, 0  # a run whose world never changes
-        self.client = SimpleNamespace(check=lambda: None)
+        super().__init__(rank, WORLD)
 
     def run_epochs(self, train_epoch: Any, valid_epoch: Any, **kw: Any) -> RunResult:
         train_epoch(EpochContext(0, 1, 0, 1.0, self.rank, WORLD, self))  # type: ignore[arg-type]

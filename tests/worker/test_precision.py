@@ -14,7 +14,6 @@ import copy
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,7 +29,7 @@ from epochal.worker.strategies import MODES, Strategy, wrap
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.precision import PRECISIONS, StepPolicy, check_clip_grad_norm
 from epochal.worker.training.train import fit
-from tests.worker.ranks import run_ranks, start_rank
+from tests.worker.ranks import StandIn, run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
 
@@ -86,14 +85,8 @@ def loss_fn(rank: int, world: int, overflow: bool) -> Callable[[torch.Tensor, to
     return loss
 
 
-class OneEpoch:
+class OneEpoch(StandIn):
     """What fit needs of a Session, without a coordinator: one epoch of every batch, factor 1."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world_size, self.resume_epoch = rank, world, None
-        self.device = torch.device("cpu")
-        self.elastic, self.generation = False, 0  # a run whose world never changes
-        self.client = SimpleNamespace(check=lambda: None)
 
     def run_epochs(
         self,
