@@ -72,3 +72,16 @@ def rate_label(lr: float | None, factor: float) -> str:
     if lr is None:
         return f"lr x{factor:g}"
     return f"lr {lr:.4g}" + ("" if factor == 1 else f" (x{factor:g})")
+
+
+def standing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The journal's records that still stand, in order. A ``world`` record of epoch E says a new
+    world did E again (from the start of E, or from a checkpoint before it): the ``epoch`` and
+    ``checkpoint`` records of E and later written before it are gone from the run's history."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("kind") == "world":
+            again = record["epoch"]
+            kept = [r for r in kept if r.get("kind") == "world" or r["epoch"] < again]
+        kept.append(record)
+    return kept

@@ -286,7 +286,7 @@ class Joining:
             store_port=self._store.port,
             start_epoch=self._state.start_epoch if first else self.epoch,
             epochs=self.config.epochs,
-            resume_epoch=self._state.resume_epoch if first else None,
+            resume_epoch=self._state.resume_epoch if first else self._restored_checkpoint(),
             checkpoint_dir=str(self._checkpoint_dir or ""),
             session=self.gate.sessions.issue(peer, ""),
             liveness=self.config.liveness,
@@ -297,14 +297,21 @@ class Joining:
             elastic=self.config.elastic,
         )
 
+    def _restored_checkpoint(self) -> int | None:
+        """The checkpoint a new world loads (``welcome.resume_epoch``), if it restores one."""
+        change = self._change
+        return None if change is None else change.checkpoint
+
     def _restore_for(self, peer: bytes) -> str:
         """How ``peer`` takes the state of the epoch it starts (``welcome.restore``): nothing to
-        restore in the run's first world; in a new one as the change decided, a newcomer always
-        from its peers."""
+        restore in the run's first world; in a new one as the change decided, a newcomer from
+        its peers unless every member loads the checkpoint."""
         change = self._change
         if change is None:
             return Restore.NONE.value if self.generation == 0 else Restore.MEMORY.value
-        if any(member.peer == peer for member in change.joined):
+        if change.restore is not Restore.CHECKPOINT and any(
+            member.peer == peer for member in change.joined
+        ):
             return Restore.PEERS.value
         return change.restore.value
 

@@ -18,6 +18,7 @@ every worker and ends the run.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from epochal.coordinator.batches import (
 )
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.joining import NOT_MEMBER
+from epochal.coordinator.loop import LoopState
 from epochal.coordinator.membership import Membership, NewWorld
 from epochal.coordinator.models import ModelChecks, ModelRecord
 from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
@@ -143,7 +145,12 @@ class RunMachine(Regrouping):
         self.world_changes: list[dict[str, Any]] = []
         self._change: NewWorld | None = None
         # the change whose world is forming
-        self._redo: int | None = None
+        self._scopes: dict[bytes, str] = {}
+        # what each member's copy of an epoch's start holds, as its last ready said (elastic)
+        self._loops_at: dict[int, LoopState] = {}
+        # elastic: the loop state as each checkpoint holds it, for a world that restores one
+        if config.elastic and state.resume_epoch is not None:
+            self._loops_at[state.resume_epoch] = copy.deepcopy(state.loop)
 
     # ------------------------------------------------------------------ entry points
 
@@ -279,6 +286,7 @@ class RunMachine(Regrouping):
             case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
                 self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                self._scopes[peer] = message.snapshots
                 if len(self._ready) == len(self.members):
                     return self._start_epoch(now)
                 return []
@@ -299,11 +307,12 @@ class RunMachine(Regrouping):
                 if message.ready is not None:
                     ready = message.ready
                     self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
+                    self._scopes[peer] = ready.snapshots
                 if len(self._reports) == len(self.members):
                     return self._decide(now)
                 return []
             case Checkpointed() if rank == 0 and message.epoch <= self.epoch:
-                return self._on_checkpointed(message.epoch)
+                return self._on_checkpointed(now, message.epoch)
             case Done() if self.phase is RunPhase.READY and rank not in self._ready:
                 # before any epoch_ready: the script keeps its own loop and used join() for the
                 # rendezvous and the process group only; its session closed cleanly
@@ -393,6 +402,8 @@ class RunMachine(Regrouping):
         counts, self._next = self._next, {}
         self.round_seconds = now - self._round_started
         checkpoint = checkpoint_after(self.config, outcome)
+        if checkpoint and self.config.elastic:
+            self._loops_at[self.epoch] = copy.deepcopy(self._loop)
         seconds = now - self._epoch_started
         plan = self._plan
         assert plan is not None
@@ -423,15 +434,15 @@ class RunMachine(Regrouping):
             return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
         actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums, go)), said]
         self.epoch = following
-        change = self.membership.at_boundary(now) if self.config.elastic else None
-        if change is not None:
+        grown = self._grow(now)
+        if grown is not None:
             # newcomers are waiting: the world grows, and the epoch just started begins again in
             # it (each member restores its start, taken before its first step, if it got there)
-            return actions + self._change_world(now, change)
+            return actions + grown
         self._run(now)
         return actions
 
-    def _on_checkpointed(self, epoch: int) -> list[Action]:
+    def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
         actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
         self._committed.append(epoch)
         if self._checkpoint_dir is not None:
@@ -441,7 +452,10 @@ class RunMachine(Regrouping):
             if pruned:
                 actions.append(Prune(tuple(pruned)))
             self._committed = [e for e in self._committed if e not in pruned]
-        return actions
+            for gone in pruned:
+                self._loops_at.pop(gone, None)
+        grown = self._grow(now, checkpointed=epoch)  # a world whose copies are not whole
+        return actions + (grown or [])
 
     def _closed_early(self, now: float, rank: int) -> list[Action]:
         """A rank closed its session before it announced any epoch (a script with a loop of its

@@ -12,19 +12,19 @@ while the run trains waits as a standby and is admitted at the next epoch bounda
 (:meth:`Membership.at_boundary`). A process that was dropped from the run (it went silent and came
 back, say) is refused when it says hello again: its generation is gone.
 
-The restore a new world needs is decided here too (:func:`restore_after`): from each survivor's
+The restore a new world needs follows from what the members' copies hold
+(:meth:`~epochal.protocol.SnapshotScope.restore_after`): from each survivor's
 in-memory copy of the epoch's start where every rank holds the whole state, else from the last
 committed checkpoint, resharded.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from epochal.coordinator.rendezvous import Member
-from epochal.protocol import Restore
+from epochal.protocol import Restore, SnapshotScope
 from epochal.text import printable
 
 LOSS_SETTLE = 0.25
@@ -33,18 +33,6 @@ workers of one host, an exit and its neighbours' broken collectives) make one ch
 
 DROPPED_REMEMBERED = 4096
 """Dropped processes remembered to refuse their return; the oldest are forgotten first."""
-
-
-class Snapshots(enum.StrEnum):
-    """What the workers' in-memory copies of an epoch's start hold (their mode says it)."""
-
-    ALL = "all"
-    # every rank's copy holds the whole state (replicated): any survivor can restore
-    ROOT = "root"
-    # only rank 0's copy holds the optimizer (main): a survivor world restores from memory only
-    # while rank 0 lives
-    NONE = "none"
-    # no rank's copy is the whole state (sharded, fully_sharded), or copies are switched off
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +80,8 @@ class NewWorld:
     restore: Restore
     since: float
     # when the change began (the first loss, or the boundary that admits newcomers)
+    checkpoint: int | None = None
+    # restore CHECKPOINT: the epoch of the checkpoint every member loads (the coordinator's)
 
     @property
     def survivors(self) -> tuple[Member, ...]:
@@ -125,17 +115,6 @@ class TooFew:
             f"{said}: {self.left} worker{'s' if self.left != 1 else ''} left, fewer than "
             f"--min-workers {self.least}; the run cannot go on"
         )
-
-
-def restore_after(lost: tuple[Loss, ...], snapshots: Snapshots) -> Restore:
-    """How survivors restore the epoch's start after ``lost``, given what their copies hold."""
-    if not lost:
-        return Restore.PEERS
-    if snapshots is Snapshots.ALL:
-        return Restore.MEMORY
-    if snapshots is Snapshots.ROOT and all(loss.rank != 0 for loss in lost):
-        return Restore.MEMORY
-    return Restore.CHECKPOINT
 
 
 class Membership:
@@ -189,8 +168,9 @@ class Membership:
         """Whether the settle window of the pending losses is over."""
         return self._settle is not None and now >= self._settle
 
-    def decide(self, snapshots: Snapshots) -> NewWorld | TooFew:
-        """The new world after the pending losses (newcomers waiting join it), or the end."""
+    def decide(self, scope: SnapshotScope) -> NewWorld | TooFew:
+        """The new world after the pending losses (newcomers waiting join it), or the end;
+        ``scope``: what the members' copies of the epoch's start hold."""
         world = self.world
         assert world is not None and self._lost, "decide after a loss"
         lost = tuple(self._lost[r] for r in sorted(self._lost))
@@ -203,15 +183,17 @@ class Membership:
         joinable = min(len(self.standby), self.max_workers - len(survivors))
         if not survivors or len(survivors) + joinable < self.min_workers:
             return TooFew(lost, len(survivors) + joinable, self.min_workers)
-        return self._next(world, survivors, lost, restore_after(lost, snapshots), since)
+        restore = scope.restore_after([loss.rank for loss in lost])
+        return self._next(world, survivors, lost, restore, since)
 
-    def at_boundary(self, now: float) -> NewWorld | None:
+    def at_boundary(self, now: float, scope: SnapshotScope) -> NewWorld | None:
         """At an epoch boundary with nobody lost: the world with the newcomers waiting, if any
-        fit (the members keep their state; the newcomers receive it from rank 0)."""
+        fit (where the members' copies hold the whole state, ``scope``, they keep it and the
+        newcomers receive it from rank 0; else every member loads the last checkpoint)."""
         world = self.world
         if world is None or self._lost or not self.standby or world.size >= self.max_workers:
             return None
-        return self._next(world, world.members, (), Restore.PEERS, now)
+        return self._next(world, world.members, (), scope.restore_after(()), now)
 
     def _next(
         self,

@@ -14,18 +14,26 @@ A new world forms as the first one did, under its generation: ``regroup`` to eve
 ``open_store`` to its rank 0, and on ``store_ready`` a ``welcome`` to every member; each starts the
 interrupted epoch again from the state it held at the epoch's start (``restore`` memory) and says
 ``epoch_ready``; the epoch's ``go`` follows. Nothing of the interrupted epoch was decided, so the
-loop state stands as it was. Each change is one log line, one journal record (``kind`` world) and
-one entry of the result's ``world_changes``. Pure like the machine.
+loop state stands as it was. Where the members' copies do not hold the whole state (their
+``epoch_ready`` says: :class:`~epochal.protocol.SnapshotScope`), the world restores the newest
+committed checkpoint instead: the loop state goes back to the end of its epoch (a copy kept when
+that checkpoint was decided) and the epochs after it are decided again; such a world grows once
+the checkpoint of the epoch just decided is committed (:meth:`Regrouping._grow`). Each change is
+one log line, one journal record (``kind`` world) and one entry of the result's
+``world_changes``. Pure like the machine.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
-from epochal.coordinator.membership import Membership, NewWorld, Snapshots, TooFew
-from epochal.protocol import Abort, Broken, OpenStore, Regroup, clip
+from epochal.coordinator.loop import LoopState
+from epochal.coordinator.membership import Membership, NewWorld, TooFew
+from epochal.protocol import Abort, Broken, OpenStore, Regroup, Restore, SnapshotScope, clip
 from epochal.text import REASON_CHARS, printable
 
 
@@ -39,10 +47,20 @@ class Regrouping(Joining):
     epoch: int
     world_changes: list[dict[str, Any]]
     _change: NewWorld | None
-    _redo: int | None
+    _committed: list[int]
+    _loop: LoopState
+    _loops_at: dict[int, LoopState]
+    _scopes: dict[bytes, str]
 
     def _clear_round(self) -> None:
         raise NotImplementedError  # the machine's
+
+    @property
+    def scope(self) -> SnapshotScope:
+        """What the members' copies of an epoch's start hold together, as their readies said."""
+        return SnapshotScope.least(
+            self._scopes[m.peer] for m in self.members if m.peer in self._scopes
+        )
 
     # ------------------------------------------------------------------ losses
 
@@ -101,7 +119,7 @@ class Regrouping(Joining):
             return None
         if not self.membership.due(now):
             return []
-        decided = self.membership.decide(Snapshots.ALL)
+        decided = self.membership.decide(self.scope)
         self.watchdog.clear_failures()  # the peers' broken collectives followed from the loss
         if isinstance(decided, TooFew):
             return self.abort(decided.reason())
@@ -109,8 +127,42 @@ class Regrouping(Joining):
 
     # ------------------------------------------------------------------ a new world
 
+    def _grow(self, now: float, checkpointed: int | None = None) -> list[Action] | None:
+        """At an epoch boundary, newcomers waiting: the world with them (None: no change). Where
+        the members' copies hold the whole state, at the decision (``checkpointed`` None): they
+        keep their state and rank 0 shares it; else once the checkpoint of the epoch just decided
+        is committed (``checkpointed``), which every member of the new world loads."""
+        if not self.config.elastic or self.phase is not RunPhase.RUNNING:
+            return None
+        scope = self.scope
+        from_checkpoint = scope.restore_after(()) is Restore.CHECKPOINT
+        if from_checkpoint != (checkpointed is not None):
+            return None
+        if checkpointed is not None and checkpointed != self.epoch - 1:
+            return None  # an older epoch's, late: the next boundary's will do
+        change = self.membership.at_boundary(now, scope)
+        return None if change is None else self._change_world(now, change)
+
+    def _rewind(self, checkpoint: int) -> None:
+        """Back to the end of epoch ``checkpoint``: the loop state as its decision left it, the
+        epochs after it to be done again."""
+        self._loop = copy.deepcopy(self._loops_at[checkpoint])
+        self.epoch = checkpoint + 1
+
     def _change_world(self, now: float, change: NewWorld) -> list[Action]:
         """The new world is decided: forget the lost, renumber the rest, open its store."""
+        interrupted = self.epoch
+        if change.restore is Restore.CHECKPOINT:
+            usable = [e for e in self._committed if e in self._loops_at]
+            if not usable:
+                said = "; ".join(loss.describe() for loss in change.lost) or "newcomers joined"
+                return self.abort(
+                    f"{said} in epoch {interrupted}: the workers keep no whole copy of the "
+                    f"epoch's start ({self.scope.value}: see docs/elastic.md) and no checkpoint is "
+                    "committed yet to restore from, so the run cannot go on"
+                )
+            change = dataclasses.replace(change, checkpoint=max(usable))
+            self._rewind(max(usable))
         told: list[Action] = []
         for loss in change.lost:
             peer = loss.member.peer
@@ -126,21 +178,27 @@ class Regrouping(Joining):
         self._store = None
         self._clear_round()
         self.watchdog.new_world(now)
+        for peer in set(self._scopes) - {m.peer for m in self.members}:
+            del self._scopes[peer]
         self._change = change
-        self._redo = self.epoch
         size = change.world.size
+        whence = f"from the start of epoch {self.epoch}"
+        if change.checkpoint is not None:
+            whence = f"from the checkpoint of epoch {change.checkpoint}"
         actions: list[Action] = told + [
             Log(
-                f"{loss.describe()} in epoch {self.epoch}: continuing with {size} worker"
-                f"{'s' if size != 1 else ''} from the start of epoch {self.epoch}"
+                f"{loss.describe()} in epoch {interrupted}: continuing with {size} worker"
+                f"{'s' if size != 1 else ''} {whence}"
             )
             for loss in change.lost
         ]
+        got = (
+            f"the checkpoint of epoch {change.checkpoint}"
+            if change.checkpoint is not None
+            else "the state sent from rank 0 over the data plane"
+        )
         actions += [
-            Log(
-                f"{member.describe()} joins: {size} workers from epoch {self.epoch} "
-                "(the state sent from rank 0 over the data plane)"
-            )
+            Log(f"{member.describe()} joins: {size} workers from epoch {self.epoch} ({got})")
             for member in change.joined
         ]
         regroup = Regroup(generation=self.generation, epoch=self.epoch)
@@ -166,7 +224,10 @@ class Regrouping(Joining):
             "lost": [loss.describe() for loss in change.lost],
             "joined": [printable(m.hello.worker_id) for m in change.joined],
             "seconds": seconds,
+            "restore": change.restore.value,
         }
+        if change.checkpoint is not None:
+            entry["checkpoint"] = change.checkpoint
         self.world_changes.append(entry)
         if change.lost:
             formed = f"redo epoch {self.epoch} ({seconds:.1f} s after the loss)"

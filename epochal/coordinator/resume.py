@@ -41,6 +41,7 @@ from epochal.rundir import (
     RECORD_FILE_LIMIT,
     RESULT_FILE,
     RUN_FILE,
+    standing,
 )
 from epochal.settings import flag_name, settings
 from epochal.text import printable
@@ -285,7 +286,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     result = _finished(run_dir)
     if result is not None and more is None:
         return RunState(loop=loop, finished=result, extensions=extensions)
-    records = _read_journal(run_dir / EPOCHS_FILE, notes)
+    records = standing(_read_journal(run_dir / EPOCHS_FILE, notes))
     if result is not None and more is not None:
         _check_extendable(run_dir, records, more[0])
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
@@ -453,13 +454,19 @@ def decided_epochs(run_dir: Path) -> list[EpochOutcome]:
         raw = read_regular(run_dir / EPOCHS_FILE, JOURNAL_LIMIT)
     except OSError:
         return []
-    history = []
-    lines = raw.splitlines()
-    for line in lines:
+    records = []
+    for line in raw.splitlines():
         try:
             record = json.loads(line)
+            check_record(record)
+        except (ValueError, RecursionError):
+            continue
+        records.append(record)
+    history = []
+    for record in standing(records):
+        try:
             if record["kind"] == "epoch":
                 history.append(EpochOutcome.from_record(record))
-        except (ValueError, TypeError, KeyError, RecursionError):
+        except (ValueError, TypeError, KeyError):
             continue
     return history

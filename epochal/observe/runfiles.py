@@ -26,6 +26,7 @@ from epochal.rundir import (
     RUN_FILE,
     STATUS_FILE,
     STATUS_LIMIT,
+    standing,
 )
 
 MAX_EPOCH = (1 << 31) - 1
@@ -80,9 +81,10 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def epoch_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``epoch`` records, one per epoch (a later one for the same epoch wins)."""
+    """The ``epoch`` records that stand (:func:`~epochal.rundir.standing`), one per epoch (a
+    later one for the same epoch wins)."""
     by_epoch: dict[int, dict[str, Any]] = {}
-    for record in records:
+    for record in standing(records):
         if record.get("kind") == "epoch":
             by_epoch[record["epoch"]] = record
     return [by_epoch[e] for e in sorted(by_epoch)]

@@ -59,6 +59,7 @@ from epochal.protocol.strings import (
     Phase,
     RejectCode,
     Restore,
+    SnapshotScope,
     check_metric_name,
 )
 
@@ -216,6 +217,9 @@ class EpochReady(WorkerMessage):
     # None: this worker has no validation loader at all
     generation: NonNeg = 0
     # the world this worker is in (Welcome.generation): one of an older world is dropped
+    snapshots: _Annotated[str, OneOf(SnapshotScope)] = "whole"
+    # what this rank's in-memory copy of the epoch's start holds (elastic runs): how a world
+    # that loses ranks, or grows, restores
 
 
 @message

@@ -9,6 +9,7 @@ This module's imports are private (underscored): ``from epochal.protocol.strings
 exports exactly the protocol's names.
 """
 
+import collections.abc as _abc
 import enum as _enum
 import re as _re
 import typing as _typing
@@ -144,6 +145,39 @@ class Restore(_enum.StrEnum):
     PEERS = "peers"
     # newcomers joined: each member keeps (or restores from memory) its state, then every rank
     # takes rank 0's over the data plane
+
+
+class SnapshotScope(_enum.StrEnum):
+    """What one rank's in-memory copy of the start of an epoch holds, as its mode and training
+    code say (:class:`~epochal.protocol.messages.EpochReady`): the coordinator decides from it how
+    a world that lost ranks, or grows, restores (:class:`Restore`)."""
+
+    WHOLE = "whole"
+    # every rank holds the whole model and optimizer (replicated): any survivor's copy serves
+    ROOT = "root"
+    # every rank holds the model, rank 0 alone the optimizer (main): memory serves while rank 0
+    # lives
+    SHARD = "shard"
+    # each rank holds its shard (sharded, fully_sharded): a lost rank takes its shard with it, so
+    # the world restores the last checkpoint, which DCP reshards to the new size
+    OFF = "off"
+    # the training code keeps no copy (switched off): the world restores the last checkpoint
+
+    def restore_after(self, lost: _abc.Collection[int]) -> Restore:
+        """How a world whose ranks hold copies of this scope restores after losing the ranks
+        ``lost`` of the old world, or, with none lost, as newcomers join it: from the copies
+        (memory; a newcomer from its peers) where they hold the whole state, else from the last
+        committed checkpoint."""
+        if self is SnapshotScope.WHOLE or (self is SnapshotScope.ROOT and 0 not in lost):
+            return Restore.MEMORY if lost else Restore.PEERS
+        return Restore.CHECKPOINT
+
+    @classmethod
+    def least(cls, scopes: "_abc.Iterable[SnapshotScope | str]") -> "SnapshotScope":
+        """The scope a world's copies have together: the least any rank's holds (WHOLE when
+        none is known)."""
+        order = [cls.WHOLE, cls.ROOT, cls.SHARD, cls.OFF]
+        return max((cls(s) for s in scopes), key=order.index, default=cls.WHOLE)
 
 
 class Backend(_enum.StrEnum):

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from epochal.errors import EpochalError
 from epochal.log import WORKER
-from epochal.protocol import Broken, Phase, Regroup, Welcome, clip
+from epochal.protocol import Broken, Phase, Regroup, Restore, Welcome, clip
+from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.exits import failure_reason
@@ -38,6 +39,7 @@ class Regrouping:
     _store: StoreRef
     _endpoint: str
     _store_timeout: float
+    checkpointer: Checkpointer | None
 
     def _adopt(self, welcome: Welcome) -> None:
         raise NotImplementedError  # the session's
@@ -102,9 +104,26 @@ class Regrouping:
         )
         self.client.at(Phase.SETUP, welcome.start_epoch)
         state = rejoin.rebuild(welcome.start_epoch)
+        whence = ""
+        if welcome.restore == Restore.CHECKPOINT:
+            assert welcome.resume_epoch is not None  # the coordinator's rule (Welcome)
+            self._load_for_world(welcome.resume_epoch, state)
+            whence = f" from the checkpoint of epoch {welcome.resume_epoch}"
         WORKER.info(
             f"epochal: rank {was} is rank {self.rank} of {self.world_size} in world "
-            f"{self.generation}: epoch {welcome.start_epoch} again "
+            f"{self.generation}: epoch {welcome.start_epoch} again{whence} "
             f"({time.monotonic() - started:.2f} s to regroup)"
         )
         return welcome.start_epoch, state
+
+    def _load_for_world(self, epoch: int, state: Stateful | None) -> None:
+        """Collective: every member of the new world loads the checkpoint of ``epoch``, which DCP
+        reshards to the new size, and this rank's generators where the checkpoint has them."""
+        checkpointer = self.checkpointer
+        if state is None or checkpointer is None:
+            raise EpochalError(
+                f"the new world restores the checkpoint of epoch {epoch}, but this training loop "
+                "returned no state to load it into from its rebuild (or the run has no "
+                "checkpoint directory)"
+            )
+        checkpointer.load(epoch, state, rng=None)

@@ -42,6 +42,7 @@ from epochal.protocol import (
     Joined,
     Phase,
     Regroup,
+    SnapshotScope,
     Welcome,
     clip,
 )
@@ -172,6 +173,7 @@ class Session(Reattaching, Regrouping):
         self._ran_epochs = True
         self.client.busy = None  # from here on the epochs' steps say the progress
         curve: list[EpochRecord] = []
+        scope = SnapshotScope.WHOLE if rejoin is None else rejoin.scope
         try:
             curve = self._resume(state)
             epoch = self.start_epoch
@@ -184,7 +186,7 @@ class Session(Reattaching, Regrouping):
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(
-                        epoch, go, train_epoch, valid_epoch, batches, state, curve
+                        epoch, go, train_epoch, valid_epoch, batches, state, curve, scope
                     )
                 except TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
@@ -243,6 +245,7 @@ class Session(Reattaching, Regrouping):
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         state: Stateful | None,
         curve: list[EpochRecord],
+        scope: SnapshotScope,
     ) -> tuple[Decision, EpochRecord] | Finish:
         """One epoch's exchange with the coordinator; Finish when the run is over instead.
 
@@ -250,7 +253,7 @@ class Session(Reattaching, Regrouping):
         or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
         if go is None:
             self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
-            self.client.send(_ready(epoch, batches, valid_epoch, self.generation))
+            self.client.send(_ready(epoch, batches, valid_epoch, self.generation, scope))
             answer = self._expect(Go, Finish)
             if isinstance(answer, Finish):
                 return answer
@@ -284,7 +287,7 @@ class Session(Reattaching, Regrouping):
                 valid_metrics=wire_metrics("validation", valid),
                 # the next epoch's counts, so that the decision can carry its Go
                 ready=(
-                    _ready(epoch + 1, batches, valid_epoch, self.generation)
+                    _ready(epoch + 1, batches, valid_epoch, self.generation, scope)
                     if epoch + 1 < self.epochs
                     else None
                 ),
@@ -332,7 +335,10 @@ class Session(Reattaching, Regrouping):
                 f"the coordinator resumes this run after epoch {self.resume_epoch}, but there is "
                 "no state to load it into: pass state= to run_epochs (or use epochal.train)"
             )
-        history = self.checkpointer.load(self.resume_epoch, state)
+        # a newcomer to a world that restores a checkpoint may have a rank the checkpoint's world
+        # had not: then it keeps its own generators
+        rng = True if self.generation == 0 else None
+        history = self.checkpointer.load(self.resume_epoch, state, rng=rng)
         if not isinstance(history, list):  # a checkpoint written before curves were kept
             return []
         return [
@@ -441,10 +447,15 @@ def _ready(
     batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
     valid_epoch: Callable[[EpochContext], LossSum] | None,
     generation: int,
+    scope: SnapshotScope,
 ) -> EpochReady:
     """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
-    validation function)."""
+    validation function), and what its copy of the epoch's start holds."""
     train_batches, valid_batches = batches(epoch) if callable(batches) else batches
     return EpochReady(
-        epoch, train_batches, None if valid_epoch is None else valid_batches, generation
+        epoch,
+        train_batches,
+        None if valid_epoch is None else valid_batches,
+        generation,
+        snapshots=scope.value,
     )

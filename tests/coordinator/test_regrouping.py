@@ -4,6 +4,7 @@ world of the next generation and redo the interrupted epoch; too few left end th
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.protocol import (
     Abort,
     Broken,
+    Checkpointed,
     Decision,
     EpochReady,
+    EpochReport,
     Failed,
     Go,
     Heartbeat,
@@ -29,6 +32,7 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
 )
+from epochal.rundir import standing
 from tests.conftest import FINGERPRINT, hello
 from tests.coordinator.test_machine import Run, aborted, broadcast, report
 
@@ -308,3 +312,100 @@ def test_a_standby_that_goes_silent_is_forgotten():
     assert aborted(actions) is None and not run.machine.membership.standby
     decided = run.all(10.0, lambda r: dataclasses.replace(report(1.0, 0), generation=1))
     assert broadcast(decided, Decision)[0].go is not None  # nobody waits: no world change
+
+
+# ---------------------------------------------------------------- worlds restored from a checkpoint
+
+
+def shard_report(valid_sum: float, epoch: int, generation: int = 0) -> EpochReport:
+    """A report whose ready says the rank's copies are shards (mode sharded, fully_sharded)."""
+    base = report(valid_sum, epoch)
+    assert base.ready is not None
+    ready = dataclasses.replace(base.ready, generation=generation, snapshots="shard")
+    return dataclasses.replace(base, ready=ready, generation=generation)
+
+
+def test_shards_lost_restore_the_last_checkpoint_and_the_epochs_after_it_are_done_again():
+    run = elastic(checkpoint_dir=Path("/nowhere"), checkpoint_every=3)
+    before = list(run.peers)
+    records: list[dict[str, Any]] = []
+    records += journal(run.all(2.0, lambda r: shard_report(10.0, 0)), "epoch")  # best: saved
+    records += journal(run.send(2.1, before[0], Checkpointed(epoch=0)), "checkpoint")
+    records += journal(run.all(3.0, lambda r: shard_report(12.0, 1)), "epoch")  # worse: not
+    assert run.machine.epoch == 2 and run.machine._loop.best_epoch == 0
+    assert run.machine.process_exited(4.0, 102, "was killed by SIGKILL")
+    actions = run.machine.on_tick(4.0 + SETTLED)
+    assert aborted(actions) is None
+    lines = [getattr(a, "line", "") for a in actions]
+    assert any(
+        "was killed by SIGKILL in epoch 2: continuing with 3 workers from the checkpoint of "
+        "epoch 0" in line
+        for line in lines
+    ), lines
+    # the decisions since the checkpoint are undone: epoch 1 is the next, its state rewound
+    assert {r for _, r in sent(actions, Regroup)} == {Regroup(generation=1, epoch=1)}
+    assert run.machine.epoch == 1
+    assert [o.epoch for o in run.machine._loop.history] == [0]
+    ((opener, _),) = sent(actions, OpenStore)
+    welcome = run.send(4.5, opener, StoreReady(host="h", port=1, key="k2", generation=1))
+    welcomes = [w for _, w in sent(welcome, Welcome)]
+    assert {(w.world_size, w.start_epoch, w.restore, w.resume_epoch) for w in welcomes} == {
+        (3, 1, "checkpoint", 0)
+    }
+    run.peers = [before[0], before[1], before[3]]
+    go = run.all(5.0, lambda r: EpochReady(1, 5, 2, generation=1, snapshots="shard"))
+    assert broadcast(go, Go)[0].epoch == 1
+    (world,) = journal(go, "world")
+    assert (world["epoch"], world["restore"], world["checkpoint"]) == (1, "checkpoint", 0)
+    records += [world]
+    again = run.all(6.0, lambda r: shard_report(11.0, 1, generation=1))
+    (decision,) = broadcast(again, Decision)
+    assert decision.epoch == 1 and decision.is_best is False
+    records += journal(again, "epoch")
+    # what the journal's reader keeps: epoch 1 once, as done again by the world of three
+    kept = standing(records)
+    assert [(r["kind"], r["epoch"], r.get("world_size")) for r in kept] == [
+        ("epoch", 0, 4),
+        ("checkpoint", 0, None),
+        ("world", 1, None),
+        ("epoch", 1, 3),
+    ]
+
+
+def test_shards_lost_before_any_checkpoint_end_the_run_saying_why():
+    run = elastic(checkpoint_dir=Path("/nowhere"), checkpoint_every=3)
+    run.all(2.0, lambda r: shard_report(10.0, 0))  # decided, its checkpoint not committed yet
+    run.machine.process_exited(3.0, 101, "was killed by SIGKILL")
+    reason = aborted(run.machine.on_tick(3.0 + SETTLED))
+    assert reason is not None
+    assert "rank 1 (worker w1 (host testhost, pid 101)) was killed by SIGKILL in epoch 1" in reason
+    assert "no checkpoint is committed yet to restore from" in reason
+
+
+def test_a_world_of_shards_grows_once_the_checkpoint_of_the_boundary_is_committed():
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    before = list(run.peers)
+    run.all(2.0, lambda r: shard_report(10.0, 0))
+    run.send(2.1, before[0], Checkpointed(epoch=0))
+    run.machine.process_exited(2.5, 103, "was killed by SIGKILL")
+    go = regroup(run, 3.0, run.machine.on_tick(2.5 + SETTLED), 1)
+    assert broadcast(go, Go)[0].epoch == 1  # from the checkpoint of epoch 0: nothing undone
+    waiting = run.send(3.5, b"w9", hello("w9", pid=109))
+    assert sent(waiting, Joined)
+    # epoch 1 decided: the newcomer cannot take a shard of a state nobody holds whole, so the
+    # world waits for the checkpoint of epoch 1 (epoch 2 starts meanwhile)
+    decided = run.all(4.0, lambda r: shard_report(9.0, 1, generation=1))
+    assert broadcast(decided, Decision) and not sent(decided, Regroup)
+    grown = run.send(4.2, run.peers[0], Checkpointed(epoch=1))
+    assert {r for _, r in sent(grown, Regroup)} == {Regroup(generation=2, epoch=2)}
+    assert any(
+        "joins: 4 workers from epoch 2 (the checkpoint of epoch 1)" in getattr(a, "line", "")
+        for a in grown
+    )
+    ((opener, _),) = sent(grown, OpenStore)
+    welcome = run.send(4.5, opener, StoreReady(host="h", port=2, key="k3", generation=2))
+    welcomes = dict(sent(welcome, Welcome))
+    assert welcomes[b"w9"].rank == 3
+    assert {(w.restore, w.resume_epoch, w.start_epoch) for w in welcomes.values()} == {
+        ("checkpoint", 1, 2)
+    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,27 +31,46 @@ DEADLINE = 240.0
 hang should reach it."""
 
 
-def elastic_run(
-    spawn: Spawner, tmp_path: Path, name: str, fault: str, *args: str
-) -> tuple[int, str, Path, Path]:
+def start_elastic(
+    spawn: Spawner,
+    tmp_path: Path,
+    name: str,
+    fault: str,
+    *,
+    least: int = 3,
+    epochs: int = 3,
+    options: tuple[str, ...] = (),
+    script: tuple[str, ...] = (),
+) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``epochal run --nproc 4 --min-workers LEAST`` of linear.py with ``fault`` set: the
+    process, the run directory and where each rank saves its weights."""
     run_dir, out = tmp_path / name, tmp_path / f"{name}-out"
     proc = spawn.epochal(
         "run",
         "--nproc",
         "4",
         "--min-workers",
-        args[0] if args else "3",
+        str(least),
         "--epochs",
-        "3",
+        str(epochs),
         "--no-restore-best",
         "--run-dir",
         str(run_dir),
-        *args[1:],
+        *options,
         str(SCRIPTS / "linear.py"),
         "--out",
         str(out),
+        *script,
         EPOCHAL_FAULT=fault,
     )
+    return proc, run_dir, out
+
+
+def elastic_run(
+    spawn: Spawner, tmp_path: Path, name: str, fault: str, **given: Any
+) -> tuple[int, str, Path, Path]:
+    """:func:`start_elastic`, run to its end: its exit status and output too."""
+    proc, run_dir, out = start_elastic(spawn, tmp_path, name, fault, **given)
     code, output = spawn.finish(proc, DEADLINE)
     spawn.assert_none_left()
     return code, output, run_dir, out
@@ -128,7 +148,7 @@ def test_ranks_lost_one_after_another_end_the_run_below_the_least_naming_them(
 ):
     # rank 1 of every world dies at its first step: 4 -> 3 -> 2 -> below --min-workers 2
     code, output, run_dir, _ = elastic_run(
-        spawn, tmp_path, "run", "kill@train-step:rank=1:step=0", "2"
+        spawn, tmp_path, "run", "kill@train-step:rank=1:step=0", least=2
     )
     assert code != 0, output
     result = json.loads((run_dir / "result.json").read_text())
@@ -163,24 +183,12 @@ def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
     itself (gloo has no abort): the coordinator drops the rank after the heartbeat timeout, and
     each survivor shuts its group's connections as the new world is decided, which ends the
     collective it is blocked in. Woken after that, the frozen worker is refused in one line."""
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    proc = spawn.epochal(
+    proc, run_dir, _ = start_elastic(
+        spawn,
+        tmp_path,
         "run",
-        "--nproc",
-        "4",
-        "--min-workers",
-        "3",
-        "--epochs",
-        "3",
-        "--heartbeat-timeout",
-        "3",
-        "--no-restore-best",
-        "--run-dir",
-        str(run_dir),
-        str(SCRIPTS / "linear.py"),
-        "--out",
-        str(out),
-        EPOCHAL_FAULT="stop@train-step:rank=2:epoch=1:step=2:world=0",
+        "stop@train-step:rank=2:epoch=1:step=2:world=0",
+        options=("--heartbeat-timeout", "3"),
     )
     wait_for(lambda: len(stopped_pids(spawn.mark)) == 1, DEADLINE)
     (frozen,) = stopped_pids(spawn.mark)
@@ -207,30 +215,16 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     sent over the data plane; the survivors never restart and no checkpoint is read. Every rank
     then holds the same weights (the replica check compares them after each epoch, and the
     files here at the end)."""
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    proc = spawn.epochal(
+    proc, run_dir, out = start_elastic(
+        spawn,
+        tmp_path,
         "run",
-        "--nproc",
-        "4",
-        "--min-workers",
-        "3",
-        "--max-restarts",
-        "1",
-        "--epochs",
-        "40",
-        "--no-restore-best",
-        "--run-dir",
-        str(run_dir),
-        str(SCRIPTS / "linear.py"),
-        "--out",
-        str(out),
+        "kill@train-step:rank=3:epoch=1:step=2:world=0",
+        epochs=40,
+        options=("--max-restarts", "1"),
         # epochs of about a second while the world is short of a worker: tens of seconds for
         # the replacement to start and join while the run trains; fast once it is whole again
-        "--step-delay",
-        "0.25",
-        "--slow-below",
-        "4",
-        EPOCHAL_FAULT="kill@train-step:rank=3:epoch=1:step=2:world=0",
+        script=("--step-delay", "0.25", "--slow-below", "4"),
     )
     wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
     first = set(marked_pids(spawn.mark))
@@ -259,3 +253,43 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     for rank in (1, 2, 3):
         for key, tensor in final[0]["state"].items():
             assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)
+
+
+# ---------------------------------------------------------------- from the last checkpoint
+
+CHECKPOINTED = (
+    # the survivors load the checkpoint of epoch 1: every epoch is a new best here, so each is
+    # checkpointed; epoch 2 is redone at three from it
+    ("sharded", ()),
+    ("fully_sharded", ()),
+    ("replicated", ("--no-snapshot",)),
+)
+
+
+@pytest.mark.parametrize(
+    ("mode", "more"), CHECKPOINTED, ids=["sharded", "fully_sharded", "replicated-no-snapshot"]
+)
+def test_a_lost_shard_is_restored_from_the_last_checkpoint_resharded_bit_identical(
+    spawn: Spawner, tmp_path: Path, mode: str, more: tuple[str, ...]
+):
+    """Where no rank's copy holds the whole state (a shard per rank, or copies switched off),
+    the survivors of a killed rank load the last committed checkpoint, which DCP reshards to
+    three, and redo the epoch after it; the survivors' processes go on. The reference loses the
+    rank before epoch 2's first step: the same world sizes, nothing of epoch 2 to undo."""
+    script = ("--parallel", mode, *more)
+    killed = elastic_run(
+        spawn, tmp_path, "run", "kill@train-step:rank=3:epoch=2:step=2:world=0", script=script
+    )
+    reference = elastic_run(
+        spawn, tmp_path, "ref", "kill@train-step:rank=3:epoch=2:step=0:world=0", script=script
+    )
+    for code, output, run_dir, _ in (killed, reference):
+        assert code == 0, output
+        (change,) = world_changes(run_dir)
+        assert (change["epoch"], change["from"], change["to"]) == (2, 4, 3), change
+        assert (change["restore"], change["checkpoint"]) == ("checkpoint", 1), change
+        assert "continuing with 3 workers from the checkpoint of epoch 1" in output, output
+        assert output.count("epoch 2 again from the checkpoint of epoch 1") == 3, output
+        assert "FutureWarning" not in output, output
+    weights_killed, weights_reference = weights(killed[3]), weights(reference[3])
+    assert_bit_identical(weights_killed, weights_reference)

@@ -491,6 +491,7 @@ def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
         "train_batches": 48,
         "valid_batches": None,
         "generation": 0,
+        "snapshots": "whole",
     }
     assert frame_of(GOES_ON)["go"] == {
         "epoch": 4,

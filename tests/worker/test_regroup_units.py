@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epochal.errors import EpochalError
+from epochal.errors import ConfigError, EpochalError
+from epochal.protocol import SnapshotScope
 from epochal.worker.regroup import Snapshot, clear_frames
 from epochal.worker.regroup.wire import Slot, _chunks, _fill, decode, encode
 from epochal.worker.strategies import wrap
-from epochal.worker.strategies.base import SnapshotScope, restores_from_memory
+from epochal.worker.training.elastic import elastic_scope
 from tests.worker.elastic import (
     CPU,
     form_group,
@@ -115,21 +116,6 @@ def test_tensors_travel_in_runs_under_the_cap_a_larger_one_alone():
 # ---------------------------------------------------------------- modes, errors
 
 
-@pytest.mark.parametrize(
-    ("scope", "lost", "memory"),
-    [
-        (SnapshotScope.WHOLE, [0], True),
-        (SnapshotScope.WHOLE, [1, 2], True),
-        (SnapshotScope.ROOT, [2], True),
-        (SnapshotScope.ROOT, [0], False),
-        (SnapshotScope.SHARD, [3], False),
-        (SnapshotScope.SHARD, [], True),
-    ],
-)
-def test_which_losses_a_mode_restores_from_memory(scope, lost, memory):
-    assert restores_from_memory(scope, lost) is memory
-
-
 class Held:
     """Stands for a DDP wrapper a failed step's frames keep alive."""
 
@@ -192,3 +178,26 @@ def test_a_snapshot_before_the_first_step_changes_nothing_and_restores_no_optimi
         same(runs["snapshot"], runs["plain"], mode)
         assert runs["restored"]["optim"]["state"] == {}
         same(runs["restored"], runs["before"], mode)
+
+
+@pytest.mark.parametrize(
+    ("mode", "scope", "snapshot", "said"),
+    [
+        ("sharded", SnapshotScope.SHARD, True, "mode 'sharded' keeps a shard of the state"),
+        ("replicated", SnapshotScope.WHOLE, False, "snapshot=False keeps no copy"),
+    ],
+)
+def test_an_elastic_run_restoring_checkpoints_without_a_checkpoint_directory_is_refused(
+    mode, scope, snapshot, said
+):
+    with pytest.raises(ConfigError) as refused:
+        elastic_scope(mode, scope, snapshot=snapshot, checkpoints=False)
+    assert said in str(refused.value)
+    assert "Give the run a --run-dir or --checkpoint-dir" in str(refused.value)
+    assert elastic_scope(mode, scope, snapshot=snapshot, checkpoints=True) is (
+        scope if snapshot else SnapshotScope.OFF
+    )
+    # copies that hold the whole state need no checkpoint
+    assert elastic_scope("main", SnapshotScope.ROOT, snapshot=True, checkpoints=False) is (
+        SnapshotScope.ROOT
+    )

@@ -210,8 +210,10 @@ class Checkpointer:
                 f"machines, or {CHECKPOINT_KEY_FILE_ENV} naming a copy of one key on each"
             )
 
-    def load(self, epoch: int, state: Stateful, *, rng: bool = True) -> Any:
-        """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs.
+    def load(self, epoch: int, state: Stateful, *, rng: bool | None = True) -> Any:
+        """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs;
+        ``rng`` None: the RNGs where the checkpoint has this rank's (a world larger than the
+        checkpoint's, after an elastic change).
 
         The checkpoint is first checked against its manifest (the MAC under this user's key,
         then every file); a mismatch raises :class:`CheckpointCorrupt` before anything is loaded
@@ -227,6 +229,8 @@ class Checkpointer:
             )
         check_private_dir(path, kind="checkpoint")
         own = f"rank{self.rank:05d}.pt"
+        if rng is None:
+            rng = (path / own).exists()
         if rng and not (path / own).exists():
             raise EpochalError(
                 f"{path / own} is missing: the run was checkpointed with fewer ranks; resume it "

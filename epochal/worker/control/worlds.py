@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from epochal.protocol import OpenStore, Regroup, StoreReady, Welcome
+from epochal.protocol import OpenStore, Regroup, SnapshotScope, StoreReady, Welcome
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key
@@ -35,8 +35,13 @@ class Rejoin:
     # given the error that broke the epoch (or the instruction to leave): release everything
     # built over the old process group (wrappers, the error's frames) and destroy the group
     rebuild: Callable[[int], Any]
-    # the new group is up: build over it again and restore the start of the given epoch;
-    # returns the state a checkpoint holds from now on (or None)
+    # the new group is up: build over it again and restore the start of the given epoch from
+    # this rank's copy (unless the world restores a checkpoint: Session.restore "checkpoint",
+    # which the session then loads into the returned state); returns the state a checkpoint
+    # holds from now on (or None)
+    scope: SnapshotScope = SnapshotScope.WHOLE
+    # what this rank's copy of an epoch's start holds: the coordinator restores a world from
+    # the copies where they hold the whole state, else from the last checkpoint
 
 
 def leave_group() -> None:

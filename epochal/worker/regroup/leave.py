@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 
 import torch.distributed as dist
 from torch import nn
@@ -54,15 +55,17 @@ def clear_frames(error: BaseException) -> None:
 def _functions(module: types.ModuleType) -> list[types.FunctionType]:
     """The functions ``module`` defines or imports, and the methods of the classes it defines."""
     out = []
-    for value in list(vars(module).values()):
-        candidates = [value]
-        if isinstance(value, type) and value.__module__ == module.__name__:
-            candidates += list(vars(value).values())
-        for fn in candidates:
-            if isinstance(fn, staticmethod | classmethod):
-                fn = fn.__func__
-            if isinstance(fn, types.FunctionType):
-                out.append(fn)
+    with warnings.catch_warnings():  # torch.distributed's deprecated names warn when looked at
+        warnings.simplefilter("ignore", FutureWarning)
+        for value in list(vars(module).values()):
+            candidates = [value]
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                candidates += list(vars(value).values())
+            for fn in candidates:
+                if isinstance(fn, staticmethod | classmethod):
+                    fn = fn.__func__
+                if isinstance(fn, types.FunctionType):
+                    out.append(fn)
     return out
 
 
@@ -104,9 +107,10 @@ def _forget_meshes(group: dist.ProcessGroup) -> int:
     if not isinstance(mesh_class, type):
         return 0
     held = 0
-    for obj in gc.get_objects():
-        if not isinstance(obj, mesh_class):
-            continue
+    with warnings.catch_warnings():  # a deprecated torch object warns when its class is tested
+        warnings.simplefilter("ignore", FutureWarning)
+        meshes = [obj for obj in gc.get_objects() if isinstance(obj, mesh_class)]
+    for obj in meshes:
         found = False
         for value in vars(obj).values():
             if isinstance(value, dict):

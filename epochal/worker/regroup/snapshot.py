@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from epochal.errors import EpochalError
+from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.checkpoint import rng_state, set_rng_state
-from epochal.worker.strategies.base import Mode, SnapshotScope, Strategy
+from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.training.initialization import is_dtensor
 
 

@@ -10,8 +10,8 @@ group, rank, world size), which it keeps and reads those from, never from ``torc
 declarations; nothing else names a mode.
 
 For a world that changes size (:mod:`epochal.worker.regroup`) a mode also declares what one rank's
-copy of its state holds (:class:`SnapshotScope`), so whether the survivors of a lost rank can
-restore from memory, and drops its hold on a process group it leaves
+copy of its state holds (:class:`~epochal.protocol.SnapshotScope`), so whether the survivors of a
+lost rank can restore from memory, and drops its hold on a process group it leaves
 (:meth:`Strategy.release_group`), keeping what :meth:`Strategy.build` needs to build it again over
 the next one.
 """
@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
+from epochal.protocol import Restore, SnapshotScope
 from epochal.worker.checkpoints.state import ModelState, Stateful, TrainState
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
@@ -44,29 +45,6 @@ class Mode(StrEnum):
     MAIN = "main"
     SHARDED = "sharded"
     FULLY_SHARDED = "fully_sharded"
-
-
-class SnapshotScope(StrEnum):
-    """What one rank's in-memory copy of a mode's state holds (the values are plain strings, for
-    the coordinator, which decides how a world that lost ranks restores)."""
-
-    WHOLE = "whole"
-    # every rank holds the whole model and optimizer: any survivor's copy restores the epoch
-    ROOT = "root"
-    # every rank holds the model, rank 0 alone the optimizer: memory serves while rank 0 lives
-    SHARD = "shard"
-    # each rank holds its shard of the state: a lost rank takes its shard with it, so the
-    # survivors load the last checkpoint, which DCP reshards to the new world size
-
-
-def restores_from_memory(scope: SnapshotScope, lost: Collection[int]) -> bool:
-    """Whether the survivors of a world that lost the ranks ``lost`` (of the old world) can restore
-    the start of the epoch from their snapshots, rather than from the last checkpoint."""
-    if scope is SnapshotScope.WHOLE:
-        return True
-    if scope is SnapshotScope.ROOT:
-        return 0 not in lost
-    return not lost
 
 
 class Strategy:
@@ -212,7 +190,7 @@ class Strategy:
     @classmethod
     def restores_from_memory(cls, lost: Collection[int]) -> bool:
         """Whether the survivors of losing ranks ``lost`` restore from their snapshots."""
-        return restores_from_memory(cls.snapshot_scope, lost)
+        return cls.snapshot_scope.restore_after(lost) is not Restore.CHECKPOINT
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's model state, for :meth:`restore` (the best epoch's)."""

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.errors import ConfigError
+from epochal.protocol import SnapshotScope
 from epochal.worker.strategies.base import (
     Mode,
-    SnapshotScope,
     Strategy,
     constructor_kwargs,
     groups_by_name,

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import MainState, Stateful
-from epochal.worker.strategies.base import Mode, SnapshotScope, Strategy, state_bytes
+from epochal.worker.strategies.base import Mode, Strategy, state_bytes
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
 from epochal.worker.training.initialization import (

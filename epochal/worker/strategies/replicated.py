@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import BuffersFromRoot, Stateful
-from epochal.worker.strategies.base import Mode, SnapshotScope
+from epochal.worker.strategies.base import Mode
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
 

@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
+from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import BuffersFromRoot, ShardedState, Stateful
-from epochal.worker.strategies.base import Mode, SnapshotScope, constructor_kwargs, state_bytes
+from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
 

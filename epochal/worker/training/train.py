@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.log import WORKER
+from epochal.protocol import Restore, SnapshotScope
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
 from epochal.text import byte_size
 from epochal.worker import faults
@@ -37,7 +38,7 @@ from epochal.worker.session import Rejoin, Session
 from epochal.worker.strategies import ModeOptions, to_device, wrap
 from epochal.worker.strategies.base import Strategy
 from epochal.worker.strategies.layout import Layout
-from epochal.worker.training.elastic import check_elastic_mode
+from epochal.worker.training.elastic import elastic_scope
 from epochal.worker.training.initialization import initialize_on_rank
 from epochal.worker.training.precision import check_clip_grad_norm, check_precision
 from epochal.worker.training.results import EpochContext, LossSum, RunResult
@@ -141,6 +142,9 @@ class FitOptions:
     precision: str = "32"
     # "32", "bf16" or "fp16": the dtype of autocast for the forward and the loss
     metrics: Mapping[str, MetricFn] = field(default_factory=dict)
+    snapshot: bool = True
+    # elastic runs: keep a host copy of each epoch's start, which the survivors of a lost rank
+    # restore; False: they restore the last checkpoint (and redo the epochs since)
     # named metric functions (outputs, targets) -> (sum, count), reported for both splits
 
     def __post_init__(self) -> None:
@@ -194,8 +198,6 @@ def fit(
     elif given:
         raise TypeError("fit() takes options or keyword arguments, not both")
     accumulate, mode = options.accumulate, options.mode
-    if session.elastic:
-        check_elastic_mode(mode)
     user_model, user_optimizer = model, optimizer  # a new world wraps them again
     resolved = _resolve(train_loader, session, "train")
     assert resolved is not None
@@ -225,10 +227,17 @@ def fit(
         return built
 
     strategy = build()
+    scope = strategy.snapshot_scope
+    if session.elastic:
+        scope = elastic_scope(
+            mode, scope, snapshot=options.snapshot, checkpoints=session.checkpointer is not None
+        )
+    keeps_copy = session.elastic and scope in (SnapshotScope.WHOLE, SnapshotScope.ROOT)
     model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     show_progress = _progress_enabled(session.rank, options.progress)
     best_state: dict[str, torch.Tensor] | None = None
+    best_at: int | None = None  # the epoch best_state is of
     start: tuple[int, Snapshot] | None = None
     # elastic runs: this rank's state at the start of the epoch under way, and that epoch
 
@@ -253,7 +262,7 @@ def fit(
 
     def train_epoch(ctx: EpochContext) -> LossSum:
         nonlocal start
-        if session.elastic and (start is None or start[0] != ctx.epoch):
+        if keeps_copy and (start is None or start[0] != ctx.epoch):
             start = (ctx.epoch, Snapshot.take(strategy))
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * ctx.lr_factor
@@ -329,8 +338,8 @@ def fit(
         return LossSum(float(total.item()), count, metric_sums.result())
 
     def keep_best(epoch: int) -> None:
-        nonlocal best_state
-        best_state = strategy.snapshot()
+        nonlocal best_state, best_at
+        best_state, best_at = strategy.snapshot(), epoch
 
     train_state = strategy.state
 
@@ -343,10 +352,13 @@ def fit(
     def rebuild(epoch: int) -> Stateful:
         """The new world's group is up: the mode again over it, the loaders for the new rank
         and world size, and the epoch's start restored."""
-        nonlocal strategy, model, optimizer, policy, train_data, valid_data
+        nonlocal strategy, model, optimizer, policy, train_data, valid_data, best_state
         strategy = rebuild_strategy(strategy, Layout.from_group(device))
         model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
-        if start is not None and start[0] == epoch:
+        if session.restore == Restore.CHECKPOINT:  # the session loads it into strategy.state
+            if best_at is not None and best_at >= epoch:
+                best_state = None  # of an epoch done again: the best is decided anew
+        elif start is not None and start[0] == epoch:
             start[1].restore(strategy)
         # else the epoch had not begun here: what this rank holds is its start already
         if session.restore == "peers":
@@ -363,7 +375,7 @@ def fit(
         batches=counts,
         on_best=keep_best,
         state=train_state,
-        rejoin=Rejoin(leave, rebuild),
+        rejoin=Rejoin(leave, rebuild, scope),
         learning_rate=lambda: optimizer.param_groups[0]["lr"],
     )
     if result.restore_best and result.best_epoch is not None:
@@ -427,9 +439,14 @@ def train(
     is 1-64 letters, digits or ``_``, starting with a letter, and neither ``loss`` nor
     ``batches``.
 
+    ``snapshot=False`` (elastic runs, ``--min-workers``): keep no host copy of each epoch's start
+    (the model, optimizer and generators); the survivors of a lost rank then restore the last
+    checkpoint and redo the epochs since, as the sharded modes always do. Needs a checkpoint
+    directory.
+
     ``progress``, ``accumulate``, ``mode``, ``mode_options``, ``initialize``, ``configure_ddp``,
-    ``ddp_options``, ``clip_grad_norm``, ``precision`` and ``metrics`` are the fields of
-    :class:`FitOptions`;
+    ``ddp_options``, ``clip_grad_norm``, ``precision``, ``metrics`` and ``snapshot`` are the
+    fields of :class:`FitOptions`;
     every other keyword argument is one of :func:`epochal.join` (``coordinator=``, ``job=``,
     ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.options.JoinOptions`), which
     are checked before joining.

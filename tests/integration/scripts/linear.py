@@ -109,6 +109,15 @@ def main() -> None:
         metavar="N",
         help="batches take --step-delay only in a world of fewer than N workers",
     )
+    parser.add_argument(
+        "--parallel",
+        default="replicated",
+        choices=["replicated", "main", "sharded", "fully_sharded"],
+        help="fit's mode",
+    )
+    parser.add_argument(
+        "--no-snapshot", action="store_true", help="elastic runs restore the last checkpoint"
+    )
     parser.add_argument("--precision", default="32")
     parser.add_argument("--clip-grad-norm", type=float, default=None)
     parser.add_argument(
@@ -152,6 +161,8 @@ def main() -> None:
         loss_fn,
         precision=args.precision,
         clip_grad_norm=args.clip_grad_norm,
+        mode=args.parallel,
+        snapshot=not args.no_snapshot,
         metrics={"close": close} if args.metrics else {},
     )
     print(f"rank {result.rank}: best epoch {result.best_epoch} of {result.epochs_run}", flush=True)
