@@ -2,8 +2,8 @@
 
     python bench/elastic.py [--kills 5] [--nproc 4] [--seed 0] [--epochs 10]
 
-Side by side on the resume test's workload (``resumable.py``, 10 epochs, 4 workers): an undisturbed
-run, then ``--kills`` trials each of
+Side by side on the resume test's workload (``resumable.py``, 10 epochs, 4 workers), ``--kills``
+trials each of
 
 - elastic: ``--min-workers NPROC-1``; a random worker is SIGKILLed a random moment into training,
   and the time is taken from the kill until the coordinator logs the new world formed (its Go goes
@@ -14,11 +14,18 @@ run, then ``--kills`` trials each of
 - replaced: ``--min-workers NPROC-1 --max-restarts 1``: the elastic run, and a replacement started
   at once that joins at the next epoch boundary. Besides the time to train again, from the
   replacement's hello (the coordinator's "waiting to join" line) to the world at full size formed,
-  and the rate at which the replacement took rank 0's state.
+  and the rate at which the replacement took rank 0's state;
+- torchrun: the same workload as a torchrun script (``torchrun_resumable.py``: DDP, a checkpoint
+  of its own after every epoch) under ``torchrun --nnodes 1 --nproc-per-node NPROC
+  --max-restarts 1 --rdzv-backend c10d``, whose elastic agent stops every worker when one fails
+  and starts them all again; from the kill until rank 0 of the new workers starts training, its
+  checkpoint loaded. (A node range, ``--nnodes 1:4``, adds the rendezvous' last call, 30 s by
+  default, to every start and restart on one machine: left out.)
 
-For both: the wall time the run lost against the undisturbed run's (median of its runs). Prints
-medians and maxima and the ratio restart-all / elastic of each. Defaults apply otherwise
-(heartbeats, abort grace, the settle window of 0.25 s).
+For each: the wall time the run lost against an undisturbed run of the same launcher started just
+before it (a shared machine's speed drifts by more than a lost worker costs over a few minutes).
+Prints medians and maxima, and the ratios restart-all / elastic and torchrun / elastic. Defaults
+apply otherwise (heartbeats, abort grace, the settle window of 0.25 s).
 """
 
 from __future__ import annotations
@@ -38,7 +45,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from faults import SCRIPT, marked, worker_pids
+from faults import SCRIPT, marked
+
+TORCHRUN_SCRIPT = Path(__file__).resolve().parent / "torchrun_resumable.py"
+"""The same workload as a torchrun script that resumes from its own checkpoint."""
+
+RECOVERY_DEADLINE = 180.0
+"""Seconds after a kill by which a run that has not trained again counts as failed (hung)."""
 
 EPOCHS = 10
 """Epochs of each run (``--epochs``): enough for a kill well inside training; a replacement needs
@@ -47,9 +60,9 @@ more on a machine where its interpreter starts slowly."""
 
 def workers_of(launcher: int, mark: str) -> list[int]:
     """The launcher's worker processes: its children among the marked ones (rank 0's store
-    server carries a rank too, but is rank 0's child)."""
+    server is rank 0's child; torchrun's workers are its agent's)."""
     pids = []
-    for pid in worker_pids(mark):
+    for pid in marked(mark):
         try:
             parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
@@ -85,15 +98,26 @@ def run(
     kill: str | None,
     seen: list[list[tuple[float, str]]] | None = None,
     epochs: int = EPOCHS,
+    torchrun: bool = False,
 ) -> tuple[float, float | None]:
-    """One ``epochal run``: its wall time, and (``kill`` given) the seconds from the kill to the
-    line ``kill`` names. ``seen`` gets the run's lines, each with when it arrived."""
+    """One ``epochal run`` (or, ``torchrun``, the same workload under torchrun's elastic agent):
+    its wall time, and (``kill`` given) the seconds from the kill to the line ``kill`` names.
+    ``seen`` gets the run's lines, each with when it arrived."""
     mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
     env.update({"EPOCHAL_BENCH_MARK": mark, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     run_dir = tmp / mark
-    cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc), "--epochs", str(epochs)]
-    cmd += ["--run-dir", str(run_dir), *extra, str(SCRIPT), "--out", str(run_dir / "out")]
+    if torchrun:
+        # one node: a node range (--nnodes 1:N) would add the rendezvous' last call, 30 s by
+        # default, to each start and restart, waiting for nodes that never come
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+        cmd += ["--nproc-per-node", str(nproc), *extra, "--rdzv-backend", "c10d"]
+        cmd += ["--rdzv-endpoint", "127.0.0.1:0", str(TORCHRUN_SCRIPT), "--out", str(run_dir)]
+        cmd += ["--epochs", str(epochs)]
+    else:
+        cmd = [sys.executable, "-m", "epochal", "run", "--nproc", str(nproc)]
+        cmd += ["--epochs", str(epochs), "--run-dir", str(run_dir), *extra, str(SCRIPT)]
+        cmd += ["--out", str(run_dir / "out")]
     cmd += ["--delay", "0.02"]
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -125,6 +149,9 @@ def run(
             while sum(kill in line for line in lines) <= before:
                 if proc.poll() is not None:
                     raise RuntimeError("".join(lines))
+                if time.monotonic() - killed > RECOVERY_DEADLINE:
+                    hung = f"no training again within {RECOVERY_DEADLINE:g} s of the kill"
+                    raise RuntimeError("".join(lines) + f"\nHungError: {hung}")
                 time.sleep(0.005)
             took = time.monotonic() - killed
         code = proc.wait(timeout=300)
@@ -145,17 +172,12 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument(
+        "--only", default=None, help="these columns alone, comma-separated (elastic,torchrun)"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="epochal-elastic-") as tmp:
-        base = statistics.median(
-            run(rng, args.nproc, [], Path(tmp), kill=None, epochs=args.epochs)[0]
-            for _ in range(max(1, args.kills // 2))
-        )
-        print(
-            f"undisturbed run: {base:.2f} s ({args.nproc} workers, {args.epochs} epochs)",
-            flush=True,
-        )
         results = {}
         elastic = ["--min-workers", str(args.nproc - 1)]
         seen: list[list[tuple[float, str]]] = []
@@ -163,33 +185,72 @@ def main() -> int:
             ("elastic", elastic, "formed:"),
             ("restart-all", ["--max-restarts", "1"], "workers, backend"),
             ("replaced", [*elastic, "--max-restarts", "1"], "formed:"),
+            ("torchrun", ["--max-restarts", "1"], "training epoch"),
         ):
-            trials = [
-                run(
-                    rng,
-                    args.nproc,
-                    extra,
-                    Path(tmp),
-                    kill=line,
-                    seen=seen if name == "replaced" else None,
+            if args.only is not None and name not in args.only.split(","):
+                continue
+            torchrun = name == "torchrun"
+            back, lost, bases, failed = [], [], [], []
+            for _ in range(args.kills):
+                # each trial beside an undisturbed run of its own: a shared machine's speed
+                # drifts by more than a lost worker costs, so a loss is measured against the
+                # run just before it
+                base, _ = run(
+                    rng, args.nproc, [], Path(tmp), kill=None, epochs=args.epochs, torchrun=torchrun
                 )
-                for _ in range(args.kills)
-            ]
-            back = [t for _, t in trials if t is not None]
-            lost = [wall - base for wall, _ in trials]
+                try:
+                    wall, took = run(
+                        rng,
+                        args.nproc,
+                        extra,
+                        Path(tmp),
+                        kill=line,
+                        seen=seen if name == "replaced" else None,
+                        epochs=args.epochs,
+                        torchrun=torchrun,
+                    )
+                except RuntimeError as exc:
+                    if not torchrun:
+                        raise
+                    # its restarted workers did not train: what they said last
+                    errors = [
+                        w
+                        for w in str(exc).splitlines()
+                        if "Error" in w and "ChildFailedError" not in w
+                    ]
+                    failed.append(errors[-1].strip() if errors else "no error said")
+                    continue
+                assert took is not None
+                back.append(took)
+                lost.append(wall - base)
+                bases.append(base)
+            if failed:
+                print(
+                    f"{name:12s} the restart failed in {len(failed)} of {args.kills} trials "
+                    f"(the run ended without training again): {failed[-1]}",
+                    flush=True,
+                )
+            if not back:
+                continue
             results[name] = (statistics.median(back), statistics.median(lost))
             print(
                 f"{name:12s} kill -> training again: median {statistics.median(back):.2f} s, "
                 f"max {max(back):.2f} s; wall time lost: median {statistics.median(lost):.2f} s, "
-                f"max {max(lost):.2f} s ({args.kills} kills)",
+                f"max {max(lost):.2f} s ({args.kills} kills; undisturbed "
+                f"{'torchrun' if torchrun else 'epochal'} run, {args.nproc} workers, "
+                f"{args.epochs} epochs: median {statistics.median(bases):.2f} s)",
                 flush=True,
             )
-        (e_back, e_lost), (r_back, r_lost) = results["elastic"], results["restart-all"]
-        print(
-            f"restart-all / elastic: {r_back / e_back:.1f}x to train again, "
-            f"{r_lost / max(e_lost, 1e-3):.1f}x the wall time lost",
-            flush=True,
-        )
+        e_back, e_lost = results.get("elastic", (float("nan"), float("nan")))
+        for other in ("restart-all", "torchrun"):
+            if other not in results or "elastic" not in results:
+                continue
+            o_back, o_lost = results[other]
+            print(
+                f"{other} / elastic: {o_back / e_back:.1f}x to train again, "
+                f"{o_lost / max(e_lost, 1e-3):.1f}x the wall time lost",
+                flush=True,
+            )
         joins = [f for f in map(join_figures, seen) if f is not None]
         if joins:
             waits, rates = [w for w, _ in joins], [r for _, r in joins]

@@ -499,13 +499,15 @@ class RunMachine(Regrouping):
         losses = self._check_losses(now)
         if losses is not None:
             return losses
-        for peer in dog.silent(now):  # a standby newcomer that went silent is forgotten
+        quiet = dog.first_silent(now, self.membership.standby)
+        if quiet is not None:  # a standby newcomer that went silent is forgotten
+            peer = quiet[0]
             member = self.membership.leave(peer)
-            if member is not None:
-                self.rendezvous.leave(peer)
-                self.gate.sessions.forget(peer)
-                dog.drop(peer)
-                return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
+            assert member is not None
+            self.rendezvous.leave(peer)
+            self.gate.sessions.forget(peer)
+            dog.drop(peer)
+            return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
         if self.elastic:
             silent = dog.first_silent(now, self._ranks)
             if silent is not None:

@@ -314,13 +314,14 @@ async def _attempt(
         """Start a replacement for lost worker ``index``: it joins at the next boundary."""
         worker_id = f"{coordinator.run_id}/local-{index}/{n}"
         proc = await start(index, worker_id)
-        spare_positions.append(len(procs) - 1)
+        position = procs.index(proc)  # start() appended it
+        spare_positions.append(position)
         _say(
             f"worker {index} lost: started {worker_id} (pid {proc.pid}) in its place, "
             f"replacement {n} of {spares}; it joins at the next epoch boundary",
             logging.INFO,
         )
-        watchers.append(asyncio.create_task(watch(len(procs) - 1, proc)))
+        watchers.append(asyncio.create_task(watch(position, proc)))
 
     spares = max_restarts if config.elastic else 0
     # an elastic run replaces lost workers, up to --max-restarts of them, instead of restarting

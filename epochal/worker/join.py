@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,15 +28,18 @@ from epochal.log import ensure_configured
 from epochal.nofile import raise_nofile_limit
 from epochal.protocol import (
     Failed,
+    Fingerprint,
     Hello,
+    ParamSpec,
     Phase,
+    Welcome,
     clip,
 )
 from epochal.security.curve import ClientSecurity
 from epochal.worker import faults, launchenv
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.exits import install as install_excepthook
-from epochal.worker.control.rendezvous import rendezvous, tell_join_failure
+from epochal.worker.control.rendezvous import StoreRef, rendezvous, tell_join_failure
 from epochal.worker.dataplane import network
 from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.dataplane.store import scoped
@@ -47,6 +52,8 @@ from epochal.worker.options import (
     read_address_file,
 )
 from epochal.worker.session import Session
+
+T = TypeVar("T")
 
 
 def _device_for(local_rank: int, device: str | torch.device | None) -> torch.device:
@@ -81,53 +88,20 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
     local device default to ``EPOCHAL_RANK``/``EPOCHAL_WORLD_SIZE``/``EPOCHAL_LOCAL_RANK``, then to
     what torchrun, Slurm or a Kubernetes Indexed Job set (:mod:`epochal.worker.launchenv`).
     """
-    ensure_configured()  # the worker's lines go to stderr even where nobody set logging up
-    raise_nofile_limit()  # gloo connects to every peer (and rank 0 serves the store): one fd each
     if options is None:
         options = JoinOptions.from_env(**given)
     elif given:
         raise TypeError("join() takes options or keyword arguments, not both")
-    address = coordinator_address(options.coordinator, os.environ)
-    endpoint, deadline_s = read_address_file(address, options.connect_timeout)
-    endpoint = check_endpoint(endpoint)
-    where = options.placement
-    dev = _device_for(where.local_rank, options.device)
-    plane = network.discover(endpoint)  # refuses an unusable network before joining
-    security = ClientSecurity.from_env(
-        {}, key_file=options.curve_key, server_key_file=options.curve_server_key
-    )
-    worker_id = options.worker_id or default_worker_id()
-    client = ControlClient(
-        endpoint, identity=worker_id.encode()[:255], options=options, security=security
-    )
-    # from here on, an error that stops the run ends the process with one line, no traceback
-    install_excepthook(aborted=lambda: client._abort_reason)
-    client.start()
-    try:
-        described = describe(model)
-        client.model_params = described.params  # sent, a page at a time, if the coordinator asks
-        hello = Hello(
-            job=options.job,
-            token=options.token,
-            worker_id=worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            rank_hint=where.rank,
-            device="cuda" if dev.type == "cuda" else "cpu",
-            fingerprint=described.fingerprint,
-            data_address=plane.address,
-            metrics=options.metrics,
-        )
-        timeout = options.collective_timeout
-        welcome, store = rendezvous(client, hello, endpoint, deadline_s, timeout)
-        mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)
-        if mismatch is not None:
-            client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
-            raise JoinRefused(mismatch)
+    dev = _device_for(options.placement.local_rank, options.device)
+    described = describe(model)
+    timeout = options.collective_timeout
+
+    def open_group(admitted: Admission) -> GroupSockets:
+        welcome, store = admitted.welcome, admitted.store
         if welcome.backend == "nccl" and dev.type != "cuda":
             raise ConfigError("the coordinator chose nccl but this worker has no CUDA device")
         faults.hit("connect", rank=welcome.rank)
-        network.apply(plane, os.environ)  # gloo and NCCL read their interface at init
+        network.apply(admitted.plane, os.environ)  # gloo and NCCL read their interface at init
         _, sockets = GroupSockets.opened_by(
             lambda: dist.init_process_group(
                 backend=welcome.backend,
@@ -138,7 +112,94 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
                 device_id=dev if dev.type == "cuda" else None,
             )
         )
-        client.at(Phase.SETUP, welcome.start_epoch)
+        admitted.client.at(Phase.SETUP, welcome.start_epoch)
+        return sockets
+
+    admitted, sockets = admit(
+        options,
+        described.fingerprint,
+        cuda=dev.type == "cuda",
+        params=described.params,  # sent, a page at a time, if the coordinator asks
+        then=open_group,
+    )
+    return Session(
+        admitted.client,
+        admitted.welcome,
+        dev,
+        admitted.store,
+        hello=admitted.hello,
+        endpoint=admitted.endpoint,
+        reattach_timeout=options.reattach_timeout,
+        store_timeout=timeout,
+        model=model,
+        sockets=sockets,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A worker the coordinator admitted: its control client, the hello it said, the welcome it
+    got, the data-plane store and the network its data plane uses."""
+
+    client: ControlClient
+    hello: Hello
+    endpoint: str
+    welcome: Welcome
+    store: StoreRef
+    plane: network.DataPlane
+
+
+def admit(
+    options: JoinOptions,
+    fingerprint: Fingerprint,
+    *,
+    cuda: bool,
+    params: tuple[ParamSpec, ...] = (),
+    then: Callable[[Admission], T],
+) -> tuple[Admission, T]:
+    """Join the run as ``options`` say, with a model of ``fingerprint`` (``params``: its entries,
+    for a coordinator that asks), and run ``then`` on the admission (opening the process group,
+    say). Whatever fails from the first hello to the end of ``then`` is told to the coordinator,
+    so that the run ends at once, and the control client is closed; from here on an error that
+    stops the run ends the process with one line, no traceback. Both :func:`join` and the member
+    of a torchrun script (:mod:`epochal.worker.plain`) join this way."""
+    ensure_configured()  # the worker's lines go to stderr even where nobody set logging up
+    raise_nofile_limit()  # gloo connects to every peer (and rank 0 serves the store): one fd each
+    address = coordinator_address(options.coordinator, os.environ)
+    endpoint, deadline_s = read_address_file(address, options.connect_timeout)
+    endpoint = check_endpoint(endpoint)
+    where = options.placement
+    plane = network.discover(endpoint)  # refuses an unusable network before joining
+    security = ClientSecurity.from_env(
+        {}, key_file=options.curve_key, server_key_file=options.curve_server_key
+    )
+    worker_id = options.worker_id or default_worker_id()
+    client = ControlClient(
+        endpoint, identity=worker_id.encode()[:255], options=options, security=security
+    )
+    install_excepthook(aborted=lambda: client._abort_reason)
+    client.start()
+    try:
+        client.model_params = params
+        hello = Hello(
+            job=options.job,
+            token=options.token,
+            worker_id=worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            rank_hint=where.rank,
+            device="cuda" if cuda else "cpu",
+            fingerprint=fingerprint,
+            data_address=plane.address,
+            metrics=options.metrics,
+        )
+        welcome, store = rendezvous(client, hello, endpoint, deadline_s, options.collective_timeout)
+        mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)
+        if mismatch is not None:
+            client.send(Failed(reason=clip(mismatch)))  # so the coordinator aborts at once
+            raise JoinRefused(mismatch)
+        admitted = Admission(client, hello, endpoint, welcome, store, plane)
+        return admitted, then(admitted)
     except CoordinatorUnreachable:
         client.close(flush=0.5)
         raise
@@ -146,15 +207,3 @@ def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: An
         tell_join_failure(client, exc)
         client.close(flush=0.5)
         raise
-    return Session(
-        client,
-        welcome,
-        dev,
-        store,
-        hello=hello,
-        endpoint=endpoint,
-        reattach_timeout=options.reattach_timeout,
-        store_timeout=timeout,
-        model=model,
-        sockets=sockets,
-    )

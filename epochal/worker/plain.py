@@ -36,27 +36,19 @@ from collections.abc import Sequence
 import torch
 
 from epochal.environment import COORDINATOR_ENV
-from epochal.errors import CoordinatorUnreachable, JoinRefused, RunAborted
-from epochal.log import WORKER, ensure_configured
-from epochal.nofile import raise_nofile_limit
-from epochal.protocol import Failed, Finish, Hello, Phase, clip
-from epochal.security.curve import ClientSecurity
+from epochal.errors import RunAborted
+from epochal.log import WORKER
+from epochal.protocol import Failed, Finish, Phase, clip
 from epochal.text import exit_words
-from epochal.worker import launchenv
-from epochal.worker.control.client import ControlClient
-from epochal.worker.control.exits import install as install_excepthook
 from epochal.worker.control.finish import finish_without_epochs
 from epochal.worker.control.progress import CpuProgress, process_cpu
-from epochal.worker.control.rendezvous import StoreRef, rendezvous, tell_join_failure
+from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.dataplane import network
 from epochal.worker.dataplane.store import scoped
 from epochal.worker.fingerprint import describe
+from epochal.worker.join import admit
 from epochal.worker.options import (
     JoinOptions,
-    check_endpoint,
-    coordinator_address,
-    default_worker_id,
-    read_address_file,
 )
 
 FEATURES = (
@@ -123,48 +115,15 @@ def stop(script: subprocess.Popen[bytes], grace: float) -> None:
 
 def run(command: Sequence[str]) -> int:
     """Join the run for ``command`` (a torchrun script), run it, and return its exit status."""
-    ensure_configured()
-    raise_nofile_limit()
     options = JoinOptions.from_env()
-    address = coordinator_address(options.coordinator, os.environ)
-    endpoint, deadline_s = read_address_file(address, options.connect_timeout)
-    endpoint = check_endpoint(endpoint)
     where = options.placement
-    plane = network.discover(endpoint)
-    security = ClientSecurity.from_env(
-        {}, key_file=options.curve_key, server_key_file=options.curve_server_key
+    admitted, meet = admit(
+        options,
+        describe(torch.nn.Module()).fingerprint,  # the same for every such rank
+        cuda=torch.cuda.is_available(),
+        then=lambda a: master(a.store, a.welcome.run_id, a.welcome.rank, a.plane.address),
     )
-    worker_id = options.worker_id or default_worker_id()
-    client = ControlClient(
-        endpoint, identity=worker_id.encode()[:255], options=options, security=security
-    )
-    install_excepthook(aborted=lambda: client._abort_reason)
-    client.start()
-    try:
-        hello = Hello(
-            job=options.job,
-            token=options.token,
-            worker_id=worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            rank_hint=where.rank,
-            device="cuda" if torch.cuda.is_available() else "cpu",
-            fingerprint=describe(torch.nn.Module()).fingerprint,  # the same for every such rank
-            data_address=plane.address,
-        )
-        welcome, store = rendezvous(client, hello, endpoint, deadline_s, options.collective_timeout)
-        mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)
-        if mismatch is not None:
-            client.send(Failed(reason=clip(mismatch)))
-            raise JoinRefused(mismatch)
-        meet = master(store, welcome.run_id, welcome.rank, plane.address)
-    except CoordinatorUnreachable:
-        client.close(flush=0.5)
-        raise
-    except BaseException as exc:
-        tell_join_failure(client, exc)
-        client.close(flush=0.5)
-        raise
+    client, welcome, plane = admitted.client, admitted.welcome, admitted.plane
     rank = welcome.rank
     if rank == 0:
         WORKER.info(f"epochal: {FEATURES}")

@@ -3,17 +3,26 @@
 others. A worker's script is killed mid-epoch: the other carries on alone from the start of that
 epoch, the killed worker's supervisor starts it again, and the new process waits as a standby and
 joins at the next epoch boundary with rank 0's state, sent over the data plane between the
-hosts. No checkpoint is read, the survivor never restarts, and both end with the same weights."""
+hosts. No checkpoint is read, the survivor never restarts, and both end with the same weights.
+And a cut link instead of a killed script: the other carries on, the cut-off worker ends."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multihost.test_across_hosts import Cluster
+from tests.multihost.test_across_hosts import (
+    ABORT_GRACE,
+    HEARTBEAT_INTERVAL,
+    MARGIN,
+    WORKER_HEARTBEAT_TIMEOUT,
+    Cluster,
+    journal_has,
+)
 
 LINEAR = Path(__file__).resolve().parents[1] / "integration" / "scripts" / "linear.py"
 EPOCHS = 40
@@ -57,4 +66,41 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(make_ho
     final = {r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)}
     for key, tensor in final[0]["state"].items():
         assert torch.equal(tensor, final[1]["state"][key]), key
+    cluster.none_left()
+
+
+def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_itself(
+    make_hosts, tmp_path
+):
+    """The link of one worker's host goes down mid-run: no process exits and no connection
+    closes, so the coordinator finds the rank by its silence (the heartbeat timeout) and the
+    other carries on alone from the start of the epoch; the cut-off worker, which hears from
+    nobody, ends by itself within the bound its own timeouts set."""
+    net = make_hosts(3)
+    cluster = Cluster(net, tmp_path)
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    coordinator = cluster.coordinator(
+        "--min-workers", "1", "--epochs", "6", "--no-restore-best", "--run-dir", str(run_dir)
+    )
+    # every step slow: whenever the cut comes, the workers are in an epoch or between two
+    work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.1"]
+    extra = {"EPOCHAL_REATTACH_TIMEOUT": f"{ABORT_GRACE:g}"}
+    workers = [cluster.worker(i, work, **extra) for i in range(2)]
+    journal_has(run_dir, "epoch")
+    net[2].link(up=False)
+    cut = time.monotonic()
+
+    bound = WORKER_HEARTBEAT_TIMEOUT + ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
+    cut_off = cluster.wait(workers[1], deadline=bound + 30)
+    assert time.monotonic() - cut < bound, cut_off
+    assert workers[1].returncode != 0, cut_off
+    survivor = cluster.wait(workers[0])
+    log = cluster.wait(coordinator)
+    assert coordinator.returncode == 0, cluster.dump()
+    assert workers[0].returncode == 0, survivor
+    (change,) = json.loads((run_dir / "result.json").read_text())["world_changes"]
+    assert (change["from"], change["to"], change["restore"]) == (2, 1, "memory"), change
+    assert change["lost"][0].startswith("rank 1 ") and "sent nothing for" in change["lost"][0]
+    assert "continuing with 1 worker from the start of epoch" in log, log
+    assert "is rank 0 of 1 in world 1" in survivor, survivor
     cluster.none_left()
