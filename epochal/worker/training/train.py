@@ -142,10 +142,10 @@ class FitOptions:
     precision: str = "32"
     # "32", "bf16" or "fp16": the dtype of autocast for the forward and the loss
     metrics: Mapping[str, MetricFn] = field(default_factory=dict)
+    # named metric functions (outputs, targets) -> (sum, count), reported for both splits
     snapshot: bool = True
     # elastic runs: keep a host copy of each epoch's start, which the survivors of a lost rank
     # restore; False: they restore the last checkpoint (and redo the epochs since)
-    # named metric functions (outputs, targets) -> (sum, count), reported for both splits
 
     def __post_init__(self) -> None:
         if not isinstance(self.metrics, Mapping):
