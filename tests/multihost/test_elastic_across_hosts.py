@@ -4,7 +4,8 @@ others. A worker's script is killed mid-epoch: the other carries on alone from t
 epoch, the killed worker's supervisor starts it again, and the new process waits as a standby and
 joins at the next epoch boundary with rank 0's state, sent over the data plane between the
 hosts. No checkpoint is read, the survivor never restarts, and both end with the same weights.
-And a cut link instead of a killed script: the other carries on, the cut-off worker ends."""
+And a cut link instead of a killed script: the other carries on, the cut-off worker ends; and a
+killed worker of a sharded run: the other loads the last checkpoint, resharded to one rank."""
 
 from __future__ import annotations
 
@@ -103,4 +104,37 @@ def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_its
     assert change["lost"][0].startswith("rank 1 ") and "sent nothing for" in change["lost"][0]
     assert "continuing with 1 worker from the start of epoch" in log, log
     assert "is rank 0 of 1 in world 1" in survivor, survivor
+    cluster.none_left()
+
+
+def test_a_lost_shard_across_hosts_is_restored_from_the_shared_checkpoint(make_hosts, tmp_path):
+    """``sharded`` (ZeRO) across hosts: a killed worker takes its shard of the optimizer with it,
+    so the other loads the last committed checkpoint, which every host sees, resharded to one
+    rank, and carries on from the epoch after it."""
+    net = make_hosts(3)
+    cluster = Cluster(net, tmp_path)
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    coordinator = cluster.coordinator(
+        "--min-workers", "1", "--epochs", "4", "--no-restore-best", "--run-dir", str(run_dir)
+    )
+    work = ["python", str(LINEAR), "--out", str(out), "--parallel", "sharded"]
+    fault = "kill@train-step:rank=1:epoch=2:step=1:world=0"
+    workers = [cluster.worker(i, work, EPOCHAL_FAULT=fault) for i in range(2)]
+    survivor = cluster.wait(workers[0])
+    cluster.wait(workers[1])
+    log = cluster.wait(coordinator)
+    assert coordinator.returncode == 0, cluster.dump()
+    assert workers[0].returncode == 0, survivor
+    (change,) = json.loads((run_dir / "result.json").read_text())["world_changes"]
+    assert (change["epoch"], change["from"], change["to"]) == (2, 2, 1), change
+    assert (change["restore"], change["checkpoint"]) == ("checkpoint", 1), change
+    assert "continuing with 1 worker from the checkpoint of epoch 1" in log, log
+    assert "epoch 2 again from the checkpoint of epoch 1" in survivor, survivor
+    records = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["world_size"]) for r in records if r["kind"] == "epoch"] == [
+        (0, 2),
+        (1, 2),
+        (2, 1),
+        (3, 1),
+    ]
     cluster.none_left()
