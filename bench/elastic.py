@@ -246,9 +246,11 @@ def main() -> int:
             if other not in results or "elastic" not in results:
                 continue
             o_back, o_lost = results[other]
+            # the time lost as a difference: the elastic run's is about nothing (or less, when
+            # fewer workers share the cores better), so a ratio of the two would mean nothing
             print(
-                f"{other} / elastic: {o_back / e_back:.1f}x to train again, "
-                f"{o_lost / max(e_lost, 1e-3):.1f}x the wall time lost",
+                f"{other} / elastic: {o_back / e_back:.1f}x to train again; "
+                f"{o_lost - e_lost:.2f} s more wall time lost",
                 flush=True,
             )
         joins = [f for f in map(join_figures, seen) if f is not None]
@@ -261,7 +263,7 @@ def main() -> int:
                 f"({len(joins)} of {len(seen)} replacements joined before the run ended)",
                 flush=True,
             )
-        else:
+        elif seen:  # the replaced column ran, and no replacement joined
             print("replacement: none joined before the run ended: give it more epochs", flush=True)
     return 0
 

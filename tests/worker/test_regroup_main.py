@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from epochal.errors import EpochalError
+from epochal.protocol import Restore
 from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.regroup import Snapshot, leave, rebuild
 from epochal.worker.strategies import Layout, Strategy, wrap
@@ -69,7 +70,7 @@ def member(index: int, tmp: Path) -> None:
     rank = survivors.index(index)
     strategy = regroup(strategy, error, tmp, 1, rank, 3)
     del error
-    from_memory = strategy.restores_from_memory([FIRST_LOST])
+    from_memory = strategy.snapshot_scope.restore_after([FIRST_LOST]) is not Restore.CHECKPOINT
     snapshot.restore(strategy)
     restored = record(strategy)
     train_epoch(strategy, 1, rank, 3)
@@ -85,7 +86,7 @@ def member(index: int, tmp: Path) -> None:
     rank = survivors.index(index)
     strategy = regroup(strategy, error, tmp, 2, rank, 2)
     del error
-    from_memory = strategy.restores_from_memory([SECOND_LOST])
+    from_memory = strategy.snapshot_scope.restore_after([SECOND_LOST]) is not Restore.CHECKPOINT
     refusal = None
     before = record(strategy)
     if rank == 0:  # the new rank 0's snapshot was taken on old rank 1: no optimizer in it

@@ -8,7 +8,7 @@ control loop follows it with these steps, each a small function of a strategy
 :class:`Snapshot`    at the start of each epoch: a host copy of the strategy's state and
                      the generators (:meth:`Snapshot.take`); after a loss, restores the
                      start of the epoch (:meth:`Snapshot.restore`) where the mode allows
-                     (``Strategy.snapshot_scope``, ``Strategy.restores_from_memory``)
+                     (``Strategy.snapshot_scope``, ``SnapshotScope.restore_after``)
 :func:`consolidate`  before leaving a group that admits a newcomer, in sharded modes: the
                      whole state onto rank 0's CPU
 :func:`leave`        out of the old process group, so that its sockets close and peers

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
-from epochal.protocol import Restore, SnapshotScope
+from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import ModelState, Stateful, TrainState
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.options import ModeOptions
@@ -54,7 +54,7 @@ class Strategy:
     # the mode's name
     snapshot_scope: ClassVar[SnapshotScope]
     # what one rank's copy of the state holds: whether a world that lost ranks restores from
-    # memory or from the last checkpoint (restores_from_memory)
+    # memory or from the last checkpoint (SnapshotScope.restore_after)
     options: ClassVar[frozenset[str]] = frozenset()
     # the ModeOptions fields this mode has a use for; the others must keep their defaults
     uses_ddp: ClassVar[bool] = False
@@ -186,11 +186,6 @@ class Strategy:
             if isinstance(module, nn.SyncBatchNorm):
                 module.process_group = None
         self.released = True
-
-    @classmethod
-    def restores_from_memory(cls, lost: Collection[int]) -> bool:
-        """Whether the survivors of losing ranks ``lost`` restore from their snapshots."""
-        return cls.snapshot_scope.restore_after(lost) is not Restore.CHECKPOINT
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A CPU copy of this rank's model state, for :meth:`restore` (the best epoch's)."""
