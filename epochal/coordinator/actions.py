@@ -64,7 +64,9 @@ class Journal:
     """Write a record to the run directory (fsynced before anything after it is applied).
 
     ``kind`` "epoch" appends to epochs.jsonl and gets the wall-clock ``time`` stamped last;
-    "result" writes result.json. ``tolerant``: a failure is logged, not an abort (the record of
+    "result" writes result.json; "rewrite" replaces epochs.jsonl by ``record["records"]`` (a
+    restarted coordinator's resume from a checkpoint, once it knows its workers were started
+    again). ``tolerant``: a failure is logged, not an abort (the record of
     an abort itself).
     """
 

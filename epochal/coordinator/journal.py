@@ -89,8 +89,8 @@ def check_record(record: Any) -> None:
     if not isinstance(record, dict):
         raise ValueError(f"a record is a JSON object, this is a {type(record).__name__}")
     kind = record.get("kind")
-    if kind not in ("epoch", "checkpoint", "world"):
-        raise ValueError(f"kind is {kind!r}, not 'epoch', 'checkpoint' or 'world'")
+    if kind not in ("epoch", "checkpoint", "world", "go"):
+        raise ValueError(f"kind is {kind!r}, not 'epoch', 'checkpoint', 'world' or 'go'")
     _field(record, "epoch", int)
     if record["epoch"] < 0:
         raise ValueError(f"epoch is {record['epoch']}, below 0")

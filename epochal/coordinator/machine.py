@@ -47,7 +47,6 @@ from epochal.coordinator.loop import LoopState
 from epochal.coordinator.membership import Membership, NewWorld
 from epochal.coordinator.models import ModelChecks, ModelRecord
 from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
-from epochal.coordinator.regrouping import Regrouping
 from epochal.coordinator.rendezvous import (
     JoinLog,
     Member,
@@ -57,6 +56,7 @@ from epochal.coordinator.replicas import replicas_differ
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
 from epochal.coordinator.sums import aggregate as aggregate_losses
+from epochal.coordinator.takeback import TakingBack
 from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
     Abort,
@@ -80,11 +80,18 @@ from epochal.protocol import (
 from epochal.protocol.messages import TYPE_NAMES
 from epochal.text import REASON_CHARS, printable
 
+TAKING_BACK = (
+    "the restarted coordinator is taking the run's running workers back, and a new worker has "
+    "no place in it: start it once the run is over, or stop every worker to resume the run from "
+    "its last checkpoint"
+)
+"""Why a worker in no run is refused while the workers of the run come back."""
+
 UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
 """Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
-class RunMachine(Regrouping):
+class RunMachine(TakingBack):
     """One run's control-plane state and rules; see the module docstring."""
 
     def __init__(
@@ -151,6 +158,10 @@ class RunMachine(Regrouping):
         # elastic: the loop state as each checkpoint holds it, for a world that restores one
         if config.elastic and state.resume_epoch is not None:
             self._loops_at[state.resume_epoch] = copy.deepcopy(state.loop)
+        self._carry = state.carry
+        # where the journal left the run, for running workers that come back (takeback.py)
+        self._taken: dict[int, Member] = {}
+        # by rank, the workers taken back so far
 
     # ------------------------------------------------------------------ entry points
 
@@ -262,12 +273,23 @@ class RunMachine(Regrouping):
 
     def _handle(self, now: float, peer: bytes, message: Message, user_id: str) -> list[Action]:
         if isinstance(message, Hello):
-            return self._on_hello(now, peer, message, user_id)
+            if self.takes_back(message):
+                return self._take_back(now, peer, message, user_id)
+            if self.taking_back:
+                return self.gate.hello_refused(now, peer, message, user_id) or self.gate.reject(
+                    peer, TAKING_BACK, "refused"
+                )
+            actions = self._on_hello(now, peer, message, user_id)
+            if self.rendezvous.members:  # a rendezvous began: the run resumes its checkpoint
+                actions = self._forget_carry() + actions
+            return actions
         if isinstance(message, ModelPage):
             return self._on_page(now, peer, message, user_id)
         rank = self._ranks.get(peer)
         if rank is None:
             return self._from_outside(peer, message)
+        if self.taking_back:
+            return self._from_taken(now, peer, rank, message)
         match message:
             case Heartbeat():
                 return []
@@ -291,23 +313,7 @@ class RunMachine(Regrouping):
                     return self._start_epoch(now)
                 return []
             case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
-                self.watchdog.note_waiting(rank, message.epoch, Awaiting.DECISION, now)
-                if not self._reports:
-                    self._round_started = now
-                self._reports[rank] = LossSums(
-                    message.train_loss_sum,
-                    message.train_count,
-                    message.valid_loss_sum,
-                    message.valid_count,
-                    {m.name: (m.total, m.count) for m in message.train_metrics},
-                    {m.name: (m.total, m.count) for m in message.valid_metrics},
-                )
-                self._checksums[rank] = message.checksum
-                self._rates[rank] = message.lr
-                if message.ready is not None:
-                    ready = message.ready
-                    self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
-                    self._scopes[peer] = ready.snapshots
+                self._note_report(now, peer, rank, message)
                 if len(self._reports) == len(self.members):
                     return self._decide(now)
                 return []
@@ -335,6 +341,26 @@ class RunMachine(Regrouping):
                     "are out of step (a bug, or mixed epochal versions)"
                 )
 
+    def _note_report(self, now: float, peer: bytes, rank: int, report: EpochReport) -> None:
+        """Keep ``rank``'s report of the epoch under way until every rank's is in."""
+        self.watchdog.note_waiting(rank, report.epoch, Awaiting.DECISION, now)
+        if not self._reports:
+            self._round_started = now
+        self._reports[rank] = LossSums(
+            report.train_loss_sum,
+            report.train_count,
+            report.valid_loss_sum,
+            report.valid_count,
+            {m.name: (m.total, m.count) for m in report.train_metrics},
+            {m.name: (m.total, m.count) for m in report.valid_metrics},
+        )
+        self._checksums[rank] = report.checksum
+        self._rates[rank] = report.lr
+        if report.ready is not None:
+            ready = report.ready
+            self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
+            self._scopes[peer] = ready.snapshots
+
     def _start_epoch(self, now: float) -> list[Action]:
         """Every rank's epoch_ready is in (the first epoch of a run, of a resume or of a new
         world): its Go."""
@@ -348,7 +374,15 @@ class RunMachine(Regrouping):
             return formed + self.abort(f"epoch {self.epoch}: {exc}")
         self._ready.clear()
         self._run(now)
-        return [*formed, Broadcast(self._recipients(), go)]
+        record = {  # a restarted coordinator answers a rank that missed it with the same go
+            "kind": "go",
+            "epoch": self.epoch,
+            "sent": resume.sent_record(go),
+            "validates": self._validates,
+            "world_size": len(self.members),
+            "generation": self.generation,
+        }
+        return [*formed, Journal("epoch", record), Broadcast(self._recipients(), go)]
 
     def _clear_round(self) -> None:
         """Forget what the ranks of a world that is gone said of the current epoch."""
@@ -416,7 +450,9 @@ class RunMachine(Regrouping):
             format_epoch_line(outcome, self.config.epochs, seconds, monitor=self.config.monitor)
         )
         if outcome.stop:
-            actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums)), said]
+            decision = outcome.decision(checkpoint, sums)
+            record["next"] = {"sent": resume.sent_record(decision)}
+            actions += [Broadcast(self._recipients(), decision), said]
             actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
             return actions + self._finish(now)
         following = self.epoch + 1
@@ -432,7 +468,11 @@ class RunMachine(Regrouping):
             go = self._go(following, counts)
         except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
             return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
-        actions += [Broadcast(self._recipients(), outcome.decision(checkpoint, sums, go)), said]
+        decision = outcome.decision(checkpoint, sums, go)
+        # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
+        # that missed it with the same decision (the record dict is the Journal action's)
+        record["next"] = {"sent": resume.sent_record(decision), "validates": self._validates}
+        actions += [Broadcast(self._recipients(), decision), said]
         self.epoch = following
         grown = self._grow(now)
         if grown is not None:
@@ -443,6 +483,8 @@ class RunMachine(Regrouping):
         return actions
 
     def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
+        if epoch in self._committed:
+            return []  # sent again by a worker taken back by a restarted coordinator
         actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
         self._committed.append(epoch)
         if self._checkpoint_dir is not None:
@@ -523,6 +565,8 @@ class RunMachine(Regrouping):
         if self._store is not None and self.phase is RunPhase.STORE:
             return []  # the store is open; the welcome waits for rank 0's list, a bounded while
         waited = now - dog.phase_started
+        if self.taking_back:
+            return self._check_taking_back(now, waited)
         if self.phase is RunPhase.RENDEZVOUS:
             return self._check_rendezvous(now, waited)
         answered = self._ready if self.phase is RunPhase.READY else self._reports

@@ -59,7 +59,9 @@ class Recording:
         if state.extended_from is not None:
             remove(run_dir / RESULT_FILE)
         self._journal = RunJournal(run_dir)
-        self._journal.rewrite(state.records)
+        # kept whole (what still stands of it) while running workers may be taken back; cut back
+        # to the resumed checkpoint once the first hello says they were started again instead
+        self._journal.rewrite(state.records if state.carry is None else state.carry.records)
         info: dict[str, Any] = {
             "run_id": self.run_id,
             "endpoint": self.endpoint,
@@ -77,7 +79,18 @@ class Recording:
                 f"training the run in {run_dir} further: {state.extended_from} epochs before, "
                 f"{self.config.epochs} now"
             )
-        if state.resume_epoch is not None:
+        if state.carry is not None:
+            where = "its finish" if state.carry.stopped else f"epoch {state.carry.epoch}"
+            self._log(
+                f"the journal in {run_dir} left the run in {where}: its workers, if they still "
+                "run, are taken back there; workers started again resume from "
+                + (
+                    "epoch 0"
+                    if state.resume_epoch is None
+                    else f"the checkpoint of epoch {state.resume_epoch}"
+                )
+            )
+        elif state.resume_epoch is not None:
             self._log(
                 f"resuming {run_dir} at epoch {state.start_epoch} from the checkpoint of epoch "
                 f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch})"
@@ -103,6 +116,16 @@ class Recording:
         record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
         if action.kind == "result" and self._state is not None and self._state.extensions:
             record = {**record, "extended": self._state.extensions}  # as run.json says
+        if action.kind == "rewrite":  # the journal's records up to the resumed checkpoint
+            if self._journal is not None:
+                self._journal.rewrite(action.record["records"])
+            if self._state is not None and self._state.resume_epoch is not None:
+                self._log(
+                    f"resuming at epoch {self._state.start_epoch} from the checkpoint of epoch "
+                    f"{self._state.resume_epoch} (best so far: epoch "
+                    f"{self._state.loop.best_epoch})"
+                )
+            return
         try:
             if self._journal is not None:
                 if action.kind == "epoch":
@@ -114,6 +137,7 @@ class Recording:
                 raise
             self._log(f"the abort is not recorded in the run directory: {self._unwritten(exc)}")
         if action.kind == "epoch":
-            self._feed.written(record)
+            if record["kind"] != "go":  # a go is kept for a restarted coordinator only
+                self._feed.written(record)
         else:
             self._feed.end(record, self._machine, self._snapshot)

@@ -14,6 +14,7 @@ not loaded; a checkpoint directory another user could write is refused.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -30,10 +31,10 @@ from epochal.coordinator.journal import check_record
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.models import describe_difference, describe_fingerprints
 from epochal.coordinator.outcome import EpochOutcome
-from epochal.errors import ConfigError
+from epochal.errors import ConfigError, MalformedMessage
 from epochal.files import NotRegular, read_regular, write_atomic
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
-from epochal.protocol import Fingerprint, ParamSpec
+from epochal.protocol import Decision, Fingerprint, Go, Message, ParamSpec, decode, encode
 from epochal.rundir import (
     EPOCHS_FILE,
     JOURNAL_LIMIT,
@@ -124,6 +125,104 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """Where the journal says the run was when its coordinator stopped: epoch ``epoch`` under way
+    with ``go`` (sent to some ranks at least), after ``decision`` of the epoch before (None when the
+    epoch started from every rank's epoch_ready, so that no rank waits for a decision). A restarted
+    coordinator whose workers are still running takes them back there (``Welcome.carry_on``): it
+    answers a rank that missed the decision or the go with the journaled one, and no epoch is
+    redone (:meth:`~epochal.coordinator.machine.RunMachine` in its taking-back rendezvous)."""
+
+    epoch: int
+    go: Go | None
+    # None: the decision stopped the run; only the finish is left
+    decision: Decision | None
+    validates: bool
+    # every rank has validation data (the plan of ``epoch``)
+    loop: LoopState
+    # the loop state after every decided epoch (not only up to the last checkpoint)
+    records: list[dict[str, Any]]
+    # every standing journal record: the journal is kept whole when the run carries on
+    world_size: int
+    generation: int
+    run_id: str
+    # the run id the workers know (run.json's, before this coordinator writes its own)
+
+    @property
+    def stopped(self) -> bool:
+        return self.go is None
+
+    @property
+    def pending_checkpoint(self) -> int | None:
+        """The checkpoint ``decision`` asked for, when the journal holds no commit of it."""
+        decision = self.decision
+        if decision is None or not decision.checkpoint:
+            return None
+        committed = {r["epoch"] for r in self.records if r["kind"] == "checkpoint"}
+        return None if decision.epoch in committed else decision.epoch
+
+
+def sent_record(message: Message) -> str:
+    """A message as a journal record keeps it, to be sent again exactly (:func:`sent_message`)."""
+    return base64.b64encode(encode(message)).decode("ascii")
+
+
+def sent_message(text: Any) -> Message | None:
+    """The message :func:`sent_record` kept; None when it does not decode (another protocol
+    version wrote it, or it is not one)."""
+    try:
+        return decode(base64.b64decode(str(text), validate=True))
+    except (ValueError, MalformedMessage):
+        return None
+
+
+def _carry(config: CoordinatorConfig, records: list[dict[str, Any]], run_id: Any) -> Carry | None:
+    """Where a restarted coordinator may take running workers back (see :class:`Carry`): after
+    the journal's last decision or go; None when it holds none, or a world was forming."""
+    last = next((r for r in reversed(records) if r["kind"] in ("epoch", "go", "world")), None)
+    if last is None or last["kind"] == "world" or not isinstance(run_id, str):
+        return None
+    sent = last.get("next") if last["kind"] == "epoch" else last
+    if not isinstance(sent, dict):
+        return None  # written before decisions were journaled whole
+    message = sent_message(sent.get("sent"))
+    if last["kind"] == "epoch":
+        if not isinstance(message, Decision) or message.epoch != last["epoch"]:
+            return None
+        decision, go, epoch = message, message.go, last["epoch"] + 1
+    else:
+        if not isinstance(message, Go) or message.epoch != last["epoch"]:
+            return None
+        decision, go, epoch = None, message, last["epoch"]
+    loop = LoopState.from_config(config)
+    _replay(loop, records)
+    return Carry(
+        epoch=epoch,
+        go=go,
+        decision=decision,
+        validates=bool(sent.get("validates")),
+        loop=loop,
+        records=records,
+        world_size=int(last.get("world_size", config.world_size)),
+        generation=int(last.get("generation", 0)),
+        run_id=run_id,
+    )
+
+
+def _replay(loop: LoopState, records: list[dict[str, Any]]) -> None:
+    """Rebuild ``loop`` by the epoch records, as the run decided them."""
+    for record in records:
+        if record["kind"] == "epoch":
+            loop.update(
+                record["epoch"],
+                record["train_loss"],
+                record["valid_loss"],
+                validates=bool(record["validates"]),
+                metrics={key: float(record[key]) for key in record.get("metrics", ())},
+            )
+
+
 @dataclass(slots=True)
 class RunState:
     """What the run directory says about where to start."""
@@ -141,6 +240,9 @@ class RunState:
     # the epochs the run had, when this resume gives it more (a finished run trained further)
     extensions: list[dict[str, Any]] = field(default_factory=list)
     # every time the run was given more epochs, oldest first: run.json and result.json keep it
+    carry: Carry | None = None
+    # where running workers are taken back by a restarted coordinator (not for a resume from a
+    # checkpoint by workers started again); None: the journal holds no decision to carry on from
 
     @property
     def start_epoch(self) -> int:
@@ -315,15 +417,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             "over from epoch 0"
         )
     kept = [r for r in records if resume is not None and r["epoch"] <= resume]
-    for record in kept:
-        if record["kind"] == "epoch":
-            loop.update(
-                record["epoch"],
-                record["train_loss"],
-                record["valid_loss"],
-                validates=bool(record["validates"]),
-                metrics={key: float(record[key]) for key in record.get("metrics", ())},
-            )
+    _replay(loop, kept)
     extended_from = None
     if more is not None:
         extended_from = more[0]
@@ -346,6 +440,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         notes=notes,
         extended_from=extended_from,
         extensions=extensions,
+        carry=None if more is not None else _carry(config, records, run.get("run_id")),
     )
 
 

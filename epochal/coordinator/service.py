@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import clock, oslimits, resume
+from epochal.coordinator import clock, faults, oslimits, resume
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -478,8 +478,11 @@ class Coordinator(Recording):
                 await self._send(peer, message)
             case Broadcast(peers=peers, message=message):
                 data = encode(message)
-                for peer in peers:
+                cut = faults.cut(message)  # a test's kill between two sends of a decision
+                for peer in peers if cut is None else peers[:1]:
                     await self._send_frame(peer, data)
+                if cut is not None:
+                    faults.die(cut)
                 if isinstance(message, Heartbeat):
                     self._feed.heartbeat_sent()
             case Log(line=line):

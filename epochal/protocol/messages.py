@@ -186,6 +186,10 @@ class Hello(WorkerMessage):
     # the names of the metrics the training code will report (epochal.train's metrics=), each a
     # metric name, so that a --monitor naming none of them stops the run before it trains;
     # None: not said
+    run_id: MaybeName = ""
+    # the run this worker is in, when it says hello again to a restarted coordinator (6.3): one
+    # whose journal holds the run's last decision takes it back where it is (Welcome.carry_on);
+    # "": a worker that is in no run yet
 
     def _validate(self) -> None:
         for index, name in enumerate(self.metrics or ()):
@@ -371,6 +375,11 @@ class Welcome(CoordinatorMessage):
     # where the state of start_epoch comes from in this world (see Restore)
     elastic: bool = False
     # the run goes on without a lost worker: keep an in-memory copy of each epoch's start
+    carry_on: bool = False
+    # (6.3) a restarted coordinator takes back a worker of the run its journal holds, where the
+    # worker is: it keeps its process group and store (the store fields are not used), adopts the
+    # session and sends again the message it awaits an answer to (and rank 0 its last
+    # checkpointed); the coordinator answers from its journal, and no epoch is redone
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":

@@ -1,6 +1,8 @@
 """A session whose coordinator went silent says hello again: to the same coordinator, which was
-only stalled (the exchange goes on where it was), or to a restarted one (the run resumes from its
-last committed checkpoint: :class:`TakenBack`).
+only stalled (the exchange goes on where it was), or to a restarted one, which takes it back
+where it is from its journal (``welcome.carry_on``: the worker sends again what it awaits an
+answer to, and nothing is redone) or, from an older coordinator, resumes the run from its last
+committed checkpoint (:class:`TakenBack`).
 
 :class:`Reattaching` is the part of :class:`~epochal.worker.session.Session` that does it; the
 session sets every attribute below in its ``__init__``.
@@ -40,6 +42,9 @@ class Reattaching:
     def _adopt(self, welcome: Welcome) -> None:
         raise NotImplementedError  # the session's
 
+    def _send_again(self) -> list[str]:
+        raise NotImplementedError  # the session's
+
     def _reattach(self, lost: CoordinatorLost, waiting: tuple[type[Any], ...]) -> Any:
         """Say hello again after losing the coordinator; carry on, or resume from a checkpoint.
 
@@ -59,7 +64,7 @@ class Reattaching:
             "for a coordinator to take this worker back"
         )
         session = self.client.session
-        hello = replace(self._hello, rank_hint=self.rank)
+        hello = replace(self._hello, rank_hint=self.rank, run_id=self.run_id)
         stalled_since = time.monotonic()
         try:
             welcome, _ = rendezvous(
@@ -77,6 +82,8 @@ class Reattaching:
             raise CoordinatorLost(f"{lost.reason}; and then: {exc}") from None
         if welcome.run_id == self.run_id and welcome.session == session:
             return self._carry_on(welcome, stalled_since)
+        if welcome.carry_on:
+            return self._taken_back(welcome)
         same = (welcome.rank, welcome.world_size, welcome.backend)
         if same != (self.rank, self.world_size, self.backend):
             raise CoordinatorLost(
@@ -95,6 +102,25 @@ class Reattaching:
             f"{welcome.resume_epoch}"
         )
         raise TakenBack
+
+    def _taken_back(self, welcome: Welcome) -> Welcome:
+        """A restarted coordinator takes this worker back where it is, from its journal: keep the
+        process group, adopt the new session and run id, send again what awaits an answer."""
+        if (welcome.rank, welcome.world_size) != (self.rank, self.world_size):
+            raise CoordinatorLost(
+                f"the restarted coordinator took what was rank {self.rank} of {self.world_size} "
+                f"back as rank {welcome.rank} of {welcome.world_size}: the running process group "
+                "cannot change; restart the run"
+            )
+        self.run_id = welcome.run_id
+        self.client.watch_coordinator()
+        sent = self._send_again()
+        WORKER.info(
+            f"epochal: rank {self.rank}: re-attached to run {self.run_id}: the restarted "
+            f"coordinator carries on from its journal where this worker was (epoch "
+            f"{self.client.epoch}); sent again: {', '.join(sent) or 'nothing'}"
+        )
+        return welcome  # skipped by _expect, which waits on for the answer
 
     def _carry_on(self, answer: Any, stalled_since: float) -> Any:
         """The coordinator that was lost answered again: it was stalled, not gone; go on."""

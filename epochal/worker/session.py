@@ -106,6 +106,11 @@ class Session(Reattaching, Regrouping):
         self._closed = False
         self._learning_rate: Callable[[], float] | None = None
         self._ran_epochs = False  # run_epochs was called: this run's epochs are epochal's
+        self._asked: EpochReady | EpochReport | None = None
+        # the epoch_ready or epoch_report whose answer this rank awaits (sent again to a restarted
+        # coordinator that takes it back where it is)
+        self._saved: int | None = None
+        # the epoch of the last checkpoint this rank committed (rank 0; sent again likewise)
         client.busy = CpuProgress(thread_cpu(threading.get_ident()))
         # until run_epochs: a loop of the script's own, whose progress is the CPU it uses
         client.rank = self.rank
@@ -253,8 +258,9 @@ class Session(Reattaching, Regrouping):
         or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
         if go is None:
             self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
-            self.client.send(_ready(epoch, batches, valid_epoch, self.generation, scope))
+            self._ask(_ready(epoch, batches, valid_epoch, self.generation, scope))
             answer = self._expect(Go, Finish)
+            self._asked = None
             if isinstance(answer, Finish):
                 return answer
             go = answer
@@ -276,7 +282,7 @@ class Session(Reattaching, Regrouping):
             valid = valid_epoch(ctx)
         # the report says that it waits
         self.client.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
-        self.client.send(
+        self._ask(
             EpochReport(
                 epoch=epoch,
                 train_loss_sum=float(train.total),
@@ -298,6 +304,7 @@ class Session(Reattaching, Regrouping):
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
+        self._asked = None
         record = EpochRecord(
             epoch=decision.epoch,
             train_loss=decision.train_loss,
@@ -353,6 +360,26 @@ class Session(Reattaching, Regrouping):
         history = [asdict(r) for r in curve]
         if self.checkpointer.save(epoch, state, history=history) is not None:
             self.client.send(Checkpointed(epoch=epoch))  # rank 0, once the rename is durable
+            self._saved = epoch
+
+    def _ask(self, message: EpochReady | EpochReport) -> None:
+        """Send ``message``, whose answer this rank now awaits."""
+        self._asked = message
+        self.client.send(message)
+
+    def _send_again(self) -> list[str]:
+        """A restarted coordinator took this rank back where it is: send again what it awaits
+        an answer to, and (rank 0) its last checkpoint's commit; what was sent, for the log."""
+        sent = []
+        if self._saved is not None:
+            self.client.send(Checkpointed(epoch=self._saved))
+            sent.append(f"the commit of the checkpoint of epoch {self._saved}")
+        asked = self._asked
+        if asked is not None:
+            self.client.send(asked)
+            what = "report" if isinstance(asked, EpochReport) else "ready"
+            sent.append(f"its {what} of epoch {asked.epoch}")
+        return sent
 
     def load_checkpoint(self, epoch: int, state: Stateful) -> None:
         """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).

@@ -307,9 +307,8 @@ HOLD_MS = 8000
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 @pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
 def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path, reference):
-    """Killed while both ranks train an epoch. Not in the instant between two epochs, where a
-    Go may reach one rank and not the other: the guide's "When things fail" (docs/failures.md)
-    says what then."""
+    """Killed while both ranks train an epoch: the restarted one takes them back where they are,
+    from its journal, and the epoch under way is decided as if it had never stopped."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
     first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0")
@@ -341,9 +340,80 @@ def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path,
     for worker in workers:
         code, output = spawn.finish(worker, DEADLINE)
         assert code == 0, output
-        assert "re-attached to run" in output
+        assert "the restarted coordinator carries on from its journal" in output, output
+        assert f"its report of epoch {HOLD_EPOCH}" in output, output
     code, output = spawn.finish(second, DEADLINE)
     assert code == 0, output
-    assert "resuming" in output
+    assert f"the run carries on in epoch {HOLD_EPOCH}" in output, output
+    assert "resuming" not in output, output
+    assert decided_once(run_dir)
+    assert_same_result(reference, out)
+    spawn.assert_none_left()
+
+
+def decided_once(run_dir: Path) -> bool:
+    """Whether the journal decided every epoch exactly once (none redone, none missing)."""
+    decided = [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    assert decided == list(range(EPOCHS)), decided
+    return True
+
+
+CUT_EPOCH = 1
+# the first coordinator sends the decision of this epoch to rank 0 alone, then dies
+
+
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
+@pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
+def test_a_coordinator_killed_between_two_sends_of_a_decision_is_carried_on(
+    spawn, tmp_path, reference
+):
+    """The instant a restart cannot learn from the workers alone: rank 0 got the decision and
+    went on into the next epoch, where it waits in a collective for rank 1, which waits for the
+    decision. The restarted coordinator answers rank 1 from its journal, rank 0 comes back with
+    the next epoch trained, and no epoch is redone."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
+    first = spawn.epochal(
+        *args,
+        "--bind",
+        "tcp://127.0.0.1:0",
+        EPOCHAL_COORDINATOR_FAULT=f"kill@decision:epoch={CUT_EPOCH}",
+    )
+    endpoint = first.stdout.readline().split()[-1]
+    assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(out),
+            "--delay",
+            "0.02",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+        )
+        for rank in (0, 1)
+    ]
+    assert first.wait(timeout=DEADLINE) == -signal.SIGKILL  # it killed itself after one send
+    decided = [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    assert decided == list(range(CUT_EPOCH + 1)), decided
+
+    second = spawn.epochal(*args, "--bind", endpoint)
+    outputs = []
+    for worker in workers:
+        code, output = spawn.finish(worker, DEADLINE)
+        assert code == 0, output
+        assert "the restarted coordinator carries on from its journal" in output, output
+        outputs.append(output)
+    # rank 0 had the decision and trained the next epoch; rank 1 asked again for the decision
+    assert f"sent again: the commit of the checkpoint of epoch {CUT_EPOCH}" in outputs[0]
+    assert f"its report of epoch {CUT_EPOCH + 1}" in outputs[0], outputs[0]
+    assert f"sent again: its report of epoch {CUT_EPOCH}\n" in outputs[1], outputs[1]
+    code, output = spawn.finish(second, DEADLINE)
+    assert code == 0, output
+    assert f"the run carries on in epoch {CUT_EPOCH + 1}" in output, output
+    assert decided_once(run_dir)
+    assert [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "checkpoint"].count(
+        CUT_EPOCH
+    ) == 1
     assert_same_result(reference, out)
     spawn.assert_none_left()

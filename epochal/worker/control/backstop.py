@@ -8,7 +8,9 @@ Two cases, each run on a daemon thread of its own while the training code is awa
   collective whose peer is gone and the process exits with :data:`ABORT_EXIT_CODE`;
 - :func:`exit_if_stuck`: the coordinator was lost (or the world changes); a worker that keeps
   making progress finishes its epoch and then re-attaches, but one whose training code made no
-  progress for the run's heartbeat timeout + ``abort_grace`` seconds is blocked for good.
+  progress for the run's heartbeat timeout + ``abort_grace`` seconds (+ the re-attach timeout when
+  the coordinator was lost: a peer may be bringing the decision it missed from a restarted
+  coordinator) is blocked for good.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ class ControlClient:
         self._abort_taken = threading.Event()
         self._watch_coordinator = False
         self._reattach = options.reattach
+        self._reattach_timeout = options.reattach_timeout
         self._security = security
         self._session = ""
         # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
@@ -216,8 +217,14 @@ class ControlClient:
         if self._reattach:
             taken = self._loss_taken = threading.Event()
             self._inbox.put(_Lost(reason, reattach=True))
+            # a rank blocked in a collective may be waiting for a peer that is saying hello to a
+            # restarted coordinator, which will send it what this rank got (takeback.py): it
+            # waits as long as that may take before it counts as blocked for good
             threading.Thread(
-                target=self._exit_if_stuck, args=(reason, taken), name="epochal-lost", daemon=True
+                target=self._exit_if_stuck,
+                args=(reason, taken, self._reattach_timeout),
+                name="epochal-lost",
+                daemon=True,
             ).start()
         else:
             if self._outbox is not None:  # a coordinator that was only stopped reads why, later
@@ -533,14 +540,15 @@ class ControlClient:
     def _exit_unless_taken(self, reason: str) -> None:
         exit_unless_taken(reason, self._abort_taken, self.abort_grace)
 
-    def _exit_if_stuck(self, reason: str, taken: threading.Event) -> None:
+    def _exit_if_stuck(self, reason: str, taken: threading.Event, more: float = 0.0) -> None:
         """The coordinator is lost (or the world changes): end the process if the training code
-        is blocked for good (:func:`~epochal.worker.control.backstop.exit_if_stuck`)."""
+        is blocked for good (:func:`~epochal.worker.control.backstop.exit_if_stuck`), ``more``
+        seconds later than it would otherwise."""
         who = f"rank {self.rank}" if self.rank is not None else "worker"
         exit_if_stuck(
             reason,
             taken,
-            self.abort_grace,
+            self.abort_grace + more,
             lambda: self.liveness,
             lambda: self._progress_at,
             who,

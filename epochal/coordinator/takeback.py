@@ -1,0 +1,253 @@
+"""A restarted coordinator takes the run's running workers back where they are: no epoch redone.
+
+The journal holds every decision whole, and every ``go`` that started an epoch from the ranks'
+``epoch_ready`` (:class:`~epochal.coordinator.resume.Carry`), each fsynced before any rank heard
+it. When the coordinator dies, every rank therefore either waits for the journal's last message or
+got it and went on: into the next epoch, or into the checkpoint the decision asked for, where it
+waits in a collective for the ranks that did not get it. Those say hello again to the restarted
+coordinator first, naming the run they are in (``hello.run_id``); the others come once their
+epoch is trained.
+
+:class:`TakingBack` is the part of :class:`~epochal.coordinator.machine.RunMachine` that answers
+them, in its rendezvous phase: each such hello is welcomed at once with ``carry_on`` (the worker
+keeps its process group), the worker sends again what it waits an answer to, and the journal
+answers it: the decision of the epoch before, or the go of the epoch; a report of the epoch under
+way is kept for its decision, and rank 0's checkpointed commits the checkpoint the decision asked
+for. Once every rank of the journaled world is back the run goes on in epoch ``carry.epoch``, as
+if the coordinator had never stopped. A hello of a worker in no run (workers started again) takes
+the other way, a resume from the last checkpoint; the first hello picks the way. Pure like the
+machine.
+"""
+
+from __future__ import annotations
+
+from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
+from epochal.coordinator.batches import EpochPlan, format_ranks
+from epochal.coordinator.regrouping import Regrouping
+from epochal.coordinator.rendezvous import Admitted, Member
+from epochal.coordinator.resume import Carry
+from epochal.coordinator.sums import LossSums
+from epochal.protocol import (
+    Checkpointed,
+    EpochReady,
+    EpochReport,
+    Failed,
+    Heartbeat,
+    Hello,
+    Message,
+    Status,
+    Welcome,
+)
+from epochal.text import REASON_CHARS, printable
+
+
+class TakingBack(Regrouping):
+    """The taking-back side of a run's machine; see the module docstring. The machine sets every
+    attribute below in its ``__init__``."""
+
+    _carry: Carry | None
+    _taken: dict[int, Member]
+    _plan: EpochPlan | None
+    _validates: bool
+    _reports: dict[int, LossSums]
+
+    def _note_report(self, now: float, peer: bytes, rank: int, report: EpochReport) -> None:
+        raise NotImplementedError  # the machine's
+
+    def _decide(self, now: float) -> list[Action]:
+        raise NotImplementedError  # the machine's
+
+    def _run(self, now: float) -> None:
+        raise NotImplementedError  # the machine's
+
+    def _finish(self, now: float) -> list[Action]:
+        raise NotImplementedError  # the machine's
+
+    def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
+        raise NotImplementedError  # the machine's
+
+    @property
+    def taking_back(self) -> bool:
+        """Whether running workers are being taken back (the first came, not yet the last)."""
+        return self._carry is not None and bool(self._taken)
+
+    def takes_back(self, hello: Hello) -> bool:
+        """Whether ``hello`` is taken back where its worker is: a worker of the run the journal
+        holds, before any worker in no run began a rendezvous (which resumes the checkpoint)."""
+        carry = self._carry
+        return (
+            carry is not None
+            and self.phase is RunPhase.RENDEZVOUS
+            and hello.run_id == carry.run_id
+            and hello.rank_hint is not None
+            and (self.taking_back or not self.rendezvous.members)
+        )
+
+    def _take_back(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
+        """A worker of the journaled run says hello again: welcome it where it is."""
+        carry = self._carry
+        assert carry is not None and hello.rank_hint is not None
+        rank = hello.rank_hint
+        refused = self.gate.hello_refused(now, peer, hello, user_id)
+        if refused is not None:
+            return refused
+        if rank >= carry.world_size:
+            reason = (
+                f"it was rank {rank}, but the run's world had {carry.world_size} workers when its "
+                "coordinator stopped: start it again as a new worker"
+            )
+            return self.gate.reject(peer, reason, "refused")
+        verdict = self.rendezvous.offer(peer, hello)
+        if not isinstance(verdict, Admitted):
+            self.rendezvous.leave(peer)
+            why = getattr(verdict, "reason", "its model differs from the other workers'")
+            return self.gate.reject(peer, printable(why, REASON_CHARS), "refused")
+        self.watchdog.heard(peer, now)
+        session = self.gate.sessions.issue(peer, user_id)
+        actions: list[Action] = []
+        if not self._taken:  # the first: the run carries on, its state as the journal holds it
+            self._loop = self._state.loop = carry.loop  # the status file reads the state's
+            self._committed = [r["epoch"] for r in carry.records if r["kind"] == "checkpoint"]
+            self.epoch, self.generation = carry.epoch, carry.generation
+            where = "its finish" if carry.stopped else f"epoch {carry.epoch}"
+            actions.append(
+                Log(
+                    f"run {self.run_id}: a worker of the run the journal holds said hello: taking "
+                    f"its {carry.world_size} workers back where they are ({where}), nothing redone"
+                )
+            )
+        fresh = rank not in self._taken
+        self._taken[rank] = member = Member(peer, hello)
+        self._ranks[peer] = rank
+        actions.append(Send(peer, self._carry_welcome(rank, session, member)))
+        if fresh:
+            actions.append(
+                Log(
+                    f"rank {rank} ({member.describe()}) is back ({len(self._taken)} of "
+                    f"{carry.world_size})"
+                )
+            )
+        return actions + self._all_back(now)
+
+    def _carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
+        carry = self._carry
+        assert carry is not None
+        return Welcome(
+            rank=rank,
+            world_size=carry.world_size,
+            run_id=self.run_id,
+            backend=self._carry_backend(member),
+            store_host=member.hello.host,  # not used: the worker keeps its store
+            store_port=1,
+            start_epoch=carry.epoch,
+            epochs=self.config.epochs,
+            resume_epoch=None,
+            checkpoint_dir=str(self._checkpoint_dir or ""),
+            session=session,
+            liveness=self.config.liveness,
+            replica_check=self.config.replica_check,
+            generation=carry.generation,
+            elastic=self.config.elastic,
+            carry_on=True,
+        )
+
+    def _carry_backend(self, member: Member) -> str:
+        """The backend of the world the worker keeps (as its rendezvous picked it)."""
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "nccl" if member.hello.device == "cuda" else "gloo"
+        return backend
+
+    def _from_taken(self, now: float, peer: bytes, rank: int, message: Message) -> list[Action]:
+        """What a worker taken back sends again (or anew) while the others are still coming."""
+        carry = self._carry
+        assert carry is not None
+        decision = carry.decision
+        match message:
+            case Heartbeat():
+                return []
+            case Status():
+                self.watchdog.note_status(rank, message, now)
+                return []
+            case EpochReport() if decision is not None and message.epoch == decision.epoch:
+                return [Send(peer, decision)]  # it missed the decision: the journal's
+            case EpochReady() if (
+                decision is None and carry.go is not None and message.epoch == carry.epoch
+            ):
+                self._scopes[peer] = message.snapshots
+                return [Send(peer, carry.go)]  # it missed the go: the journal's
+            case EpochReport() if carry.go is not None and message.epoch == carry.epoch:
+                self._note_report(now, peer, rank, message)
+                return []
+            case Checkpointed() if rank == 0:
+                if message.epoch == carry.pending_checkpoint:  # _on_checkpointed: once
+                    return self._on_checkpointed(now, message.epoch)
+                return []  # committed before the coordinator stopped
+            case Failed():
+                reason = printable(message.reason, REASON_CHARS)
+                return self.abort(
+                    f"rank {rank} ({self._taken[rank].describe()}) failed while the restarted "
+                    f"coordinator took the workers back: {reason}"
+                )
+        return self.abort(
+            f"rank {rank} sent {type(message).__name__} of epoch "
+            f"{getattr(message, 'epoch', '?')} to the restarted coordinator, whose journal left "
+            f"the run in epoch {carry.epoch}: the worker and the journal are out of step (a "
+            "journal from another run, or mixed epochal versions); start the workers again to "
+            "resume from the last checkpoint"
+        )
+
+    def _all_back(self, now: float) -> list[Action]:
+        """Once every rank of the journaled world is back, the run goes on where it was."""
+        carry = self._carry
+        assert carry is not None
+        if len(self._taken) < carry.world_size:
+            return []
+        self._carry = None
+        self.members = [self._taken[rank] for rank in range(carry.world_size)]
+        self._backend = self._carry_backend(self.members[0])
+        self.membership.form(tuple(self.members))
+        actions: list[Action] = [
+            Log(
+                f"run {self.run_id}: every worker is back ({carry.world_size}); the run carries "
+                f"on in {'its finish' if carry.stopped else f'epoch {carry.epoch}'}"
+            )
+        ]
+        if carry.go is None:
+            return actions + self._finish(now)
+        self._plan = EpochPlan(carry.go.train_batches, carry.go.valid_batches)
+        self._validates = carry.validates
+        self._run(now)
+        if len(self._reports) == len(self.members):
+            actions += self._decide(now)
+        return actions
+
+    def _forget_carry(self) -> list[Action]:
+        """Workers in no run began the rendezvous: they resume from the checkpoint, and the
+        journal keeps the records up to it (kept whole until now, for a carry-on)."""
+        if self._carry is None:
+            return []
+        self._carry = None
+        return [Journal("rewrite", {"records": self._state.records})]
+
+    def _check_taking_back(self, now: float, waited: float) -> list[Action]:
+        """A worker taken back that goes silent, or ranks that do not come back within
+        ``--rendezvous-timeout``, end the run (its journal and checkpoints stay for a resume)."""
+        carry = self._carry
+        assert carry is not None
+        for peer in self.watchdog.silent(now):
+            rank = self._ranks.get(peer)
+            if rank is not None:
+                return self.abort(
+                    f"rank {rank} ({self._taken[rank].describe()}) went silent while the restarted "
+                    "coordinator took the workers back"
+                )
+            self.watchdog.drop(peer)
+        if waited <= self.config.rendezvous_timeout:
+            return []
+        missing = sorted(set(range(carry.world_size)) - set(self._taken))
+        return self.abort(
+            f"{format_ranks(missing)} of the run did not come back to the restarted coordinator "
+            f"within {self.config.rendezvous_timeout:g} s (--rendezvous-timeout); the journal and "
+            "the checkpoints are kept: start the workers again to resume from the last checkpoint"
+        )

@@ -1,0 +1,166 @@
+"""A restarted coordinator takes the running workers back where its journal left them.
+
+The first coordinator is played to the instant it dies (its journal written from its own
+actions); the second reads that journal back through :func:`resume.inspect` and is played against
+workers saying hello again, on a clock the test sets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from epochal.coordinator import CoordinatorConfig, resume
+from epochal.coordinator.actions import Action, Journal, Send
+from epochal.coordinator.machine import TAKING_BACK, RunMachine
+from epochal.protocol import Checkpointed, Decision, Heartbeat, Joined, Reject, Welcome
+from tests.conftest import hello
+from tests.coordinator.test_machine import Run, aborted, broadcast, logged, ready, report, start
+
+EPOCHS = 4
+
+
+def journaled(actions: list[Action]) -> list[dict[str, Any]]:
+    return [a.record for a in actions if isinstance(a, Journal) and a.kind == "epoch"]
+
+
+def first_run(run_dir: Path, decided: int) -> tuple[CoordinatorConfig, list[Decision]]:
+    """A run of 2 workers played through the decision of epoch ``decided``, its journal and
+    run.json written as the service would; the decisions it sent."""
+    run = start(epochs=EPOCHS, run_dir=run_dir)
+    config = run.machine.config
+    actions = run.all(1.0, ready)
+    decisions = []
+    for epoch in range(decided + 1):
+        decided_now = run.all(2.0 + epoch, lambda r, e=epoch: report(1.0 + r + e, e))
+        decisions += broadcast(decided_now, Decision)
+        actions += decided_now
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "run.json").write_text(
+        json.dumps({"run_id": "r1", "config": resume.config_record(config)})
+    )
+    with (run_dir / "epochs.jsonl").open("w") as journal:
+        for record in journaled(actions):
+            journal.write(json.dumps(record) + "\n")
+    return config, decisions
+
+
+def restarted(config: CoordinatorConfig, now: float = 100.0) -> Run:
+    state = resume.inspect(config, None)
+    assert state.carry is not None
+    return Run(RunMachine(config, state, run_id="r2", now=now))
+
+
+def back(rank: int) -> Any:
+    return hello(f"w{rank}", rank_hint=rank, run_id="r1", pid=100 + rank)
+
+
+def sent(actions: list[Action], kind: type) -> list[tuple[bytes, Any]]:
+    return [
+        (a.peer, a.message) for a in actions if isinstance(a, Send) and isinstance(a.message, kind)
+    ]
+
+
+def test_a_rank_that_missed_the_last_decision_gets_the_journaled_one_and_nothing_is_redone(
+    tmp_path,
+):
+    config, decisions = first_run(tmp_path / "run", decided=1)
+    # the first coordinator died after sending decision 1 to rank 0 alone: rank 1 still waits
+    # for it, rank 0 trains epoch 2 (blocked in a collective with rank 1) and comes back later
+    run = restarted(config)
+    welcomed = run.send(100.0, b"n1", back(1))
+    ((peer, welcome),) = sent(welcomed, Welcome)
+    assert peer == b"n1" and welcome.carry_on
+    assert (welcome.rank, welcome.world_size, welcome.start_epoch) == (1, 2, 2)
+    assert welcome.resume_epoch is None and welcome.run_id == "r2"
+    assert any(
+        "taking its 2 workers back where they are (epoch 2)" in line for line in logged(welcomed)
+    )
+
+    again = run.send(100.5, b"n1", report(2.0, 1))  # its report of epoch 1, sent again
+    assert sent(again, Decision) == [(b"n1", decisions[1])]  # exactly what rank 0 got
+    assert journaled(again) == []  # nothing decided again
+
+    assert run.send(110.0, b"n1", report(4.0, 2)) == []  # epoch 2 trained: kept
+    welcomed = run.send(111.0, b"n0", back(0))
+    assert [m.carry_on for _, m in sent(welcomed, Welcome)] == [True]
+    assert any(
+        "every worker is back (2); the run carries on in epoch 2" in line
+        for line in logged(welcomed)
+    )
+    decided = run.send(111.5, b"n0", report(3.0, 2))
+    (decision,) = broadcast(decided, Decision)
+
+    # the same decision as a coordinator that never stopped
+    reference = start(epochs=EPOCHS, run_dir=tmp_path / "reference")
+    reference.all(1.0, ready)
+    for epoch in range(3):
+        actions = reference.all(2.0 + epoch, lambda r, e=epoch: report(1.0 + r + e, e))
+    (expected,) = broadcast(actions, Decision)
+    assert decision == expected
+    (record,) = journaled(decided)
+    assert record["epoch"] == 2 and record["world_size"] == 2
+
+
+def test_rank_0s_lost_commit_of_the_last_checkpoint_is_journaled_once(tmp_path):
+    config, decisions = first_run(tmp_path / "run", decided=1)
+    assert decisions[1].checkpoint  # the last decision asked for a checkpoint
+    # rank 0 wrote it (with rank 1, once that one got the decision) and sent its commit to the
+    # dead coordinator; taken back, it sends the commit again with its report
+    run = restarted(config)
+    run.send(100.0, b"n0", back(0))
+    commit = run.send(100.1, b"n0", Checkpointed(epoch=1))
+    assert [a.record for a in commit if isinstance(a, Journal)] == [
+        {"kind": "checkpoint", "epoch": 1}
+    ]
+    assert run.send(100.2, b"n0", Checkpointed(epoch=1)) == []  # once
+    assert run.send(100.3, b"n0", Checkpointed(epoch=0)) == []  # not the one asked for last
+    assert run.machine.taking_back  # rank 1 is still to come
+
+
+def test_workers_started_again_resume_from_the_checkpoint_and_the_journal_is_cut_back(tmp_path):
+    config, _ = first_run(tmp_path / "run", decided=1)
+    run = restarted(config)
+    actions = run.send(100.0, b"f0", hello("f0"))  # a worker in no run
+    assert [a.record for a in actions if isinstance(a, Journal)] == [
+        {"records": []}  # no checkpoint: the run starts over
+    ]
+    assert sent(actions, Joined) and not sent(actions, Welcome)
+    # a worker of the old run now joins that rendezvous as any worker does
+    later = run.send(100.5, b"n1", back(1))
+    assert not [m for _, m in sent(later, Welcome) if m.carry_on]
+
+
+def test_ranks_that_do_not_come_back_end_the_run_at_the_rendezvous_timeout(tmp_path):
+    config, _ = first_run(tmp_path / "run", decided=1)
+    run = restarted(config, now=0.0)
+    run.send(0.0, b"n1", back(1))
+    refused = run.send(1.0, b"x", hello("x"))  # a worker in no run meanwhile
+    assert sent(refused, Reject) == [(b"x", Reject(reason=TAKING_BACK, code="refused"))]
+    timeout = config.rendezvous_timeout
+    step = config.heartbeat_interval
+    now = 1.0
+    while now + step < timeout:  # rank 1 heartbeats; rank 0 never comes
+        now += step
+        run.send(now, b"n1", Heartbeat())
+        assert aborted(run.machine.on_tick(now)) is None
+    run.send(timeout + 0.5, b"n1", Heartbeat())
+    reason = aborted(run.machine.on_tick(timeout + 0.5))
+    assert reason is not None and reason.startswith(
+        "rank 0 of the run did not come back to the restarted coordinator within"
+    ), reason
+
+
+def test_a_journal_without_whole_decisions_carries_nothing(tmp_path):
+    config, _ = first_run(tmp_path / "run", decided=1)
+    journal = tmp_path / "run" / "epochs.jsonl"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    journal.write_text(
+        "".join(
+            json.dumps({k: v for k, v in r.items() if k != "next"}) + "\n"
+            for r in records
+            if r["kind"] != "go"
+        )
+    )
+    assert resume.inspect(config, None).carry is None
