@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faults import SCRIPT, marked
 
-TORCHRUN_SCRIPT = Path(__file__).resolve().parent / "torchrun_resumable.py"
-"""The same workload as a torchrun script that resumes from its own checkpoint."""
+TORCHRUN_SCRIPT = SCRIPT.with_name("torchrun_resumable.py")
+"""The same workload as a torchrun script that resumes from its own checkpoint (beside
+``resumable.py``, whose workload it imports)."""
 
 RECOVERY_DEADLINE = 180.0
 """Seconds after a kill by which a run that has not trained again counts as failed (hung)."""

@@ -12,9 +12,11 @@ import argparse
 import time
 from pathlib import Path
 
+import resumable_workload
 import torch
+from resumable_workload import workload
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import epochal
 
@@ -27,19 +29,13 @@ def main() -> None:
     parser.add_argument("--accuracy", action="store_true", help="report an accuracy metric")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(7)
-    g = torch.Generator().manual_seed(99)
-    x = torch.randn(256, 16, generator=g)
-    y = (x[:, :4].sum(dim=1) > 0).long()
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y, model, optimizer = workload()
 
     def train_loader(rank: int, world: int) -> DataLoader:
-        shard = TensorDataset(x[rank::world], y[rank::world])
-        return DataLoader(shard, batch_size=8, shuffle=True)  # torch's global generator
+        return resumable_workload.train_loader(x, y, rank, world)
 
     def valid_loader(rank: int, world: int) -> DataLoader:
-        return DataLoader(TensorDataset(x[rank::world][:32], y[rank::world][:32]), batch_size=16)
+        return resumable_workload.valid_loader(x, y, rank, world)
 
     valid_batches = 0
 

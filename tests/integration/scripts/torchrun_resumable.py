@@ -3,13 +3,14 @@ its elastic agent restarts every worker when one fails, and the script resumes f
 checkpoint.
 
     torchrun --nnodes 1 --nproc-per-node 4 --max-restarts 1 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:0 bench/torchrun_resumable.py --out DIR --epochs 16
+        --rdzv-endpoint 127.0.0.1:0 tests/integration/scripts/torchrun_resumable.py \\
+        --out DIR --epochs 16
 
-The model, data, batches and optimizer are those of ``tests/integration/scripts/resumable.py``
-(what ``bench/elastic.py`` runs under epochal): DDP over gloo, each rank a shard of the rows, a
-checkpoint (model and optimizer, ``torch.save`` by rank 0, renamed into place) after every epoch.
-Rank 0 prints ``training epoch E`` when an epoch starts, after any checkpoint was loaded, and
-``epoch E [E+1/N]`` when it ends, which is what the bench times.
+The model, data, batches and optimizer are those of ``resumable.py`` beside it, from
+``resumable_workload.py`` (what ``bench/elastic.py`` runs under epochal): DDP over gloo, each rank
+a shard of the rows, a checkpoint (model and optimizer, ``torch.save`` by rank 0, renamed into
+place) after every epoch. Rank 0 prints ``training epoch E`` when an epoch starts, after any
+checkpoint was loaded, and ``epoch E [E+1/N]`` when it ends, which is what the bench times.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from resumable_workload import train_loader, valid_loader, workload
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
 
 
 def main() -> None:
@@ -35,12 +36,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(7)
-    g = torch.Generator().manual_seed(99)
-    x = torch.randn(256, 16, generator=g)
-    y = (x[:, :4].sum(dim=1) > 0).long()
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y, model, optimizer = workload()
     checkpoint = args.out / "checkpoint.pt"
     start = 0
     if checkpoint.exists():
@@ -49,8 +45,8 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
     ddp = DistributedDataParallel(model)
-    train = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=8, shuffle=True)
-    valid = DataLoader(TensorDataset(x[rank::world][:32], y[rank::world][:32]), batch_size=16)
+    train = train_loader(x, y, rank, world)
+    valid = valid_loader(x, y, rank, world)
     for epoch in range(start, args.epochs):
         if rank == 0:
             print(f"training epoch {epoch}", flush=True)
