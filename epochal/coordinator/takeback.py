@@ -50,6 +50,7 @@ class TakingBack(Regrouping):
     _plan: EpochPlan | None
     _validates: bool
     _reports: dict[int, LossSums]
+    _epoch_started: float
 
     def _note_report(self, now: float, peer: bytes, rank: int, report: EpochReport) -> None:
         raise NotImplementedError  # the machine's
@@ -109,6 +110,7 @@ class TakingBack(Regrouping):
             self._loop = self._state.loop = carry.loop  # the status file reads the state's
             self._committed = [r["epoch"] for r in carry.records if r["kind"] == "checkpoint"]
             self.epoch, self.generation = carry.epoch, carry.generation
+            self._epoch_started = now  # when it began is the dead coordinator's to know
             where = "its finish" if carry.stopped else f"epoch {carry.epoch}"
             actions.append(
                 Log(
@@ -170,12 +172,21 @@ class TakingBack(Regrouping):
                 self.watchdog.note_status(rank, message, now)
                 return []
             case EpochReport() if decision is not None and message.epoch == decision.epoch:
-                return [Send(peer, decision)]  # it missed the decision: the journal's
+                return [  # it missed the decision: the journal's
+                    Send(peer, decision),
+                    Log(
+                        f"rank {rank} missed the decision of epoch {decision.epoch}: sent from "
+                        "the journal"
+                    ),
+                ]
             case EpochReady() if (
                 decision is None and carry.go is not None and message.epoch == carry.epoch
             ):
                 self._scopes[peer] = message.snapshots
-                return [Send(peer, carry.go)]  # it missed the go: the journal's
+                return [  # it missed the go: the journal's
+                    Send(peer, carry.go),
+                    Log(f"rank {rank} missed the go of epoch {carry.epoch}: sent from the journal"),
+                ]
             case EpochReport() if carry.go is not None and message.epoch == carry.epoch:
                 self._note_report(now, peer, rank, message)
                 return []
@@ -217,7 +228,9 @@ class TakingBack(Regrouping):
             return actions + self._finish(now)
         self._plan = EpochPlan(carry.go.train_batches, carry.go.valid_batches)
         self._validates = carry.validates
+        began = self._epoch_started
         self._run(now)
+        self._epoch_started = began  # the epoch's seconds count from the first worker back
         if len(self._reports) == len(self.members):
             actions += self._decide(now)
         return actions
