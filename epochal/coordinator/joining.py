@@ -82,6 +82,10 @@ class Joining:
     generation: int
     epoch: int
     _change: NewWorld | None
+    _carried: resume.Carry | None
+
+    def carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
+        raise NotImplementedError  # the taking-back side's
 
     def abort(self, reason: str, *, force: bool = False) -> list[Action]:
         raise NotImplementedError  # the machine's
@@ -148,6 +152,10 @@ class Joining:
                 session = self.gate.sessions.issue(peer, user_id)
                 joined = len(self.rendezvous.members)
                 if again and peer in self._ranks:
+                    if self._store is None and self._carried is not None:  # taken back
+                        rank = self._ranks[peer]
+                        welcome = self.carry_welcome(rank, session, self.members[rank])
+                        return [Send(peer, welcome), *self._rehello(now, peer)]
                     if self._store is None or self.models.busy:
                         return []
                     return [Send(peer, self._welcome_for(peer)), *self._rehello(now, peer)]

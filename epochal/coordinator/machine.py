@@ -161,7 +161,11 @@ class RunMachine(TakingBack):
         self._carry = state.carry
         # where the journal left the run, for running workers that come back (takeback.py)
         self._taken: dict[int, Member] = {}
-        # by rank, the workers taken back so far
+        # by rank, the workers taken back so far (welcomed)
+        self._back: set[int] = set()
+        # the ranks taken back that sent again what they wait an answer to
+        self._carried: resume.Carry | None = None
+        # where the run was taken back from, once it was
 
     # ------------------------------------------------------------------ entry points
 
@@ -567,6 +571,8 @@ class RunMachine(TakingBack):
         waited = now - dog.phase_started
         if self.taking_back:
             return self._check_taking_back(now, waited)
+        if self._carry is not None and not self.rendezvous.members:
+            return self._check_first_back(waited)
         if self.phase is RunPhase.RENDEZVOUS:
             return self._check_rendezvous(now, waited)
         answered = self._ready if self.phase is RunPhase.READY else self._reports

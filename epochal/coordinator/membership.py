@@ -137,9 +137,10 @@ class Membership:
         """Whether the run may go on with fewer workers than it started with."""
         return self.min_workers < self.max_workers
 
-    def form(self, members: tuple[Member, ...]) -> World:
-        """The first world (generation 0), from the rendezvous."""
-        self.world = World(0, members)
+    def form(self, members: tuple[Member, ...], generation: int = 0) -> World:
+        """The first world, from the rendezvous (generation 0), or the world a restarted
+        coordinator took back (the generation its journal holds)."""
+        self.world = World(generation, members)
         return self.world
 
     # ------------------------------------------------------------------ losses

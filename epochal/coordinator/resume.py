@@ -196,7 +196,7 @@ def _carry(config: CoordinatorConfig, records: list[dict[str, Any]], run_id: Any
             return None
         decision, go, epoch = None, message, last["epoch"]
     loop = LoopState.from_config(config)
-    _replay(loop, records)
+    replay(loop, records)
     return Carry(
         epoch=epoch,
         go=go,
@@ -210,7 +210,7 @@ def _carry(config: CoordinatorConfig, records: list[dict[str, Any]], run_id: Any
     )
 
 
-def _replay(loop: LoopState, records: list[dict[str, Any]]) -> None:
+def replay(loop: LoopState, records: list[dict[str, Any]]) -> None:
     """Rebuild ``loop`` by the epoch records, as the run decided them."""
     for record in records:
         if record["kind"] == "epoch":
@@ -417,7 +417,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             "over from epoch 0"
         )
     kept = [r for r in records if resume is not None and r["epoch"] <= resume]
-    _replay(loop, kept)
+    replay(loop, kept)
     extended_from = None
     if more is not None:
         extended_from = more[0]

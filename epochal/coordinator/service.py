@@ -205,6 +205,10 @@ class Coordinator(Recording):
             resume.start_fresh(self.config, checkpoint_dir)
             check_directories(None, checkpoint_dir, workers_here=here)  # made again, empty
         self._state = resume.inspect(self.config, checkpoint_dir)
+        if self._state.carry is not None:
+            # the run its workers are in, should they come back: also after a second restart,
+            # when some may not have heard this coordinator's id yet
+            self.run_id = self._state.carry.run_id
         run_dir = self.config.run_dir
         self._machine = RunMachine(
             self.config,

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.batches import EpochPlan, format_ranks
+from epochal.coordinator.loop import LoopState
 from epochal.coordinator.regrouping import Regrouping
 from epochal.coordinator.rendezvous import Admitted, Member
-from epochal.coordinator.resume import Carry
+from epochal.coordinator.resume import Carry, replay
 from epochal.coordinator.sums import LossSums
 from epochal.protocol import (
     Checkpointed,
@@ -47,6 +48,8 @@ class TakingBack(Regrouping):
 
     _carry: Carry | None
     _taken: dict[int, Member]
+    _back: set[int]
+    _carried: Carry | None
     _plan: EpochPlan | None
     _validates: bool
     _reports: dict[int, LossSums]
@@ -71,6 +74,9 @@ class TakingBack(Regrouping):
     def taking_back(self) -> bool:
         """Whether running workers are being taken back (the first came, not yet the last)."""
         return self._carry is not None and bool(self._taken)
+
+    def _phase_began(self, now: float) -> None:
+        self.watchdog.phase_began(now)
 
     def takes_back(self, hello: Hello) -> bool:
         """Whether ``hello`` is taken back where its worker is: a worker of the run the journal
@@ -107,9 +113,7 @@ class TakingBack(Regrouping):
         session = self.gate.sessions.issue(peer, user_id)
         actions: list[Action] = []
         if not self._taken:  # the first: the run carries on, its state as the journal holds it
-            self._loop = self._state.loop = carry.loop  # the status file reads the state's
-            self._committed = [r["epoch"] for r in carry.records if r["kind"] == "checkpoint"]
-            self.epoch, self.generation = carry.epoch, carry.generation
+            self._carry_state(carry)
             self._epoch_started = now  # when it began is the dead coordinator's to know
             where = "its finish" if carry.stopped else f"epoch {carry.epoch}"
             actions.append(
@@ -118,21 +122,36 @@ class TakingBack(Regrouping):
                     f"its {carry.world_size} workers back where they are ({where}), nothing redone"
                 )
             )
-        fresh = rank not in self._taken
         self._taken[rank] = member = Member(peer, hello)
         self._ranks[peer] = rank
-        actions.append(Send(peer, self._carry_welcome(rank, session, member)))
-        if fresh:
-            actions.append(
-                Log(
-                    f"rank {rank} ({member.describe()}) is back ({len(self._taken)} of "
-                    f"{carry.world_size})"
-                )
-            )
-        return actions + self._all_back(now)
+        self._phase_began(now)  # each worker back gives the others a new while to come
+        return [*actions, Send(peer, self.carry_welcome(rank, session, member))]
 
-    def _carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
-        carry = self._carry
+    def _carry_state(self, carry: Carry) -> None:
+        """The run's state as the journal holds it, for the run that carries on."""
+        self._carried = carry
+        self._loop = self._state.loop = carry.loop  # the status file reads the state's
+        self._committed = [r["epoch"] for r in carry.records if r["kind"] == "checkpoint"]
+        self.epoch, self.generation = carry.epoch, carry.generation
+        self.world_changes = [
+            {k: v for k, v in r.items() if k not in ("kind", "time")}
+            for r in carry.records
+            if r["kind"] == "world"
+        ]
+        if self.config.elastic:  # a world that loses a shard restores a checkpoint's loop state
+            kept = set(self._committed)
+            if carry.pending_checkpoint is not None:
+                kept.add(carry.pending_checkpoint)
+            for epoch in kept:
+                loop = LoopState.from_config(self.config)
+                replay(loop, [r for r in carry.records if r["epoch"] <= epoch])
+                self._loops_at[epoch] = loop
+
+    def carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
+        """The welcome that takes ``member`` back as ``rank`` of the journaled world (also the
+        answer to its hello again, should this coordinator stall later: it has no store of its
+        own to name)."""
+        carry = self._carried
         assert carry is not None
         return Welcome(
             rank=rank,
@@ -165,6 +184,8 @@ class TakingBack(Regrouping):
         carry = self._carry
         assert carry is not None
         decision = carry.decision
+        if isinstance(message, EpochReady | EpochReport) and message.generation != carry.generation:
+            return self._out_of_step(rank, message, carry)
         match message:
             case Heartbeat():
                 return []
@@ -172,24 +193,27 @@ class TakingBack(Regrouping):
                 self.watchdog.note_status(rank, message, now)
                 return []
             case EpochReport() if decision is not None and message.epoch == decision.epoch:
-                return [  # it missed the decision: the journal's
+                if message.ready is not None:
+                    self._scopes[peer] = message.ready.snapshots
+                # it missed the decision (or, when the decision stopped the run, it may have had
+                # it and waits for the finish): the journal's, exactly
+                return [
                     Send(peer, decision),
-                    Log(
-                        f"rank {rank} missed the decision of epoch {decision.epoch}: sent from "
-                        "the journal"
-                    ),
+                    Log(f"rank {rank} asked for the decision of epoch {decision.epoch} again"),
+                    *self._is_back(now, rank),
                 ]
             case EpochReady() if (
                 decision is None and carry.go is not None and message.epoch == carry.epoch
             ):
                 self._scopes[peer] = message.snapshots
-                return [  # it missed the go: the journal's
+                return [  # it missed the go, or got it: the journal's, exactly
                     Send(peer, carry.go),
-                    Log(f"rank {rank} missed the go of epoch {carry.epoch}: sent from the journal"),
+                    Log(f"rank {rank} asked for the go of epoch {carry.epoch} again"),
+                    *self._is_back(now, rank),
                 ]
             case EpochReport() if carry.go is not None and message.epoch == carry.epoch:
                 self._note_report(now, peer, rank, message)
-                return []
+                return self._is_back(now, rank)
             case Checkpointed() if rank == 0:
                 if message.epoch == carry.pending_checkpoint:  # _on_checkpointed: once
                     return self._on_checkpointed(now, message.epoch)
@@ -200,30 +224,42 @@ class TakingBack(Regrouping):
                     f"rank {rank} ({self._taken[rank].describe()}) failed while the restarted "
                     f"coordinator took the workers back: {reason}"
                 )
+        return self._out_of_step(rank, message, carry)
+
+    def _out_of_step(self, rank: int, message: Message, carry: Carry) -> list[Action]:
         return self.abort(
             f"rank {rank} sent {type(message).__name__} of epoch "
-            f"{getattr(message, 'epoch', '?')} to the restarted coordinator, whose journal left "
-            f"the run in epoch {carry.epoch}: the worker and the journal are out of step (a "
-            "journal from another run, or mixed epochal versions); start the workers again to "
-            "resume from the last checkpoint"
+            f"{getattr(message, 'epoch', '?')} (world {getattr(message, 'generation', '?')}) to "
+            f"the restarted coordinator, whose journal left the run in epoch {carry.epoch} "
+            f"(world {carry.generation}): the worker and the journal are out of step (a journal "
+            "from another run, or mixed epochal versions); start the workers again to resume "
+            "from the last checkpoint"
         )
 
-    def _all_back(self, now: float) -> list[Action]:
-        """Once every rank of the journaled world is back, the run goes on where it was."""
+    def _is_back(self, now: float, rank: int) -> list[Action]:
+        """``rank`` sent again what it waits an answer to: it is back where it was. Once every
+        rank of the journaled world is, the run goes on there (not before: a rank whose message
+        is still on its way may wait for the journal's answer, which only this state gives)."""
         carry = self._carry
         assert carry is not None
-        if len(self._taken) < carry.world_size:
+        if rank in self._back:
             return []
+        self._back.add(rank)
+        self._phase_began(now)
+        who, count = self._taken[rank].describe(), f"{len(self._back)} of {carry.world_size}"
+        actions: list[Action] = [Log(f"rank {rank} ({who}) is back ({count})")]
+        if len(self._back) < carry.world_size:
+            return actions
         self._carry = None
-        self.members = [self._taken[rank] for rank in range(carry.world_size)]
+        self.members = [self._taken[r] for r in range(carry.world_size)]
         self._backend = self._carry_backend(self.members[0])
-        self.membership.form(tuple(self.members))
-        actions: list[Action] = [
+        self.membership.form(tuple(self.members), generation=carry.generation)
+        actions.append(
             Log(
                 f"run {self.run_id}: every worker is back ({carry.world_size}); the run carries "
                 f"on in {'its finish' if carry.stopped else f'epoch {carry.epoch}'}"
             )
-        ]
+        )
         if carry.go is None:
             return actions + self._finish(now)
         self._plan = EpochPlan(carry.go.train_batches, carry.go.valid_batches)
@@ -256,11 +292,34 @@ class TakingBack(Regrouping):
                     "coordinator took the workers back"
                 )
             self.watchdog.drop(peer)
-        if waited <= self.config.rendezvous_timeout:
+        limit, flag = self._back_within()
+        if waited <= limit:
             return []
-        missing = sorted(set(range(carry.world_size)) - set(self._taken))
+        missing = sorted(set(range(carry.world_size)) - self._back)
         return self.abort(
             f"{format_ranks(missing)} of the run did not come back to the restarted coordinator "
-            f"within {self.config.rendezvous_timeout:g} s (--rendezvous-timeout); the journal and "
-            "the checkpoints are kept: start the workers again to resume from the last checkpoint"
+            f"within {limit:g} s ({flag}) of the last that did; the journal and the checkpoints "
+            "are kept: start the workers again to resume from the last checkpoint"
+        )
+
+    def _back_within(self) -> tuple[float, str]:
+        """How long a worker of the run may take to come back, and the flag that says so: a
+        rank comes back once it has trained the epoch it was in (one that had the last decision
+        trains the next), as long as the run lets an epoch go without progress (--stall-abort),
+        or the rendezvous timeout where that is longer."""
+        cfg = self.config
+        if cfg.stall_abort is not None and cfg.stall_abort > cfg.rendezvous_timeout:
+            return cfg.stall_abort, "--stall-abort"
+        return cfg.rendezvous_timeout, "--rendezvous-timeout"
+
+    def _check_first_back(self, waited: float) -> list[Action]:
+        """No worker has come yet to a coordinator whose journal could take them back: they may
+        all be training an epoch; the same bound as for each later one, from the start."""
+        limit, flag = self._back_within()
+        if waited <= limit:
+            return []
+        return self.abort(
+            f"no worker came back to the restarted coordinator within {limit:g} s ({flag}), and "
+            "none was started again: start the workers (with the same --run-dir the run resumes "
+            "from its last checkpoint)"
         )

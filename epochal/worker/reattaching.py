@@ -33,6 +33,7 @@ class Reattaching:
     world_size: int
     backend: str
     run_id: str
+    generation: int
     _hello: Hello
     _endpoint: str
     _reattach_timeout: float
@@ -106,11 +107,13 @@ class Reattaching:
     def _taken_back(self, welcome: Welcome) -> Welcome:
         """A restarted coordinator takes this worker back where it is, from its journal: keep the
         process group, adopt the new session and run id, send again what awaits an answer."""
-        if (welcome.rank, welcome.world_size) != (self.rank, self.world_size):
+        theirs = (welcome.rank, welcome.world_size, welcome.generation)
+        if theirs != (self.rank, self.world_size, self.generation):
             raise CoordinatorLost(
                 f"the restarted coordinator took what was rank {self.rank} of {self.world_size} "
-                f"back as rank {welcome.rank} of {welcome.world_size}: the running process group "
-                "cannot change; restart the run"
+                f"(world {self.generation}) back as rank {welcome.rank} of {welcome.world_size} "
+                f"(world {welcome.generation}): the running process group cannot change; "
+                "restart the run"
             )
         self.run_id = welcome.run_id
         self.client.watch_coordinator()

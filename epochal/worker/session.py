@@ -111,6 +111,8 @@ class Session(Reattaching, Regrouping):
         # coordinator that takes it back where it is)
         self._saved: int | None = None
         # the epoch of the last checkpoint this rank committed (rank 0; sent again likewise)
+        self._decided: int | None = None
+        # the last epoch whose decision this rank has (one sent again is skipped)
         client.busy = CpuProgress(thread_cpu(threading.get_ident()))
         # until run_epochs: a loop of the script's own, whose progress is the CPU it uses
         client.rank = self.rank
@@ -304,7 +306,9 @@ class Session(Reattaching, Regrouping):
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision = self._expect(Decision)
-        self._asked = None
+        self._decided = decision.epoch
+        if not decision.stop:  # after a stop it waits for the finish: the report says where
+            self._asked = None
         record = EpochRecord(
             epoch=decision.epoch,
             train_loss=decision.train_loss,
@@ -421,6 +425,14 @@ class Session(Reattaching, Regrouping):
                 message = self.client.receive()
             except CoordinatorLost as lost:
                 message = self._reattach(lost, kinds)
+            decided = self._decided
+            if (
+                isinstance(message, Decision)
+                and Decision not in kinds
+                and decided is not None
+                and message.epoch <= decided
+            ):
+                continue  # sent again by a restarted coordinator that took this rank back
             if isinstance(message, kinds):
                 return message
             if isinstance(message, Regroup):
