@@ -147,7 +147,7 @@ class Carry:
     world_size: int
     generation: int
     run_id: str
-    # the run id the workers know (run.json's, before this coordinator writes its own)
+    # the run id the workers know (run.json's; a restarted coordinator keeps it)
 
     @property
     def stopped(self) -> bool:
