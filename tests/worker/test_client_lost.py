@@ -36,6 +36,7 @@ client = ControlClient(
     liveness=Liveness(interval={interval}, timeout={timeout}),
 )
 client.start()
+print(time.monotonic(), flush=True)  # before the watch and the last progress: no exit before
 client.watch_coordinator()
 client.rank = 1
 client.at("train", 0)
@@ -81,8 +82,11 @@ def child(endpoint: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, float]:
+def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, float, float]:
+    """The child's exit status, output, the seconds from training to its exit as seen from here
+    (at most the true ones) and from its watch to its exit (at least the true ones)."""
     assert proc.stdout is not None
+    watched = float(proc.stdout.readline())  # system-wide monotonic clock
     assert proc.stdout.readline() == "training\n"
     started = time.monotonic()
     try:
@@ -91,7 +95,8 @@ def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, floa
         proc.kill()
         out, _ = proc.communicate()
         pytest.fail(f"the worker was still running {deadline} s after training began:\n{out}")
-    return proc.returncode, out, time.monotonic() - started
+    ended = time.monotonic()
+    return proc.returncode, out, ended - started, ended - watched
 
 
 def test_blocked_training_code_exits_within_heartbeat_timeout_grace_and_reattach(
@@ -101,9 +106,10 @@ def test_blocked_training_code_exits_within_heartbeat_timeout_grace_and_reattach
     # coordinator within the re-attach timeout, and the collective goes on
     least = HEARTBEAT_TIMEOUT + ABORT_GRACE + REATTACH_TIMEOUT
     bound = least + HEARTBEAT_INTERVAL + MARGIN
-    code, out, took = finish(child(silent_coordinator, "blocked"), bound + 10)
+    code, out, took, since_watch = finish(child(silent_coordinator, "blocked"), bound + 10)
     assert code == ABORT_EXIT_CODE, out
-    assert least <= took < bound, (took, out)
+    assert took < bound, (took, out)
+    assert since_watch >= least, (since_watch, out)
     assert "rank 1: the coordinator at" in out and "cannot re-attach" in out, out
     assert len(out.strip().splitlines()) == 1, out  # one line, no traceback
 
@@ -111,6 +117,8 @@ def test_blocked_training_code_exits_within_heartbeat_timeout_grace_and_reattach
 def test_training_code_that_makes_progress_is_left_to_take_the_loss(silent_coordinator):
     # steps go on well past the point where a blocked worker would have been ended
     keep_going = 2 * (HEARTBEAT_TIMEOUT + ABORT_GRACE + REATTACH_TIMEOUT) + 1
-    code, out, _ = finish(child(silent_coordinator, "progress", str(keep_going)), keep_going + 30)
+    code, out, _, _ = finish(
+        child(silent_coordinator, "progress", str(keep_going)), keep_going + 30
+    )
     assert code == 0, out
     assert "took the loss" in out, out
