@@ -90,7 +90,12 @@ class Recording:
                     else f"the checkpoint of epoch {state.resume_epoch}"
                 )
             )
-        elif state.resume_epoch is not None:
+        else:
+            self._say_resuming(run_dir, state)
+
+    def _say_resuming(self, run_dir: Path, state: resume.RunState) -> None:
+        """Where the run resumes, when it resumes from a checkpoint."""
+        if state.resume_epoch is not None:
             self._log(
                 f"resuming {run_dir} at epoch {state.start_epoch} from the checkpoint of epoch "
                 f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch})"
@@ -119,12 +124,8 @@ class Recording:
         if action.kind == "rewrite":  # the journal's records up to the resumed checkpoint
             if self._journal is not None:
                 self._journal.rewrite(action.record["records"])
-            if self._state is not None and self._state.resume_epoch is not None:
-                self._log(
-                    f"resuming at epoch {self._state.start_epoch} from the checkpoint of epoch "
-                    f"{self._state.resume_epoch} (best so far: epoch "
-                    f"{self._state.loop.best_epoch})"
-                )
+            if self._state is not None and self.config.run_dir is not None:
+                self._say_resuming(self.config.run_dir, self._state)
             return
         try:
             if self._journal is not None:

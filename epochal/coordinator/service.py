@@ -205,6 +205,8 @@ class Coordinator(Recording):
             resume.start_fresh(self.config, checkpoint_dir)
             check_directories(None, checkpoint_dir, workers_here=here)  # made again, empty
         self._state = resume.inspect(self.config, checkpoint_dir)
+        if self._workers_here:  # epochal run starts every worker anew: none to take back
+            self._state.carry = None
         if self._state.carry is not None:
             # the run its workers are in, should they come back: also after a second restart,
             # when some may not have heard this coordinator's id yet
