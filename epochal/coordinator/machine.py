@@ -292,14 +292,15 @@ class RunMachine(TakingBack):
         rank = self._ranks.get(peer)
         if rank is None:
             return self._from_outside(peer, message)
-        if self.taking_back:
-            return self._from_taken(now, peer, rank, message)
         match message:
             case Heartbeat():
                 return []
             case Status():
                 self.watchdog.note_status(rank, message, now)
                 return []
+        if self.taking_back:
+            return self._from_taken(now, peer, rank, message)
+        match message:
             case StoreReady() if (
                 self.phase is RunPhase.STORE and rank == 0 and message.generation == self.generation
             ):

@@ -33,10 +33,8 @@ from epochal.protocol import (
     EpochReady,
     EpochReport,
     Failed,
-    Heartbeat,
     Hello,
     Message,
-    Status,
     Welcome,
 )
 from epochal.text import REASON_CHARS, printable
@@ -186,12 +184,7 @@ class TakingBack(Regrouping):
         decision = carry.decision
         if isinstance(message, EpochReady | EpochReport) and message.generation != carry.generation:
             return self._out_of_step(rank, message, carry)
-        match message:
-            case Heartbeat():
-                return []
-            case Status():
-                self.watchdog.note_status(rank, message, now)
-                return []
+        match message:  # heartbeats and statuses are the machine's, as for any member
             case EpochReport() if decision is not None and message.epoch == decision.epoch:
                 if message.ready is not None:
                     self._scopes[peer] = message.ready.snapshots

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -296,6 +297,37 @@ def held_mid_epoch(run_dir: Path, epoch: int) -> bool:
     )
 
 
+def service_and_workers(
+    spawn: Spawner,
+    args: list[str],
+    out: Path,
+    *,
+    coordinator: dict[str, str] | None = None,
+    rank0: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], str, list[subprocess.Popen[str]]]:
+    """``epochal`` ARGS as a service on a free loopback port (with the ``coordinator``
+    environment) and two ``resumable.py`` workers attached to it (rank 0 with ``rank0``): the
+    service, its endpoint and the workers."""
+    first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0", **(coordinator or {}))
+    line = first.stdout.readline()
+    endpoint = line.split()[-1]
+    assert endpoint.startswith("tcp://127.0.0.1:"), line
+    workers = [
+        spawn.script(
+            "resumable.py",
+            "--out",
+            str(out),
+            "--delay",
+            "0.02",
+            EPOCHAL_COORDINATOR=endpoint,
+            EPOCHAL_RANK=str(rank),
+            **((rank0 or {}) if rank == 0 else {}),
+        )
+        for rank in (0, 1)
+    ]
+    return first, endpoint, workers
+
+
 HOLD_EPOCH = 2
 HOLD_MS = 8000
 # rank 0 sleeps this long in a step of HOLD_EPOCH (rank 1 waits for it in the step's all-reduce):
@@ -311,24 +343,8 @@ def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path,
     from its journal, and the epoch under way is decided as if it had never stopped."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
-    first = spawn.epochal(*args, "--bind", "tcp://127.0.0.1:0")
-    line = first.stdout.readline()
-    endpoint = line.split()[-1]
-    assert endpoint.startswith("tcp://127.0.0.1:"), line
     hold = f"delay@train-step:epoch={HOLD_EPOCH}:step=4:ms={HOLD_MS}"
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(out),
-            "--delay",
-            "0.02",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-            **({"EPOCHAL_FAULT": hold} if rank == 0 else {}),
-        )
-        for rank in (0, 1)
-    ]
+    first, endpoint, workers = service_and_workers(spawn, args, out, rank0={"EPOCHAL_FAULT": hold})
     wait_for(lambda: held_mid_epoch(run_dir, HOLD_EPOCH), 60)
     first.kill()
     first.wait(timeout=10)
@@ -373,26 +389,8 @@ def test_a_coordinator_killed_between_two_sends_of_a_decision_is_carried_on(
     the next epoch trained, and no epoch is redone."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
-    first = spawn.epochal(
-        *args,
-        "--bind",
-        "tcp://127.0.0.1:0",
-        EPOCHAL_COORDINATOR_FAULT=f"kill@decision:epoch={CUT_EPOCH}",
-    )
-    endpoint = first.stdout.readline().split()[-1]
-    assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
-    workers = [
-        spawn.script(
-            "resumable.py",
-            "--out",
-            str(out),
-            "--delay",
-            "0.02",
-            EPOCHAL_COORDINATOR=endpoint,
-            EPOCHAL_RANK=str(rank),
-        )
-        for rank in (0, 1)
-    ]
+    cut = {"EPOCHAL_COORDINATOR_FAULT": f"kill@decision:epoch={CUT_EPOCH}"}
+    first, endpoint, workers = service_and_workers(spawn, args, out, coordinator=cut)
     assert first.wait(timeout=DEADLINE) == -signal.SIGKILL  # it killed itself after one send
     decided = [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]
     assert decided == list(range(CUT_EPOCH + 1)), decided
