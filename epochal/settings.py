@@ -21,8 +21,9 @@ SETTING = "epochal.setting"
 
 OnResume = Literal["refuse", "may_change", "when_known", "may_grow"]
 """What a resume does when the setting differs from the run's: refuse it (it changes the result);
-let it change (a timeout, a path); refuse it only when both the run and the resume know it; or let
-it grow and refuse it smaller (``epochs``: a run, finished or not, may be trained further)."""
+let it change (a timeout, a path, the world size: a resume at another size says so); refuse it
+only when both the run and the resume know it; or let it grow and refuse it smaller (``epochs``:
+a run, finished or not, may be trained further)."""
 
 RUN_POLICY = "run policy"
 CHECKPOINTS = "checkpoints and resume"

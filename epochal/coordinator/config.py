@@ -79,6 +79,9 @@ class CoordinatorConfig:
         metadata=setting(
             help="number of workers the rendezvous waits for: the size the run starts at and the "
             "most it admits",
+            # a resume at another size (fewer machines left, or more) reshards the checkpoint and
+            # says so: with a fixed global batch it trains the same steps, up to float rounding
+            on_resume="may_change",
             called="--world-size/--nproc",
         ),
     )

@@ -96,9 +96,16 @@ class Recording:
     def _say_resuming(self, run_dir: Path, state: resume.RunState) -> None:
         """Where the run resumes, when it resumes from a checkpoint."""
         if state.resume_epoch is not None:
+            now, had = self.config.world_size, resume.last_world_size(state.records)
+            resized = (
+                ""
+                if had in (None, now)
+                else f", at {now} workers where it had {had} (the state resharded, the loaders "
+                f"made for {now})"
+            )
             self._log(
                 f"resuming {run_dir} at epoch {state.start_epoch} from the checkpoint of epoch "
-                f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch})"
+                f"{state.resume_epoch} (best so far: epoch {state.loop.best_epoch}){resized}"
             )
 
     def _unwritten(self, exc: JournalError) -> str:

@@ -349,6 +349,16 @@ def _check_extendable(run_dir: Path, records: list[dict[str, Any]], epochs: int)
     )
 
 
+def last_world_size(records: list[dict[str, Any]]) -> int | None:
+    """How many workers trained the last epoch ``records`` hold (None: none, or a journal
+    written before epochs recorded it)."""
+    for record in reversed(records):
+        if record.get("kind") == "epoch":
+            size = record.get("world_size")
+            return size if type(size) is int else None
+    return None
+
+
 def _finished(run_dir: Path) -> dict[str, Any] | None:
     """result.json of a run that finished; None otherwise (no result, or an abort's)."""
     raw = _read(run_dir / RESULT_FILE, RECORD_FILE_LIMIT, "the run's result")

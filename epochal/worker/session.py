@@ -346,10 +346,9 @@ class Session(Reattaching, Regrouping):
                 f"the coordinator resumes this run after epoch {self.resume_epoch}, but there is "
                 "no state to load it into: pass state= to run_epochs (or use epochal.train)"
             )
-        # a newcomer to a world that restores a checkpoint may have a rank the checkpoint's world
-        # had not: then it keeps its own generators
-        rng = True if self.generation == 0 else None
-        history = self.checkpointer.load(self.resume_epoch, state, rng=rng)
+        # a rank the checkpoint's world had not (a newcomer to a world that restores it, or a
+        # resume at a larger size than the last checkpoint's) keeps its own generators
+        history = self.checkpointer.load(self.resume_epoch, state, rng=None)
         if not isinstance(history, list):  # a checkpoint written before curves were kept
             return []
         return [

@@ -30,6 +30,7 @@ from epochal.coordinator.resume import (
     config_record,
     differences,
     inspect,
+    last_world_size,
     prunable,
     script_identity,
     start_fresh,
@@ -445,7 +446,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
         "'/work/train.py --lr 0.1' in the run",
     ),
     "script_digest": ("cd" * 32, f"the script's SHA-256 is {'cd' * 32!r} now but"),
-    "world_size": (3, "--world-size/--nproc is 3 now but 2 in the run"),
     "epochs": (9, "--epochs is 9 now but 10 in the run"),
     "job": ("other", "--job is 'other' now but 'epochal' in the run"),
     "batch_policy": ("truncate", "--batch-policy is 'truncate' now but 'error' in the run"),
@@ -484,6 +484,7 @@ MAY_CHANGE: dict[str, Any] = {
     "status": False,
     "min_workers": 2,
     "replica_check": False,
+    "world_size": 3,  # the resume says so (recording's resume line), the checkpoint resharded
 }
 
 
@@ -526,7 +527,7 @@ def test_a_changed_restore_best_names_the_flag_that_exists(tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", sorted(MAY_CHANGE))
-def test_a_setting_that_cannot_change_the_result_may_change(tmp_path: Path, name: str):
+def test_a_setting_a_resume_may_change_is_let_change(tmp_path: Path, name: str):
     original = make_config(tmp_path)
     write_run(original, epochs_done=5, checkpoints=[1, 3])
     current = changed(tmp_path, name, MAY_CHANGE[name])
@@ -554,18 +555,34 @@ def test_a_setting_that_cannot_change_the_result_may_change(tmp_path: Path, name
         ({"token": "a", "backend": "nccl"}, {"token": "b", "backend": "gloo"}, []),
         ({}, {"best_from": 2}, ["--best-from is 2 now but None in the run"]),
         ({"old_setting": 1}, {}, ["--old-setting is None now but 1 in the run"]),
+        ({"world_size": 2}, {"world_size": 4}, []),  # a resume at another size
         (
-            {"world_size": 2, "epochs": 6},
-            {"world_size": 4, "epochs": 5},
+            {"smoothing": 0.5, "epochs": 6},
+            {"smoothing": 0.9, "epochs": 5},
             [
                 "--epochs is 5 now but 6 in the run (a run may be given more, never fewer)",
-                "--world-size/--nproc is 4 now but 2 in the run",
+                "--smoothing is 0.9 now but 0.5 in the run",
             ],
         ),
     ],
 )
 def test_differences(stored: dict[str, Any], current: dict[str, Any], expected: list[str]):
     assert differences(stored, current) == expected
+
+
+def test_the_last_world_size_is_the_last_epoch_records():
+    # the resume line names a change of size from it
+    records: list[dict[str, Any]] = [
+        {"kind": "epoch", "epoch": 0, "world_size": 4},
+        {"kind": "checkpoint", "epoch": 0},
+        {"kind": "world", "epoch": 1, "from": 4, "to": 3},
+        {"kind": "epoch", "epoch": 1, "world_size": 3},
+        {"kind": "checkpoint", "epoch": 1},
+    ]
+    assert last_world_size(records) == 3
+    assert last_world_size(records[:2]) == 4
+    assert last_world_size([]) is None
+    assert last_world_size([{"kind": "epoch", "epoch": 0}]) is None  # an older journal
 
 
 # ----------------------------------------------------------------------------- result.json

@@ -212,8 +212,8 @@ class Checkpointer:
 
     def load(self, epoch: int, state: Stateful, *, rng: bool | None = True) -> Any:
         """Collective: load ``epoch``'s checkpoint into ``state`` and (by default) the RNGs;
-        ``rng`` None: the RNGs where the checkpoint has this rank's (a world larger than the
-        checkpoint's, after an elastic change).
+        ``rng`` None: the RNGs where the checkpoint has this rank's, as its manifest says (a
+        world larger than the checkpoint's, after an elastic change or a resume at another size).
 
         The checkpoint is first checked against its manifest (the MAC under this user's key,
         then every file); a mismatch raises :class:`CheckpointCorrupt` before anything is loaded
@@ -229,16 +229,11 @@ class Checkpointer:
             )
         check_private_dir(path, kind="checkpoint")
         own = f"rank{self.rank:05d}.pt"
-        if rng is None:
-            rng = (path / own).exists()
-        if rng and not (path / own).exists():
-            raise EpochalError(
-                f"{path / own} is missing: the run was checkpointed with fewer ranks; resume it "
-                "with the world size it was started with"
-            )
         key = self._key()
         try:
             files = read_manifest(path, key, epoch=epoch)
+            if rng is None:  # the manifest is authenticated: a deleted rank file is not "none"
+                rng = own in files
             check_files(path, files, needs=(DCP_METADATA, own) if rng else (DCP_METADATA,))
         except ManifestError as exc:
             raise CheckpointCorrupt(f"the checkpoint of epoch {epoch} is unusable: {exc}") from None
