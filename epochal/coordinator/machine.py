@@ -152,8 +152,12 @@ class RunMachine(TakingBack):
         self.world_changes: list[dict[str, Any]] = []
         self._change: NewWorld | None = None
         # the change whose world is forming
-        self._scopes: dict[bytes, str] = {}
-        # what each member's copy of an epoch's start holds, as its last ready said (elastic)
+        self._copies: dict[bytes, EpochReady] = {}
+        # each member's last ready: what its copy of an epoch's start holds, and whether it
+        # gathers its part of the state when a decision asks (elastic)
+        self._gathering: int | None = None
+        # the epoch whose start the members gather onto rank 0 (Decision.gather): the world
+        # grows once their readies of it are in
         self._loops_at: dict[int, LoopState] = {}
         # elastic: the loop state as each checkpoint holds it, for a world that restores one
         if config.elastic and state.resume_epoch is not None:
@@ -313,7 +317,7 @@ class RunMachine(TakingBack):
             case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
                 self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
-                self._scopes[peer] = message.snapshots
+                self._copies[peer] = message
                 if len(self._ready) == len(self.members):
                     return self._start_epoch(now)
                 return []
@@ -364,11 +368,17 @@ class RunMachine(TakingBack):
         if report.ready is not None:
             ready = report.ready
             self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
-            self._scopes[peer] = ready.snapshots
+            self._copies[peer] = ready
 
     def _start_epoch(self, now: float) -> list[Action]:
         """Every rank's epoch_ready is in (the first epoch of a run, of a resume or of a new
-        world): its Go."""
+        world): its Go. Of an epoch whose start the members gathered for newcomers: the world
+        grows instead (unless they left meanwhile), and its readies bring the Go."""
+        if self._gathering == self.epoch:
+            self._gathering = None
+            grown = self._grow(now, gathered=True)
+            if grown is not None:
+                return grown
         formed = self._world_formed(now)
         if self._loop.history and self._loop.history[-1].stop:
             self._ready.clear()  # resumed after the last decision: only the finish is left
@@ -469,16 +479,24 @@ class RunMachine(TakingBack):
                 "epochal versions)"
             )
             return [*actions, said, *self.abort(reason)]
+        gather = self._gathers_now()
         try:
-            go = self._go(following, counts)
+            # a world that grows after gathering plans the epoch from the new world's readies
+            go = None if gather else self._go(following, counts)
         except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
             return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
-        decision = outcome.decision(checkpoint, sums, go)
+        decision = outcome.decision(checkpoint, sums, go, gather=gather)
         # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
         # that missed it with the same decision (the record dict is the Journal action's)
         record["next"] = {"sent": resume.sent_record(decision), "validates": self._validates}
         actions += [Broadcast(self._recipients(), decision), said]
         self.epoch = following
+        if gather:
+            # every member gathers its part of the state onto rank 0 in the group it is in,
+            # then says epoch_ready (nobody trains): the world grows at those readies
+            self._gathering = following
+            self._set_phase(RunPhase.READY, now)
+            return actions
         grown = self._grow(now)
         if grown is not None:
             # newcomers are waiting: the world grows, and the epoch just started begins again in

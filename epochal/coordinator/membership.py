@@ -187,14 +187,29 @@ class Membership:
         restore = scope.restore_after([loss.rank for loss in lost])
         return self._next(world, survivors, lost, restore, since)
 
-    def at_boundary(self, now: float, scope: SnapshotScope) -> NewWorld | None:
-        """At an epoch boundary with nobody lost: the world with the newcomers waiting, if any
-        fit (where the members' copies hold the whole state, ``scope``, they keep it and the
-        newcomers receive it from rank 0; else every member loads the last checkpoint)."""
+    def grows(self) -> bool:
+        """Whether the world would grow at an epoch boundary now: nobody lost, newcomers waiting,
+        and room for one."""
         world = self.world
-        if world is None or self._lost or not self.standby or world.size >= self.max_workers:
+        return (
+            world is not None
+            and not self._lost
+            and bool(self.standby)
+            and world.size < self.max_workers
+        )
+
+    def at_boundary(
+        self, now: float, scope: SnapshotScope, *, gathered: bool = False
+    ) -> NewWorld | None:
+        """At an epoch boundary with nobody lost: the world with the newcomers waiting, if any
+        fit. Where the members' copies hold the whole state (``scope``), or the members
+        ``gathered`` it onto rank 0 at the decision, they keep it and the newcomers receive it
+        from rank 0; else every member loads the last checkpoint."""
+        world = self.world
+        if world is None or not self.grows():
             return None
-        return self._next(world, world.members, (), scope.restore_after(()), now)
+        restore = Restore.PEERS if gathered else scope.restore_after(())
+        return self._next(world, world.members, (), restore, now)
 
     def _next(
         self,

@@ -48,9 +48,12 @@ class EpochOutcome:
         checkpoint: bool,
         sums: Mapping[str, MetricSums] | None = None,
         go: Go | None = None,
+        *,
+        gather: bool = False,
     ) -> Decision:
         """The message every rank receives about this epoch (with the metrics' global ``sums``),
-        carrying the ``go`` of the next epoch unless the run stops."""
+        carrying the ``go`` of the next epoch unless the run stops or the ranks ``gather`` the
+        state for newcomers first."""
         sums = sums or {}
         return Decision(
             epoch=self.epoch,
@@ -64,6 +67,7 @@ class EpochOutcome:
             train_metrics=metric_records(sums.get("train", {})),
             valid_metrics=metric_records(sums.get("valid", {})),
             go=go,
+            gather=gather,
         )
 
     def record(

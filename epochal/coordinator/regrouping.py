@@ -17,8 +17,13 @@ interrupted epoch again from the state it held at the epoch's start (``restore``
 loop state stands as it was. Where the members' copies do not hold the whole state (their
 ``epoch_ready`` says: :class:`~epochal.protocol.SnapshotScope`), the world restores the newest
 committed checkpoint instead: the loop state goes back to the end of its epoch (a copy kept when
-that checkpoint was decided) and the epochs after it are decided again; such a world grows once
-the checkpoint of the epoch just decided is committed (:meth:`Regrouping._grow`). Each change is
+that checkpoint was decided) and the epochs after it are decided again. A world grows at an epoch
+boundary: its decision asks every member to gather its part of the state onto rank 0 (``gather``,
+no ``go``) and to announce the next epoch without training it; at those readies the world grows
+and rank 0 sends the state over the data plane, in every mode. Members whose training code cannot
+gather (their readies say so) grow the older way (:meth:`Regrouping._grow`): at the decision,
+each restoring its copy of the epoch's start, where the copies are whole; else once the checkpoint
+of the epoch just decided is committed, which every member loads. Each change is
 one log line, one journal record (``kind`` world) and one entry of the result's
 ``world_changes``. Pure like the machine.
 """
@@ -33,7 +38,16 @@ from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.membership import Membership, NewWorld, TooFew
-from epochal.protocol import Abort, Broken, OpenStore, Regroup, Restore, SnapshotScope, clip
+from epochal.protocol import (
+    Abort,
+    Broken,
+    EpochReady,
+    OpenStore,
+    Regroup,
+    Restore,
+    SnapshotScope,
+    clip,
+)
 from epochal.text import REASON_CHARS, printable
 
 
@@ -50,7 +64,8 @@ class Regrouping(Joining):
     _committed: list[int]
     _loop: LoopState
     _loops_at: dict[int, LoopState]
-    _scopes: dict[bytes, str]
+    _copies: dict[bytes, EpochReady]
+    _gathering: int | None
 
     def _clear_round(self) -> None:
         raise NotImplementedError  # the machine's
@@ -59,7 +74,23 @@ class Regrouping(Joining):
     def scope(self) -> SnapshotScope:
         """What the members' copies of an epoch's start hold together, as their readies said."""
         return SnapshotScope.least(
-            self._scopes[m.peer] for m in self.members if m.peer in self._scopes
+            self._copies[m.peer].snapshots for m in self.members if m.peer in self._copies
+        )
+
+    def _gathers_now(self) -> bool:
+        """At a decision: whether newcomers join at this boundary with the state its members
+        gather onto rank 0 first (``Decision.gather``): the members write the checkpoint the
+        decision may ask for, gather, and wait, so that nothing of the next epoch is begun or
+        undone, and rank 0 sends the newcomers the state whatever the mode (in the sharded modes
+        no rank holds it whole otherwise). Every member's last ready must say it gathers; a
+        worker one minor version older, or a training loop without the hook, grows the old way
+        (:meth:`_grow`)."""
+        copies = self._copies
+        return (
+            self.config.elastic
+            and self.phase is RunPhase.RUNNING
+            and self.membership.grows()
+            and all(m.peer in copies and copies[m.peer].gathers for m in self.members)
         )
 
     # ------------------------------------------------------------------ losses
@@ -127,20 +158,27 @@ class Regrouping(Joining):
 
     # ------------------------------------------------------------------ a new world
 
-    def _grow(self, now: float, checkpointed: int | None = None) -> list[Action] | None:
+    def _grow(
+        self, now: float, checkpointed: int | None = None, *, gathered: bool = False
+    ) -> list[Action] | None:
         """At an epoch boundary, newcomers waiting: the world with them (None: no change). Where
         the members' copies hold the whole state, at the decision (``checkpointed`` None): they
-        keep their state and rank 0 shares it; else once the checkpoint of the epoch just decided
-        is committed (``checkpointed``), which every member of the new world loads."""
-        if not self.config.elastic or self.phase is not RunPhase.RUNNING:
+        keep their state and rank 0 shares it; where they ``gathered`` it onto rank 0 at the
+        decision, once their readies are in: rank 0 shares that; else once the checkpoint of the
+        epoch just decided is committed (``checkpointed``), which every member of the new world
+        loads."""
+        waits = RunPhase.READY if gathered else RunPhase.RUNNING
+        if not self.config.elastic or self.phase is not waits:
             return None
+        if self._gathering is not None:
+            return None  # the members gather for the growth at their readies
         scope = self.scope
-        from_checkpoint = scope.restore_after(()) is Restore.CHECKPOINT
+        from_checkpoint = scope.restore_after(()) is Restore.CHECKPOINT and not gathered
         if from_checkpoint != (checkpointed is not None):
             return None
         if checkpointed is not None and checkpointed != self.epoch - 1:
             return None  # an older epoch's, late: the next boundary's will do
-        change = self.membership.at_boundary(now, scope)
+        change = self.membership.at_boundary(now, scope, gathered=gathered)
         return None if change is None else self._change_world(now, change)
 
     def _rewind(self, checkpoint: int) -> None:
@@ -177,9 +215,10 @@ class Regrouping(Joining):
         self._ranks = change.world.ranks()
         self._store = None
         self._clear_round()
+        self._gathering = None  # a loss while the members gathered: this world is the change
         self.watchdog.new_world(now)
-        for peer in set(self._scopes) - {m.peer for m in self.members}:
-            del self._scopes[peer]
+        for peer in set(self._copies) - {m.peer for m in self.members}:
+            del self._copies[peer]
         self._change = change
         size = change.world.size
         whence = f"from the start of epoch {self.epoch}"

@@ -151,7 +151,14 @@ class Carry:
 
     @property
     def stopped(self) -> bool:
-        return self.go is None
+        """The decision stopped the run: only the finish is left."""
+        return self.decision is not None and self.decision.stop
+
+    @property
+    def gathering(self) -> bool:
+        """The decision asked the ranks to gather the state for newcomers (``gather``): each
+        announces the epoch with a ready once it has, and no go was sent."""
+        return self.decision is not None and self.decision.gather
 
     @property
     def pending_checkpoint(self) -> int | None:

@@ -22,7 +22,7 @@ machine.
 from __future__ import annotations
 
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
-from epochal.coordinator.batches import EpochPlan, format_ranks
+from epochal.coordinator.batches import BatchCounts, EpochPlan, format_ranks
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.regrouping import Regrouping
 from epochal.coordinator.rendezvous import Admitted, Member
@@ -60,6 +60,9 @@ class TakingBack(Regrouping):
         raise NotImplementedError  # the machine's
 
     def _run(self, now: float) -> None:
+        raise NotImplementedError  # the machine's
+
+    def _start_epoch(self, now: float) -> list[Action]:
         raise NotImplementedError  # the machine's
 
     def _finish(self, now: float) -> list[Action]:
@@ -187,7 +190,7 @@ class TakingBack(Regrouping):
         match message:  # heartbeats and statuses are the machine's, as for any member
             case EpochReport() if decision is not None and message.epoch == decision.epoch:
                 if message.ready is not None:
-                    self._scopes[peer] = message.ready.snapshots
+                    self._copies[peer] = message.ready
                 # it missed the decision (or, when the decision stopped the run, it may have had
                 # it and waits for the finish): the journal's, exactly
                 return [
@@ -195,10 +198,16 @@ class TakingBack(Regrouping):
                     Log(f"rank {rank} asked for the decision of epoch {decision.epoch} again"),
                     *self._is_back(now, rank),
                 ]
+            case EpochReady() if carry.gathering and message.epoch == carry.epoch:
+                # it had the decision and gathered: its ready waits for a go (the newcomers the
+                # dead coordinator held are gone, so the world stays as it is)
+                self._copies[peer] = message
+                self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                return self._is_back(now, rank)
             case EpochReady() if (
                 decision is None and carry.go is not None and message.epoch == carry.epoch
             ):
-                self._scopes[peer] = message.snapshots
+                self._copies[peer] = message
                 return [  # it missed the go, or got it: the journal's, exactly
                     Send(peer, carry.go),
                     Log(f"rank {rank} asked for the go of epoch {carry.epoch} again"),
@@ -253,8 +262,13 @@ class TakingBack(Regrouping):
                 f"on in {'its finish' if carry.stopped else f'epoch {carry.epoch}'}"
             )
         )
-        if carry.go is None:
+        if carry.stopped:
             return actions + self._finish(now)
+        if carry.go is None:  # the ranks gathered: a go once every ready is in
+            self._set_phase(RunPhase.READY, now)
+            if len(self._ready) == len(self.members):
+                actions += self._start_epoch(now)
+            return actions
         self._plan = EpochPlan(carry.go.train_batches, carry.go.valid_batches)
         self._validates = carry.validates
         began = self._epoch_started

@@ -15,7 +15,7 @@ PROTOCOL_VERSION = 6
 (:class:`~epochal.errors.ProtocolVersionMismatch`). Bumped for a new message type, a field
 without a default, a field removed, or a changed meaning."""
 
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
 """The minor version, a frame's ``m`` (left out when 0). Bumped for a new field, which must have a
 default: peers of one major version interoperate whatever their minor versions, each skipping
 the fields it does not know (within these bounds) and taking the default of those it misses."""

@@ -224,6 +224,9 @@ class EpochReady(WorkerMessage):
     snapshots: _Annotated[str, OneOf(SnapshotScope)] = "whole"
     # what this rank's in-memory copy of the epoch's start holds (elastic runs): how a world
     # that loses ranks, or grows, restores
+    gathers: bool = False
+    # (6.4) this rank's training code gathers its part of the whole state onto rank 0 when a
+    # decision asks (Decision.gather): a world of shards then grows over the data plane
 
 
 @message
@@ -447,13 +450,22 @@ class Decision(CoordinatorMessage):
     valid_metrics: Metrics = ()
     go: Go | None = None
     # the Go of epoch + 1, planned from the batch counts the reports carried; None exactly when
-    # the decision stops the run
+    # the decision stops the run or gathers
+    gather: bool = False
+    # (6.4) newcomers join at this boundary and each rank holds a shard of the state: every rank
+    # gathers its part of the whole state onto rank 0 now, in the group it is in, then announces
+    # epoch + 1 with an epoch_ready; the world grows from there and rank 0 sends the state
+    # gathered (every rank's readies say it can: EpochReady.gathers)
 
     def _validate(self) -> None:
         _check_metrics("train_metrics", self.train_metrics)
         _check_metrics("valid_metrics", self.valid_metrics)
-        if (self.go is None) != self.stop:
-            raise ValueError("go is given exactly when the decision does not stop the run")
+        if self.gather and self.stop:
+            raise ValueError("a decision that stops the run gathers nothing")
+        if (self.go is None) != (self.stop or self.gather):
+            raise ValueError(
+                "go is given exactly when the decision neither stops the run nor gathers"
+            )
         if self.go is not None and self.go.epoch != self.epoch + 1:
             raise ValueError(
                 f"go is for epoch {self.go.epoch}, not the next one ({self.epoch + 1})"

@@ -180,7 +180,6 @@ class Session(Reattaching, Regrouping):
         self._ran_epochs = True
         self.client.busy = None  # from here on the epochs' steps say the progress
         curve: list[EpochRecord] = []
-        scope = SnapshotScope.WHOLE if rejoin is None else rejoin.scope
         try:
             curve = self._resume(state)
             epoch = self.start_epoch
@@ -193,7 +192,7 @@ class Session(Reattaching, Regrouping):
                         finish = self._expect(Finish)
                         break
                     outcome = self._epoch(
-                        epoch, go, train_epoch, valid_epoch, batches, state, curve, scope
+                        epoch, go, train_epoch, valid_epoch, batches, state, curve, rejoin, on_best
                     )
                 except TakenBack:  # by a restarted coordinator: go on from its checkpoint
                     self._resume(state)
@@ -221,10 +220,7 @@ class Session(Reattaching, Regrouping):
                 if isinstance(outcome, Finish):  # a resumed run that had already stopped
                     finish = outcome
                     break
-                decision, record = outcome
-                curve.append(record)
-                if decision.is_best and on_best is not None:
-                    on_best(decision.epoch)
+                decision = outcome
                 stopped, go = decision.stop, decision.go
                 epoch += 1
             self.client.send(Done())
@@ -252,15 +248,19 @@ class Session(Reattaching, Regrouping):
         batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
         state: Stateful | None,
         curve: list[EpochRecord],
-        scope: SnapshotScope,
-    ) -> tuple[Decision, EpochRecord] | Finish:
-        """One epoch's exchange with the coordinator; Finish when the run is over instead.
+        rejoin: Rejoin | None,
+        on_best: Callable[[int], None] | None,
+    ) -> Decision | Finish:
+        """One epoch's exchange with the coordinator; Finish when the run is over instead. The
+        decided epoch joins ``curve`` (and ``on_best`` keeps it) before the checkpoint the
+        decision may ask for: a change of world that breaks the checkpoint's collectives keeps
+        what was decided.
 
         ``go``: the Go of ``epoch`` the previous decision carried; None (the first epoch of a run
         or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
         if go is None:
             self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
-            self._ask(_ready(epoch, batches, valid_epoch, self.generation, scope))
+            self._ask(_ready(epoch, batches, valid_epoch, self.generation, rejoin))
             answer = self._expect(Go, Finish)
             self._asked = None
             if isinstance(answer, Finish):
@@ -295,7 +295,7 @@ class Session(Reattaching, Regrouping):
                 valid_metrics=wire_metrics("validation", valid),
                 # the next epoch's counts, so that the decision can carry its Go
                 ready=(
-                    _ready(epoch + 1, batches, valid_epoch, self.generation, scope)
+                    _ready(epoch + 1, batches, valid_epoch, self.generation, rejoin)
                     if epoch + 1 < self.epochs
                     else None
                 ),
@@ -305,7 +305,7 @@ class Session(Reattaching, Regrouping):
             )
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
-        decision = self._expect(Decision)
+        decision: Decision = self._expect(Decision)
         self._decided = decision.epoch
         if not decision.stop:  # after a stop it waits for the finish: the report says where
             self._asked = None
@@ -318,10 +318,28 @@ class Session(Reattaching, Regrouping):
             seconds=time.monotonic() - started,
             metrics=metric_values(decision),
         )
+        curve.append(record)
+        if decision.is_best and on_best is not None:
+            on_best(decision.epoch)
         if decision.checkpoint and state is not None:
             self.client.at(Phase.CHECKPOINT, epoch)
-            self._save(decision.epoch, state, [*curve, record])
-        return decision, record
+            self._save(decision.epoch, state, curve)
+        if decision.gather:  # newcomers join before the next epoch: the state onto rank 0 first
+            self._gather(decision.epoch + 1, rejoin)
+        return decision
+
+    def _gather(self, epoch: int, rejoin: Rejoin | None) -> None:
+        """Collective in this world, as a decision asks: this rank's part of the state ``epoch``
+        starts from, onto rank 0, for the newcomers that join before it; the epoch is then
+        announced with a ready (nobody trains it in this world)."""
+        if rejoin is None or rejoin.gather is None:
+            raise EpochalError(
+                "the coordinator asked this rank to gather its state for newcomers, but its "
+                "training loop cannot (its readies did not say it can): the worker and the "
+                "coordinator are out of step (mixed epochal versions?)"
+            )
+        self.client.at(Phase.CHECKPOINT, epoch - 1)
+        rejoin.gather(epoch)
 
     def _rate(self) -> float | None:
         """The optimizer's learning rate for the epoch report; None when not known or not a
@@ -485,15 +503,17 @@ def _ready(
     batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
     valid_epoch: Callable[[EpochContext], LossSum] | None,
     generation: int,
-    scope: SnapshotScope,
+    rejoin: Rejoin | None,
 ) -> EpochReady:
     """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
-    validation function), and what its copy of the epoch's start holds."""
+    validation function), what its copy of the epoch's start holds and whether it gathers its
+    state for newcomers (``rejoin``: how its training loop follows a change of world)."""
     train_batches, valid_batches = batches(epoch) if callable(batches) else batches
     return EpochReady(
         epoch,
         train_batches,
         None if valid_epoch is None else valid_batches,
         generation,
-        snapshots=scope.value,
+        snapshots=(SnapshotScope.WHOLE if rejoin is None else rejoin.scope).value,
+        gathers=rejoin is not None and rejoin.gather is not None,
     )

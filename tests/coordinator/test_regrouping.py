@@ -409,3 +409,102 @@ def test_a_world_of_shards_grows_once_the_checkpoint_of_the_boundary_is_committe
     assert {(w.restore, w.resume_epoch, w.start_epoch) for w in welcomes.values()} == {
         ("checkpoint", 1, 2)
     }
+
+
+def gathering_report(valid_sum: float, epoch: int, generation: int = 0) -> EpochReport:
+    """A shard report whose ready says the rank gathers its part for newcomers (epochal.train)."""
+    base = shard_report(valid_sum, epoch, generation)
+    assert base.ready is not None
+    return dataclasses.replace(base, ready=dataclasses.replace(base.ready, gathers=True))
+
+
+def shards_at_three_with_a_standby(run: Run) -> list[bytes]:
+    """Epoch 0 decided and checkpointed; rank 3 lost, its shard restored from the checkpoint by a
+    world of three that trains epoch 1; a newcomer waits. The members' peers."""
+    before = list(run.peers)
+    run.all(2.0, lambda r: gathering_report(10.0, 0))
+    run.send(2.1, before[0], Checkpointed(epoch=0))
+    run.machine.process_exited(2.5, 103, "was killed by SIGKILL")
+    go = regroup(run, 3.0, run.machine.on_tick(2.5 + SETTLED), 1)
+    assert broadcast(go, Go)[0].epoch == 1
+    assert sent(run.send(3.5, b"w9", hello("w9", pid=109)), Joined)
+    return before[:3]
+
+
+def test_a_world_of_shards_grows_at_the_boundary_from_the_state_its_members_gather():
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    members = shards_at_three_with_a_standby(run)
+    # epoch 1 decided: no go, but every member gathers its part onto rank 0 and says ready
+    decided = run.all(4.0, lambda r: gathering_report(9.0, 1, generation=1))
+    (decision,) = broadcast(decided, Decision)
+    assert decision.gather and decision.go is None and decision.checkpoint
+    assert not sent(decided, Regroup)
+    assert run.machine.phase is RunPhase.READY and run.machine.epoch == 2
+    (record,) = journal(decided, "epoch")
+    assert resume.sent_message(record["next"]["sent"]) == decision  # a restart resends it
+    # the checkpoint the decision asked for is committed, and is not what the world grows from
+    assert not sent(run.send(4.1, members[0], Checkpointed(epoch=1)), Regroup)
+    ready = EpochReady(2, 5, 2, generation=1, snapshots="shard", gathers=True)
+    grown = run.all(4.5, lambda r: ready)
+    assert not broadcast(grown, Go)
+    assert [peer for peer, _ in sent(grown, Regroup)] == members
+    assert {r for _, r in sent(grown, Regroup)} == {Regroup(generation=2, epoch=2)}
+    lines = [getattr(a, "line", "") for a in grown]
+    assert any(
+        "joins: 4 workers from epoch 2 (the state sent from rank 0 over the data plane)" in line
+        for line in lines
+    ), lines
+    ((opener, _),) = sent(grown, OpenStore)
+    assert opener == members[0]  # rank 0 holds what was gathered, and keeps its rank
+    welcome = run.send(4.6, opener, StoreReady(host="h", port=2, key="k3", generation=2))
+    welcomes = dict(sent(welcome, Welcome))
+    assert [welcomes[p].rank for p in [*members, b"w9"]] == [0, 1, 2, 3]
+    assert {(w.restore, w.resume_epoch, w.start_epoch) for w in welcomes.values()} == {
+        ("peers", None, 2)
+    }
+    run.peers = [*members, b"w9"]
+    go = run.all(5.0, lambda r: EpochReady(2, 5, 2, generation=2, snapshots="shard", gathers=True))
+    assert broadcast(go, Go)[0].epoch == 2
+    (world,) = journal(go, "world")
+    assert (world["epoch"], world["from"], world["to"], world["restore"]) == (2, 3, 4, "peers")
+    assert "checkpoint" not in world and world["joined"] == ["w9"]
+
+
+def test_members_that_cannot_all_gather_grow_from_the_checkpoint():
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    shards_at_three_with_a_standby(run)
+    # rank 0's training code has no gather hook (or is one minor version older)
+    mixed = run.all(4.0, lambda r: gathering_report(9.0, 1, 1) if r else shard_report(9.0, 1, 1))
+    (decision,) = broadcast(mixed, Decision)
+    assert not decision.gather and decision.go is not None
+    grown = run.send(4.2, run.peers[0], Checkpointed(epoch=1))
+    assert {r for _, r in sent(grown, Regroup)} == {Regroup(generation=2, epoch=2)}
+
+
+def test_a_standby_gone_before_the_gathered_readies_leaves_the_world_as_it_is():
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    members = shards_at_three_with_a_standby(run)
+    decided = run.all(4.0, lambda r: gathering_report(9.0, 1, generation=1))
+    assert broadcast(decided, Decision)[0].gather
+    run.machine.membership.leave(b"w9")  # the newcomer went silent before the readies
+    ready = EpochReady(2, 5, 2, generation=1, snapshots="shard", gathers=True)
+    go = run.all(4.5, lambda r: ready)
+    assert broadcast(go, Go)[0].epoch == 2 and not sent(go, Regroup)
+    assert run.machine.phase is RunPhase.RUNNING and run.machine.generation == 1
+    assert members == run.peers
+
+
+def test_a_rank_lost_while_the_members_gather_makes_the_one_change_with_the_newcomer():
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    members = shards_at_three_with_a_standby(run)
+    assert broadcast(run.all(4.0, lambda r: gathering_report(9.0, 1, 1)), Decision)[0].gather
+    run.send(4.1, members[0], Checkpointed(epoch=1))
+    run.machine.process_exited(4.2, 101, "was killed by SIGKILL")
+    changed = run.machine.on_tick(4.2 + SETTLED)
+    assert aborted(changed) is None
+    lines = [getattr(a, "line", "") for a in changed]
+    assert any("continuing with 3 workers from the checkpoint of epoch 1" in x for x in lines)
+    go = regroup(run, 5.0, changed, 2)
+    assert broadcast(go, Go)[0].epoch == 2  # the readies start the epoch: no second change
+    assert run.peers == [members[0], members[2], b"w9"]
+    assert run.machine.generation == 2 and run.machine._gathering is None

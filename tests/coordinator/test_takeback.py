@@ -257,6 +257,33 @@ def test_an_elastic_world_keeps_its_generation(tmp_path):
     assert run.machine.membership.world.generation == 2
 
 
+def test_after_a_decision_that_gathered_the_readies_are_kept_and_the_go_follows(tmp_path):
+    # an elastic world of shards decided epoch 1 with newcomers waiting: no go, the ranks gather
+    # their parts onto rank 0 and say ready for epoch 2. The coordinator died there; the
+    # newcomers it held are gone, so the world carries on as it is.
+    config, decisions = first_run(tmp_path / "run", decided=1, min_workers=1)
+    gathered = dataclasses.replace(decisions[1], go=None, gather=True)
+    journal = tmp_path / "run" / "epochs.jsonl"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    records[-1]["next"]["sent"] = resume.sent_record(gathered)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    carry = resume.inspect(config, None).carry
+    assert carry is not None and carry.gathering and not carry.stopped and carry.epoch == 2
+    run = restarted(config)
+    run.send(100.0, b"n1", back(1))
+    again = run.send(100.1, b"n1", report(3.0, 1))  # it missed the decision: the journal's
+    assert sent(again, Decision) == [(b"n1", gathered)]
+    run.send(100.2, b"n0", back(0))
+    run.send(100.3, b"n0", Checkpointed(epoch=1))
+    back_all = run.send(100.4, b"n0", ready(0, epoch=2))  # it had it, gathered, and waits
+    assert aborted(back_all) is None and not broadcast(back_all, Go)
+    assert any("the run carries on in epoch 2" in line for line in logged(back_all))
+    assert run.machine.phase is RunPhase.READY and not run.machine.taking_back
+    go = run.send(101.0, b"n1", ready(1, epoch=2))  # gathered in turn
+    (started,) = broadcast(go, Go)
+    assert started.epoch == 2 and run.machine.phase is RunPhase.RUNNING
+
+
 async def test_a_restarted_service_keeps_the_run_id_its_workers_know(ctx, tmp_path):
     first_run(tmp_path / "run", decided=1)
     coordinator, task = await serve(ctx, epochs=EPOCHS, run_dir=tmp_path / "run")

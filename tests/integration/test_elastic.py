@@ -207,14 +207,19 @@ def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
     assert [(r["epoch"], r["world_size"]) for r in epochs] == [(0, 4), (1, 3), (2, 3)]
 
 
+@pytest.mark.parametrize("mode", ["replicated", "sharded", "fully_sharded"])
 def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_stop(
-    spawn: Spawner, tmp_path: Path
+    spawn: Spawner, tmp_path: Path, mode: str
 ):
     """``--max-restarts 1`` in an elastic run: the launcher starts a replacement for the killed
     worker, which waits as a standby and joins at the next epoch boundary with rank 0's state,
-    sent over the data plane; the survivors never restart and no checkpoint is read. Every rank
-    then holds the same weights (the replica check compares them after each epoch, and the
-    files here at the end)."""
+    sent over the data plane (in the sharded modes, gathered onto rank 0 at the boundary and
+    resharded as it arrives); the survivors never restart and no checkpoint is read for the join
+    (the sharded modes restore the lost shard from the checkpoint of epoch 0). Every rank then
+    holds the same weights (the replica check compares them after each epoch where each rank
+    holds the whole model, and the files here at the end), bit for bit those of a run with the
+    same world sizes at the same epochs and no fault."""
+    parallel = ("--parallel", mode)
     proc, run_dir, out = start_elastic(
         spawn,
         tmp_path,
@@ -224,7 +229,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
         options=("--max-restarts", "1"),
         # epochs of about a second while the world is short of a worker: tens of seconds for
         # the replacement to start and join while the run trains; fast once it is whole again
-        script=("--step-delay", "0.25", "--slow-below", "4"),
+        script=("--step-delay", "0.25", "--slow-below", "4", *parallel),
     )
     wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
     first = set(marked_pids(spawn.mark))
@@ -235,6 +240,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     assert (lost["epoch"], lost["from"], lost["to"], lost["joined"]) == (1, 4, 3, [])
     assert (joined["from"], joined["to"], joined["lost"]) == (3, 4, [])
     assert joined["epoch"] >= 2 and joined["generation"] == 2, joined
+    assert joined["restore"] == "peers" and "checkpoint" not in joined, joined
     (newcomer,) = joined["joined"]
     assert newcomer.endswith("/local-3/1"), newcomer
     assert "worker 3 lost: started" in output and "replacement 1 of 1" in output, output
@@ -245,6 +251,9 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     epochs = [r for r in epoch_records(run_dir) if r["kind"] == "epoch"]
     sizes = [(r["epoch"], r["world_size"]) for r in epochs]
     j = joined["epoch"]
+    got = f"joins: 4 workers from epoch {j} (the state sent from rank 0 over the data plane)"
+    assert got in output, output
+    assert lost["restore"] == ("memory" if mode == "replicated" else "checkpoint"), lost
     assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [(e, 4) for e in range(j, 40)]
     final = weights(out)
     assert sorted(final) == [0, 1, 2, 3]
@@ -253,6 +262,34 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     for rank in (1, 2, 3):
         for key, tensor in final[0]["state"].items():
             assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)
+
+    # The reference, where the join epoch is known only now: 4 workers train epoch 0, a resume
+    # at 3 the epochs up to the join, a resume at 4 the rest; each resumes from the checkpoint of
+    # the epoch before it, and the one at 4 loads a checkpoint that three ranks wrote.
+    ref_dir, ref_out = tmp_path / "ref", tmp_path / "ref-out"
+    for size, upto, had in ((4, 1, None), (3, j, 4), (4, 40, 3)):
+        code, said = spawn.finish(
+            spawn.epochal(
+                "run",
+                *("--nproc", str(size), "--min-workers", "3", "--epochs", str(upto)),
+                *("--no-restore-best", "--run-dir", str(ref_dir)),
+                *(str(SCRIPTS / "linear.py"), "--out", str(ref_out), *parallel),
+            ),
+            DEADLINE,
+        )
+        assert code == 0, said
+        if had is not None:
+            assert f"at {size} workers where it had {had} (the state resharded" in said, said
+    spawn.assert_none_left()
+    epochs = [r for r in epoch_records(ref_dir) if r["kind"] == "epoch"]
+    assert [(r["epoch"], r["world_size"]) for r in epochs] == sizes
+    reference = weights(ref_out)
+    assert sorted(reference) == [0, 1, 2, 3]
+    for rank in range(4):
+        for key, tensor in reference[rank]["state"].items():
+            assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)
+    assert len(reference[0]["valid_losses"]) == 40
+    assert final[0]["valid_losses"] == reference[0]["valid_losses"]
 
 
 # ---------------------------------------------------------------- from the last checkpoint

@@ -169,12 +169,19 @@ def _epoch_report(values: dict[str, Any], profile: Profile) -> list[dict[str, An
 
 
 def _decision(values: dict[str, Any], profile: Profile) -> list[dict[str, Any]]:
-    # a go exactly when the run goes on, for the next epoch: one of each
+    # a go exactly when the run goes on without gathering, for the next epoch: one of each
     epoch = UINT64 - 1 if profile.largest else values["epoch"]
     go = values["go"] or variants(Go, dataclasses.replace(profile, nil=False))[0]
     return [
-        values | {"epoch": epoch, "stop": True, "go": None},
-        values | {"epoch": epoch, "stop": False, "go": dataclasses.replace(go, epoch=epoch + 1)},
+        values | {"epoch": epoch, "stop": True, "go": None, "gather": False},
+        values
+        | {
+            "epoch": epoch,
+            "stop": False,
+            "go": dataclasses.replace(go, epoch=epoch + 1),
+            "gather": False,
+        },
+        values | {"epoch": epoch, "stop": False, "go": None, "gather": True},
     ]
 
 

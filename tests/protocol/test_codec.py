@@ -264,10 +264,13 @@ def epoch_reports(draw: st.DrawFn) -> EpochReport:
 
 @st.composite
 def decisions(draw: st.DrawFn) -> Decision:
-    """A decision that stops, or one that carries the next epoch's go."""
+    """A decision that stops, one that gathers, or one that carries the next epoch's go."""
     values = {f.name: draw(field_values(f)) for f in fields_of(Decision) if f.name != "go"}
     epoch = values["epoch"] = draw(st.integers(0, INT64 - 1))
-    go = None if values["stop"] else dataclasses.replace(draw(record_values(Go)), epoch=epoch + 1)
+    values["gather"] = values["gather"] and not values["stop"]
+    go = None
+    if not values["stop"] and not values["gather"]:
+        go = dataclasses.replace(draw(record_values(Go)), epoch=epoch + 1)
     return Decision(**values, go=go)
 
 
@@ -492,6 +495,7 @@ def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
         "valid_batches": None,
         "generation": 0,
         "snapshots": "whole",
+        "gathers": False,
     }
     assert frame_of(GOES_ON)["go"] == {
         "epoch": 4,
@@ -549,17 +553,21 @@ def test_a_bad_next_epoch_is_refused_naming_its_path(
     assert f"{TYPE_NAMES[cls]}.{field}: missing epoch" in refusal(pack(frame))
 
 
-def test_a_decision_carries_a_go_exactly_when_the_run_goes_on():
-    assert "go is given exactly when the decision does not stop" in refusal(
-        pack(frame_of(GOES_ON) | {"go": None})
-    )
+def test_a_decision_carries_a_go_exactly_when_the_run_goes_on_without_gathering():
+    exactly = "go is given exactly when the decision neither stops the run nor gathers"
+    assert exactly in refusal(pack(frame_of(GOES_ON) | {"go": None}))
     stops = frame_of(HAND_BUILT[Decision])
     assert stops["stop"] and stops["go"] is None
-    assert "go is given exactly when the decision does not stop" in refusal(
-        pack(stops | {"go": frame_of(GOES_ON)["go"] | {"epoch": 3}})
-    )
+    assert exactly in refusal(pack(stops | {"go": frame_of(GOES_ON)["go"] | {"epoch": 3}}))
     with pytest.raises(ValueError, match="go is given exactly when"):
         dataclasses.replace(GOES_ON, go=None)
+    # the ranks gather the state for newcomers before the epoch: its go comes after the growth
+    gathers = dataclasses.replace(GOES_ON, go=None, gather=True)
+    assert decode(encode(gathers)) == gathers
+    assert exactly in refusal(pack(frame_of(GOES_ON) | {"gather": True}))
+    assert "a decision that stops the run gathers nothing" in refusal(
+        pack(stops | {"gather": True})
+    )
 
 
 def test_an_int_is_accepted_where_a_float_is_expected_and_becomes_a_float():

@@ -42,6 +42,11 @@ class Rejoin:
     scope: SnapshotScope = SnapshotScope.WHOLE
     # what this rank's copy of an epoch's start holds: the coordinator restores a world from
     # the copies where they hold the whole state, else from the last checkpoint
+    gather: Callable[[int], None] | None = None
+    # collective, in the group the rank is in, at an epoch boundary (Decision.gather): keep this
+    # rank's part of the state the given epoch starts from, gathered onto rank 0, which sends it
+    # to every rank of the world that grows next (rebuild, restore "peers"). None: a world whose
+    # copies are not whole grows from the boundary's checkpoint instead
 
 
 def leave_group() -> None:

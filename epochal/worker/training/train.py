@@ -31,7 +31,7 @@ from epochal.worker.checkpoints.state import (
 )
 from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.regroup import Snapshot, share, share_tree
+from epochal.worker.regroup import FullState, Snapshot, consolidate, share, share_tree
 from epochal.worker.regroup import leave as leave_group
 from epochal.worker.regroup import rebuild as rebuild_strategy
 from epochal.worker.session import Rejoin, Session
@@ -237,17 +237,37 @@ def fit(
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     show_progress = _progress_enabled(session.rank, options.progress)
     best_state: dict[str, torch.Tensor] | None = None
-    best_at: int | None = None  # the epoch best_state is of
     start: tuple[int, Snapshot] | None = None
     # elastic runs: this rank's state at the start of the epoch under way, and that epoch
+    gathered: tuple[int, FullState | None] | None = None
+    # elastic runs whose copies are not whole: the state an epoch starts from, gathered onto
+    # rank 0 at the boundary before it for the newcomers that join then (None elsewhere, and
+    # where rank 0's live state is whole already), and that epoch
+
+    def gather(epoch: int) -> None:
+        """At the boundary before ``epoch``, newcomers waiting (Decision.gather): collective in
+        this world, the whole state onto rank 0 (rank 0 alone keeps it: a shard per rank
+        otherwise, or nothing where its own state is whole, as with copies switched off)."""
+        nonlocal gathered
+        gathered = (epoch, consolidate(strategy))
 
     def from_peers(newcomer: bool) -> None:
         """Newcomers joined this world: every rank takes rank 0's state (model, optimizer,
         scaler) and its best epoch's weights over the data plane, a newcomer to train on, the
-        others to stay equal to it."""
-        nonlocal best_state
-        moved = share(strategy)
-        best_state, more = share_tree(strategy, best_state)
+        others to stay equal to it. In the sharded modes rank 0 sends what it gathered at the
+        boundary, and each rank keeps its part; the best epoch's weights, a shard on each rank
+        of the old world, are not sent: every rank loads them from their checkpoint at the end."""
+        nonlocal best_state, gathered
+        full = None
+        if gathered is not None and gathered[0] == session.start_epoch:
+            full = gathered[1]
+        gathered = None
+        moved = share(strategy, full=full)
+        more = 0
+        if strategy.snapshot_scope is SnapshotScope.SHARD:
+            best_state = None
+        else:
+            best_state, more = share_tree(strategy, best_state)
         nbytes = moved.nbytes + more
         if newcomer:
             took = max(moved.seconds, 1e-9)
@@ -261,7 +281,8 @@ def fit(
         from_peers(newcomer=True)
 
     def train_epoch(ctx: EpochContext) -> LossSum:
-        nonlocal start
+        nonlocal start, gathered
+        gathered = None  # the world did not grow after all: the epoch is under way
         if keeps_copy and (start is None or start[0] != ctx.epoch):
             start = (ctx.epoch, Snapshot.take(strategy))
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
@@ -338,8 +359,8 @@ def fit(
         return LossSum(float(total.item()), count, metric_sums.result())
 
     def keep_best(epoch: int) -> None:
-        nonlocal best_state, best_at
-        best_state, best_at = strategy.snapshot(), epoch
+        nonlocal best_state
+        best_state = strategy.snapshot()
 
     train_state = strategy.state
 
@@ -352,17 +373,19 @@ def fit(
     def rebuild(epoch: int) -> Stateful:
         """The new world's group is up: the mode again over it, the loaders for the new rank
         and world size, and the epoch's start restored."""
-        nonlocal strategy, model, optimizer, policy, train_data, valid_data, best_state
+        nonlocal strategy, model, optimizer, policy, train_data, valid_data, best_state, gathered
         strategy = rebuild_strategy(strategy, Layout.from_group(device))
         model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
         if session.restore == Restore.CHECKPOINT:  # the session loads it into strategy.state
-            if best_at is not None and best_at >= epoch:
-                best_state = None  # of an epoch done again: the best is decided anew
+            # the best epoch's weights come from its checkpoint at the end, on every rank alike:
+            # a newcomer has none in memory, and a shard of the old world fits no rank of this
+            best_state = None
         elif start is not None and start[0] == epoch:
             start[1].restore(strategy)
         # else the epoch had not begun here: what this rank holds is its start already
         if session.restore == "peers":
             from_peers(newcomer=False)
+        gathered = None  # of the old world: sent now, or of no use (a loss came first)
         again = _resolve(train_loader, session, "train")
         assert again is not None
         train_data = again
@@ -375,7 +398,7 @@ def fit(
         batches=counts,
         on_best=keep_best,
         state=train_state,
-        rejoin=Rejoin(leave, rebuild, scope),
+        rejoin=Rejoin(leave, rebuild, scope, gather),
         learning_rate=lambda: optimizer.param_groups[0]["lr"],
     )
     if result.restore_best and result.best_epoch is not None:
