@@ -41,9 +41,11 @@ def start_elastic(
     epochs: int = 3,
     options: tuple[str, ...] = (),
     script: tuple[str, ...] = (),
+    restore_best: bool = False,
 ) -> tuple[subprocess.Popen[str], Path, Path]:
     """``epochal run --nproc 4 --min-workers LEAST`` of linear.py with ``fault`` set: the
-    process, the run directory and where each rank saves its weights."""
+    process, the run directory and where each rank saves its weights (the last epoch's, unless
+    ``restore_best``)."""
     run_dir, out = tmp_path / name, tmp_path / f"{name}-out"
     proc = spawn.epochal(
         "run",
@@ -53,7 +55,7 @@ def start_elastic(
         str(least),
         "--epochs",
         str(epochs),
-        "--no-restore-best",
+        *(() if restore_best else ("--no-restore-best",)),
         "--run-dir",
         str(run_dir),
         *options,
@@ -218,8 +220,11 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     (the sharded modes restore the lost shard from the checkpoint of epoch 0). Every rank then
     holds the same weights (the replica check compares them after each epoch where each rank
     holds the whole model, and the files here at the end), bit for bit those of a run with the
-    same world sizes at the same epochs and no fault."""
+    same world sizes at the same epochs and no fault. In ``fully_sharded`` the run ends with the
+    best epoch's weights (each rank's copy of them is a shard of its world's, so a world that
+    changed takes them from the best epoch's checkpoint, on every rank alike)."""
     parallel = ("--parallel", mode)
+    best = mode == "fully_sharded"
     proc, run_dir, out = start_elastic(
         spawn,
         tmp_path,
@@ -230,6 +235,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
         # epochs of about a second while the world is short of a worker: tens of seconds for
         # the replacement to start and join while the run trains; fast once it is whole again
         script=("--step-delay", "0.25", "--slow-below", "4", *parallel),
+        restore_best=best,
     )
     wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
     first = set(marked_pids(spawn.mark))
@@ -272,7 +278,8 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
             spawn.epochal(
                 "run",
                 *("--nproc", str(size), "--min-workers", "3", "--epochs", str(upto)),
-                *("--no-restore-best", "--run-dir", str(ref_dir)),
+                *(() if best else ("--no-restore-best",)),
+                *("--run-dir", str(ref_dir)),
                 *(str(SCRIPTS / "linear.py"), "--out", str(ref_out), *parallel),
             ),
             DEADLINE,
