@@ -104,14 +104,16 @@ class Regrouping:
         )
         self.client.at(Phase.SETUP, welcome.start_epoch)
         state = rejoin.rebuild(welcome.start_epoch)
-        whence = ""
+        how = "again"
         if welcome.restore == Restore.CHECKPOINT:
             assert welcome.resume_epoch is not None  # the coordinator's rule (Welcome)
             self._load_for_world(welcome.resume_epoch, state)
-            whence = f" from the checkpoint of epoch {welcome.resume_epoch}"
+            how = f"again from the checkpoint of epoch {welcome.resume_epoch}"
+        elif welcome.restore == Restore.PEERS:  # newcomers joined: rank 0's state, to everyone
+            how = "with rank 0's state"
         WORKER.info(
             f"epochal: rank {was} is rank {self.rank} of {self.world_size} in world "
-            f"{self.generation}: epoch {welcome.start_epoch} again{whence} "
+            f"{self.generation}: epoch {welcome.start_epoch} {how} "
             f"({time.monotonic() - started:.2f} s to regroup)"
         )
         return welcome.start_epoch, state
