@@ -13,9 +13,10 @@ garbage, e.g. ``drop@send:rank=1:type=epoch_report`` loses rank 1's epoch report
 Points: ``connect`` (before the data-plane process group is initialised), ``train-step`` (before a
 training step), ``valid-step`` (before a validation step; both also know ``world``, the world's
 generation: 0 until a rank is lost, so ``kill@train-step:rank=0:world=0`` fires once),
-``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed into
-place), ``epoch-end`` (after the epoch's report). Without the variable every check is a dict
-lookup that finds nothing.
+``checkpoint-write`` (every rank, its own file of the checkpoint written, before the collective
+save), ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed
+into place), ``epoch-end`` (after the epoch's report). Without the variable every check is a
+dict lookup that finds nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ _PARAMETERS = ("ms",)  # settings of the action, not conditions on where it fire
 MESSAGE_KINDS = names_sent_by(WorkerMessage)
 """Control messages a ``drop``/``corrupt`` fault can name (``type=epoch_report``): every message
 a worker sends, by its wire name."""
-POINTS = ("connect", "train-step", "valid-step", "checkpoint-commit", "epoch-end", "send")
+POINTS = (
+    "connect",
+    "train-step",
+    "valid-step",
+    "checkpoint-write",
+    "checkpoint-commit",
+    "epoch-end",
+    "send",
+)
 
 
 class InjectedFault(RuntimeError):

@@ -2,11 +2,12 @@
 
 Four workers train ``linear.py`` (a fixed global batch of 12 rows, so every world size takes the
 same steps) for three epochs with ``--min-workers 3``; a fault kills one rank once (in world 0)
-at a given point of epoch 1. The survivors form a new world of three that redoes epoch 1 from its
-start, restored from memory. The reference is the same run with the rank killed before epoch 1
-takes its first step: the survivors then start epoch 1 at three with nothing to undo. A restore
-that left any trace of the interrupted steps (weights, momentum, generators) would differ from it
-in the last bits; the test compares the weights bit for bit.
+at a given point of epoch 1 (or in the checkpoint of epoch 0, just before it). The survivors form
+a new world of three that redoes epoch 1 from its start, restored from memory. The reference is
+the same run with the rank killed before epoch 1 takes its first step: the survivors then start
+epoch 1 at three with nothing to undo. A restore that left any trace of the interrupted steps
+(weights, momentum, generators) would differ from it in the last bits; the test compares the
+weights bit for bit.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def world_changes(run_dir: Path) -> list[dict[str, Any]]:
         ("kill@train-step:rank=3:epoch=1:step=2:world=0", 3),
         ("kill@valid-step:rank=1:epoch=1:step=0:world=0", 1),
         ("kill@train-step:rank=0:epoch=1:step=2:world=0", 0),
+        # after epoch 0's decision, in its checkpoint's collective write: epoch 1 is next
+        ("kill@checkpoint-write:rank=3:epoch=0", 3),
     ],
-    ids=["train-step", "validation", "rank-0-the-store-host"],
+    ids=["train-step", "validation", "rank-0-the-store-host", "checkpoint-write"],
 )
 def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
     spawn: Spawner, tmp_path: Path, reference: dict[int, dict[str, Any]], fault: str, lost: int

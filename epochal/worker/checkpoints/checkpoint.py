@@ -172,6 +172,7 @@ class Checkpointer:
         mark = tmp / f"{_KEY_MARK}{self.rank:05d}-{key.key_id}"
         remove(mark)
         os.close(create_exclusive(mark))
+        faults.hit("checkpoint-write", rank=self.rank, epoch=epoch)  # every rank, mid-write
         from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
 
         save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
