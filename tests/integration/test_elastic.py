@@ -169,6 +169,43 @@ def test_ranks_lost_one_after_another_end_the_run_below_the_least_naming_them(
     assert output.count("continuing with") == 2, output
 
 
+def rank_pids(mark: str, ranks: set[int]) -> list[int]:
+    """The run's worker processes started as these ranks (their ``EPOCHAL_RANK``)."""
+    found = []
+    for pid in marked_pids(mark):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(entry == f"EPOCHAL_RANK={rank}".encode() for rank in ranks for entry in environ):
+            found.append(pid)
+    return found
+
+
+def test_two_ranks_lost_at_once_make_one_change_down_to_the_least(spawn: Spawner, tmp_path: Path):
+    """Ranks 2 and 3 SIGKILLed together while epoch 1 trains: one change of world, 4 -> 2, that
+    names both; the two left are exactly --min-workers and finish the run."""
+    proc, run_dir, out = start_elastic(
+        spawn, tmp_path, "run", "", least=2, script=("--step-delay", "0.2")
+    )
+    wait_for(lambda: any(r["kind"] == "epoch" for r in epoch_records(run_dir)), DEADLINE)
+    doomed = rank_pids(spawn.mark, {2, 3})
+    assert len(doomed) == 2, doomed
+    for pid in doomed:
+        os.kill(pid, signal.SIGKILL)
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    (change,) = world_changes(run_dir)
+    assert (change["from"], change["to"], change["generation"]) == (4, 2, 1), change
+    assert sorted(loss.split(" ")[1] for loss in change["lost"]) == ["2", "3"], change
+    assert output.count("continuing with 2 workers") == 2, output  # a line per loss, one change
+    final = weights(out)
+    assert sorted(final) == [0, 1]
+    for key, tensor in final[0]["state"].items():
+        assert torch.equal(tensor, final[1]["state"][key]), key
+
+
 def stopped_pids(mark: str) -> list[int]:
     """The run's processes frozen by SIGSTOP (state T)."""
     stopped = []
