@@ -5,11 +5,14 @@ epoch, the killed worker's supervisor starts it again, and the new process waits
 joins at the next epoch boundary with rank 0's state, sent over the data plane between the
 hosts. No checkpoint is read, the survivor never restarts, and both end with the same weights.
 And a cut link instead of a killed script: the other carries on, the cut-off worker ends; and a
-killed worker of a sharded run: the other loads the last checkpoint, resharded to one rank."""
+killed worker of a sharded run: the other loads the last checkpoint, resharded to one rank; and
+a frozen worker, dropped by its silence and refused once it wakes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tests.multihost.test_across_hosts import (
     ABORT_GRACE,
     HEARTBEAT_INTERVAL,
     MARGIN,
+    RUN_DEADLINE,
     WORKER_HEARTBEAT_TIMEOUT,
     Cluster,
     journal_has,
@@ -31,7 +35,13 @@ EPOCHS = 40
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(make_hosts, tmp_path):
+@pytest.mark.parametrize("mode", ["replicated", "fully_sharded"])
+def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(
+    make_hosts, tmp_path, mode
+):
+    """In fully_sharded the survivor loads the killed worker's shard from the checkpoint of
+    epoch 0, and at the boundary it gathers the whole state and sends it to the newcomer's host,
+    which keeps its shard of each tensor."""
     net = make_hosts(3)
     cluster = Cluster(net, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -48,6 +58,7 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(make_ho
     supervisor += ["--max-restarts", "1", "--"]
     # epochs of about a second while the world is short of a worker, fast once it is whole
     work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.25", "--slow-below", "2"]
+    work += ["--parallel", mode]
     fault = "kill@train-step:rank=1:epoch=1:step=2:world=0"
     workers = [cluster.worker(i, [*supervisor, *work], EPOCHAL_FAULT=fault) for i in range(2)]
     outputs = [cluster.wait(w) for w in workers]
@@ -59,7 +70,8 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(make_ho
     lost, joined = changes
     assert (lost["epoch"], lost["from"], lost["to"], lost["joined"]) == (1, 2, 1, []), changes
     assert (joined["from"], joined["to"], joined["lost"]) == (1, 2, []), changes
-    assert joined["epoch"] >= 2, changes
+    assert joined["epoch"] >= 2 and joined["restore"] == "peers", changes
+    assert lost["restore"] == ("memory" if mode == "replicated" else "checkpoint"), changes
     assert "restart 1 of 1" in outputs[1], outputs[1]
     assert "took rank 0's state" in outputs[1], outputs[1]
     # the survivor never restarted; the other ends with its weights, bit for bit
@@ -106,6 +118,55 @@ def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_its
     assert change["lost"][0].startswith("rank 1 ") and "sent nothing for" in change["lost"][0]
     assert "continuing with 1 worker from the start of epoch" in log, log
     assert "is rank 0 of 1 in world 1" in survivor, survivor
+    cluster.none_left()
+
+
+def frozen_scripts() -> list[int]:
+    """Processes of linear.py frozen by SIGSTOP (state T), whatever their host."""
+    frozen = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if str(LINEAR).encode() not in (entry / "cmdline").read_bytes():
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                frozen.append(int(entry.name))
+        except OSError:
+            continue
+    return frozen
+
+
+def test_a_frozen_worker_is_dropped_and_woken_it_is_refused_across_hosts(make_hosts, tmp_path):
+    """A worker frozen (SIGSTOP) mid-step on its host keeps its connections open: the coordinator
+    drops it after the heartbeat timeout and the other carries on alone from the start of the
+    epoch; woken once the new world exists, the frozen worker is refused in one line and ends."""
+    net = make_hosts(3)
+    cluster = Cluster(net, tmp_path)
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    coordinator = cluster.coordinator(
+        "--min-workers", "1", "--epochs", "4", "--no-restore-best", "--run-dir", str(run_dir)
+    )
+    work = ["python", str(LINEAR), "--out", str(out)]
+    fault = "stop@train-step:rank=1:epoch=1:step=2:world=0"
+    workers = [cluster.worker(i, work, EPOCHAL_FAULT=fault) for i in range(2)]
+    deadline = time.monotonic() + RUN_DEADLINE
+    while not (frozen := frozen_scripts()):
+        assert time.monotonic() < deadline, cluster.dump()
+        time.sleep(0.05)
+    journal_has(run_dir, "world")
+    os.kill(frozen[0], signal.SIGCONT)
+    woken = cluster.wait(workers[1])
+    survivor = cluster.wait(workers[0])
+    log = cluster.wait(coordinator)
+    assert coordinator.returncode == 0, cluster.dump()
+    assert workers[0].returncode == 0, survivor
+    assert workers[1].returncode != 0, woken
+    assert "this worker was dropped from the run" in woken, woken
+    (change,) = json.loads((run_dir / "result.json").read_text())["world_changes"]
+    assert (change["epoch"], change["from"], change["to"]) == (1, 2, 1), change
+    assert change["lost"][0].startswith("rank 1 ") and "sent nothing for" in change["lost"][0]
+    assert "continuing with 1 worker from the start of epoch 1" in log, log
     cluster.none_left()
 
 
