@@ -25,11 +25,18 @@ import torch
 
 from tests.integration.conftest import SCRIPTS, Spawner, epoch_records, marked_pids, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]  # one reference run
-
 DEADLINE = 240.0
 """Generous: a change of world is bounded by the settle window and the store's start; only a
 hang should reach it."""
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("elastic"),  # one reference run
+    # each run is bounded by DEADLINE; a test runs up to four in turn (the replacement and the
+    # three legs of its reference), which on a loaded machine takes longer than the suite's
+    # default per-test timeout
+    pytest.mark.timeout(5 * DEADLINE),
+]
 
 
 def start_elastic(

@@ -35,13 +35,18 @@ EPOCHS = 40
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("mode", ["replicated", "fully_sharded"])
+@pytest.mark.parametrize(
+    ("mode", "killed"),
+    [("replicated", 0), ("fully_sharded", 1)],
+    ids=["replicated-rank-0-the-store-host", "fully_sharded"],
+)
 def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(
-    make_hosts, tmp_path, mode
+    make_hosts, tmp_path, mode, killed
 ):
-    """In fully_sharded the survivor loads the killed worker's shard from the checkpoint of
-    epoch 0, and at the boundary it gathers the whole state and sends it to the newcomer's host,
-    which keeps its shard of each tensor."""
+    """Rank 0 killed: the other becomes rank 0 and hosts the new world's store on its own host,
+    which the newcomer then reaches from another. In fully_sharded the survivor loads the killed
+    worker's shard from the checkpoint of epoch 0, and at the boundary it gathers the whole state
+    and sends it to the newcomer's host, which keeps its shard of each tensor."""
     net = make_hosts(3)
     cluster = Cluster(net, tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -59,7 +64,7 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(
     # epochs of about a second while the world is short of a worker, fast once it is whole
     work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.25", "--slow-below", "2"]
     work += ["--parallel", mode]
-    fault = "kill@train-step:rank=1:epoch=1:step=2:world=0"
+    fault = f"kill@train-step:rank={killed}:epoch=1:step=2:world=0"
     workers = [cluster.worker(i, [*supervisor, *work], EPOCHAL_FAULT=fault) for i in range(2)]
     outputs = [cluster.wait(w) for w in workers]
     log = cluster.wait(coordinator)
@@ -72,10 +77,13 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(
     assert (joined["from"], joined["to"], joined["lost"]) == (1, 2, []), changes
     assert joined["epoch"] >= 2 and joined["restore"] == "peers", changes
     assert lost["restore"] == ("memory" if mode == "replicated" else "checkpoint"), changes
-    assert "restart 1 of 1" in outputs[1], outputs[1]
-    assert "took rank 0's state" in outputs[1], outputs[1]
+    assert lost["lost"][0].startswith(f"rank {killed} "), changes
+    again, survivor = outputs[killed], outputs[1 - killed]
+    assert "restart 1 of 1" in again, again
+    assert "took rank 0's state" in again, again
+    assert f"rank {1 - killed} is rank 0 of 1 in world 1" in survivor, survivor
     # the survivor never restarted; the other ends with its weights, bit for bit
-    assert "restart" not in outputs[0], outputs[0]
+    assert "restart" not in survivor, survivor
     final = {r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)}
     for key, tensor in final[0]["state"].items():
         assert torch.equal(tensor, final[1]["state"][key]), key
