@@ -77,7 +77,9 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_loaded(
     path.write_bytes(bytes(data))
     fresh = nn.Linear(64, 64)
     before = fresh.weight.detach().clone()
-    for rng in (True, False):  # the resume load and the best-weights load alike
+    # the resume load (its rank's generators where the manifest lists them), a load that
+    # requires them, and the best-weights load alike
+    for rng in (None, True, False):
         with pytest.raises(CheckpointCorrupt, match=f"epoch 3 is unusable: .*{path.name}"):
             ckpt.load(3, State(fresh), rng=rng)
     assert torch.equal(fresh.weight, before)  # untouched
@@ -171,7 +173,7 @@ def test_a_forged_file_with_a_recomputed_manifest_is_refused_unread(tmp_path: Pa
     forge(path, name, marker)
     fresh = nn.Linear(64, 64)
     before = fresh.weight.detach().clone()
-    for rng in (True, False):
+    for rng in (None, True, False):
         with pytest.raises(CheckpointCorrupt) as info:
             ckpt.load(3, State(fresh), rng=rng)
         assert f"{path / 'MANIFEST.json'} does not verify under the checkpoint key" in str(

@@ -257,11 +257,10 @@ def fit(
         others to stay equal to it. In the sharded modes rank 0 sends what it gathered at the
         boundary, and each rank keeps its part; the best epoch's weights, a shard on each rank
         of the old world, are not sent: every rank loads them from their checkpoint at the end."""
-        nonlocal best_state, gathered
-        full = None
+        nonlocal best_state
+        full = None  # rebuild forgets what was gathered once this returns
         if gathered is not None and gathered[0] == session.start_epoch:
             full = gathered[1]
-        gathered = None
         moved = share(strategy, full=full)
         more = 0
         if strategy.snapshot_scope is SnapshotScope.SHARD:
