@@ -29,12 +29,14 @@ descriptor libzmq owns. The monitor loses no event (libzmq's I/O thread waits fo
 monitor's pipe), so the table follows libzmq's own.
 
 What libzmq offers and why it is not enough alone: ``ZMQ_HANDSHAKE_IVL`` (set to the same
-timeout) closes connections that never finish ZeroMQ's handshake, not those that finish it and
-then say nothing or hold a frame; ZMTP heartbeats (``ZMQ_HEARTBEAT_TIMEOUT``) would close a
-peer that holds a frame (it cannot answer mid-frame), but not a ZeroMQ socket that answers them
-and says nothing, and they would close a member's connection whenever its process is stopped,
-which is the watchdog's to judge; ``ZMQ_ROUTER_NOTIFY`` tells of a connection but gives no way
-to close it; a frame's ``Peer-Address`` names a host, not a connection.
+timeout, 2 ms more: libzmq's timers count whole milliseconds from a cached clock, so one may
+fire up to a millisecond early) closes connections that never finish ZeroMQ's handshake, not
+those that finish it and then say nothing or hold a frame; ZMTP heartbeats
+(``ZMQ_HEARTBEAT_TIMEOUT``) would close a peer that holds a frame (it cannot answer mid-frame),
+but not a ZeroMQ socket that answers them and says nothing, and they would close a member's
+connection whenever its process is stopped, which is the watchdog's to judge;
+``ZMQ_ROUTER_NOTIFY`` tells of a connection but gives no way to close it; a frame's
+``Peer-Address`` names a host, not a connection.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ its own workers' connections do not need more)."""
 CONNECTION_BYTES = 32 * 1024
 """libzmq's own memory per connection besides the frame it receives (about 24 KiB measured:
 decoder and encoder buffers, the session, the pipes)."""
+
+HANDSHAKE_MARGIN_MS = 2
+"""Milliseconds ``ZMQ_HANDSHAKE_IVL`` adds to the timeout: libzmq's timers read a clock truncated
+to the millisecond and cached, so one set to the timeout alone may fire up to 1 ms before it."""
 
 Why = Literal["timeout", "cap", "files"]
 
@@ -418,7 +424,9 @@ class ConnectionGuard:
             self._scratch = None
 
     def configure(self, sock: zmq.Socket[Any]) -> None:
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, round(self.connections.limits.timeout * 1000)))
+        # never before the timeout: libzmq truncates its clock to the millisecond
+        ivl = math.ceil(self.connections.limits.timeout * 1000) + HANDSHAKE_MARGIN_MS
+        sock.setsockopt(zmq.HANDSHAKE_IVL, ivl)
 
     def bound(self, endpoint: str) -> None:
         """The ROUTER listens on ``endpoint``: a drop checks its descriptor is on that port.

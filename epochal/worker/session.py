@@ -57,6 +57,7 @@ from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.control.worlds import Rejoin
 from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.reattaching import Reattaching, TakenBack
+from epochal.worker.regroup.leave import close_group
 from epochal.worker.regrouping import Regrouping
 from epochal.worker.training.replicas import weights_checksum
 from epochal.worker.training.results import (
@@ -229,6 +230,8 @@ class Session(Reattaching, Regrouping):
         except BaseException as exc:
             self.fail(exc)
             raise
+        finally:  # the training code's: it may hold a wrapper and, through it, the process group
+            self._learning_rate = None
         return RunResult(
             restore_best=finish.restore_best,
             best_epoch=finish.best_epoch,
@@ -477,16 +480,21 @@ class Session(Reattaching, Regrouping):
         if self._closed:
             return
         self._closed = True
+        ended = False  # every rank finished: no collective of this rank's can be left running
         try:
             if finished and not self._ran_epochs:
                 finish_without_epochs(self.client, self.rank, self.start_epoch)
+            ended = finished
         finally:
-            self._teardown()
+            self._teardown(finished=ended)
 
-    def _teardown(self) -> None:
+    def _teardown(self, *, finished: bool) -> None:
         if dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                if finished:
+                    close_group()  # its threads end now, not while the interpreter exits
+                else:
+                    dist.destroy_process_group()
             except Exception:  # tearing down after an abort: the peers may be gone already
                 pass
         self.client.close()

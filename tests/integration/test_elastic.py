@@ -315,6 +315,8 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     for rank in (1, 2, 3):
         for key, tensor in final[0]["state"].items():
             assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)
+    # every world's process group closed with the run, its threads ended before train returned
+    assert {r: f["gloo_threads"] for r, f in final.items()} == {r: [] for r in final}
 
     # The reference, where the join epoch is known only now: 4 workers train epoch 0, a resume
     # at 3 the epochs up to the join, a resume at 4 the rest; each resumes from the checkpoint of

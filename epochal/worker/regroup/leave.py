@@ -192,6 +192,31 @@ def leave(strategy: Strategy | None = None, error: BaseException | None = None) 
     return time.perf_counter() - start
 
 
+def close_group() -> None:
+    """Destroy the default process group at the end of a finished run and let it close now, while
+    the interpreter is whole: its threads ended before this returns (gloo's).
+
+    Destroying the group alone leaves it open while anything holds it (a DDP wrapper in a
+    reference cycle, torch's import-time defaults, a device mesh: see :func:`leave`), and with it
+    gloo's worker threads, one of which may still hold the last reference to the tensors of the
+    collective it just ran. Dropped there while the interpreter exits, a tensor whose Python object
+    it keeps takes the GIL, which then ends the thread mid-destructor: ``terminate called without
+    an active exception``, SIGABRT, after the run finished (seen on a loaded machine). So the
+    defaults and meshes forget the group, the garbage is collected and the last reference, this
+    function's, goes last: torch's binding releases the GIL while the group's destructor joins
+    its threads. A group the caller still holds (its own DDP wrapper)
+    stays open until the caller drops it, as before. Only for a run every rank finished: a
+    collective left blocked (a failed run) would keep the destructor waiting for its timeout."""
+    if not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    _forget_import_time_group(group)
+    _forget_meshes(group)
+    dist.destroy_process_group()
+    gc.collect()  # the wrappers in reference cycles, each holding the group
+    del group  # the last reference, when nothing else holds one: the threads end here
+
+
 def rebuild(strategy: Strategy, layout: Layout) -> Strategy:
     """The mode of ``strategy`` built again over ``layout``'s group (after :func:`leave` and a new
     ``init_process_group``), with the same options, DDP options and hooks, and the same precision

@@ -93,6 +93,19 @@ class HangingLoader:
         yield from self.batches
 
 
+def gloo_threads() -> list[str]:
+    """This process's gloo threads, by name: none once the run's process groups closed."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -176,6 +189,7 @@ def main() -> None:
                 "train_losses": [r.train_loss for r in result.curve],
                 "pid": os.getpid(),
                 "metrics": [r.metrics for r in result.curve],
+                "gloo_threads": gloo_threads(),
             },
             args.out / f"rank{result.rank}.pt",
         )
