@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from epochal.coordinator import resume
 from epochal.coordinator.actions import Action, Log, RunPhase, Send
 from epochal.coordinator.batches import BatchCounts
+from epochal.coordinator.carry import Carry
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.membership import Membership, NewWorld
 from epochal.coordinator.models import Checked, Differ, ModelChecks, Outcome
@@ -82,7 +83,7 @@ class Joining:
     generation: int
     epoch: int
     _change: NewWorld | None
-    _carried: resume.Carry | None
+    _carried: Carry | None
 
     def carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
         raise NotImplementedError  # the taking-back side's

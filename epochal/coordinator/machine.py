@@ -5,7 +5,8 @@
 follow: messages to send, records to write, lines to log, the end of the run. It opens no socket,
 reads no clock and touches no file (the run directory's model record is handed in), so a whole run
 is driven by a test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rules
-themselves are in :mod:`.watchdog`, the budget of peers outside the run in :mod:`.strangers`, the
+themselves are in :mod:`.watchdog` (what each tick makes of them in :mod:`.finishing`, with how
+the run ends), the budget of peers outside the run in :mod:`.strangers`, the
 parameter lists fetched to name a model that differs in :mod:`.models`.
 
 Phases (:class:`~epochal.coordinator.actions.RunPhase`), in order: rendezvous -> store -> ready
@@ -27,10 +28,8 @@ from epochal.coordinator.actions import (
     Aborted,
     Action,
     Broadcast,
-    Finished,
     Journal,
     Log,
-    Prune,
     RunPhase,
     Send,
 )
@@ -41,7 +40,9 @@ from epochal.coordinator.batches import (
     format_ranks,
     plan_epoch,
 )
+from epochal.coordinator.carry import Carry, sent_record
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.finishing import Finishing
 from epochal.coordinator.joining import NOT_MEMBER
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.membership import Membership, NewWorld
@@ -56,7 +57,6 @@ from epochal.coordinator.replicas import replicas_differ
 from epochal.coordinator.strangers import Gate
 from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
 from epochal.coordinator.sums import aggregate as aggregate_losses
-from epochal.coordinator.takeback import TakingBack
 from epochal.coordinator.watchdog import Watchdog
 from epochal.protocol import (
     Abort,
@@ -91,7 +91,7 @@ UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
 """Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
-class RunMachine(TakingBack):
+class RunMachine(Finishing):
     """One run's control-plane state and rules; see the module docstring."""
 
     def __init__(
@@ -168,7 +168,7 @@ class RunMachine(TakingBack):
         # by rank, the workers taken back so far (welcomed)
         self._back: set[int] = set()
         # the ranks taken back that sent again what they wait an answer to
-        self._carried: resume.Carry | None = None
+        self._carried: Carry | None = None
         # where the run was taken back from, once it was
 
     # ------------------------------------------------------------------ entry points
@@ -392,7 +392,7 @@ class RunMachine(TakingBack):
         record = {  # a restarted coordinator answers a rank that missed it with the same go
             "kind": "go",
             "epoch": self.epoch,
-            "sent": resume.sent_record(go),
+            "sent": sent_record(go),
             "validates": self._validates,
             "world_size": len(self.members),
             "generation": self.generation,
@@ -466,7 +466,7 @@ class RunMachine(TakingBack):
         )
         if outcome.stop:
             decision = outcome.decision(checkpoint, sums)
-            record["next"] = {"sent": resume.sent_record(decision)}
+            record["next"] = {"sent": sent_record(decision)}
             actions += [Broadcast(self._recipients(), decision), said]
             actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
             return actions + self._finish(now)
@@ -488,7 +488,7 @@ class RunMachine(TakingBack):
         decision = outcome.decision(checkpoint, sums, go, gather=gather)
         # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
         # that missed it with the same decision (the record dict is the Journal action's)
-        record["next"] = {"sent": resume.sent_record(decision), "validates": self._validates}
+        record["next"] = {"sent": sent_record(decision), "validates": self._validates}
         actions += [Broadcast(self._recipients(), decision), said]
         self.epoch = following
         if gather:
@@ -503,114 +503,4 @@ class RunMachine(TakingBack):
             # it (each member restores its start, taken before its first step, if it got there)
             return actions + grown
         self._run(now)
-        return actions
-
-    def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
-        if epoch in self._committed:
-            return []  # sent again by a worker taken back by a restarted coordinator
-        actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
-        self._committed.append(epoch)
-        if self._checkpoint_dir is not None:
-            pruned = resume.prunable(
-                self._committed, self.config.keep_checkpoints, self._loop.best_epoch
-            )
-            if pruned:
-                actions.append(Prune(tuple(pruned)))
-            self._committed = [e for e in self._committed if e not in pruned]
-            for gone in pruned:
-                self._loops_at.pop(gone, None)
-        grown = self._grow(now, checkpointed=epoch)  # a world whose copies are not whole
-        return actions + (grown or [])
-
-    def _closed_early(self, now: float, rank: int) -> list[Action]:
-        """A rank closed its session before it announced any epoch (a script with a loop of its
-        own): the run finishes; every rank gets the Finish now, and the run ends when each has
-        closed (or at ``--finish-timeout``). A rank that still asks for an epoch is out of step."""
-        actions = [
-            Log(
-                f"rank {rank} ({self.members[rank].describe()}) closed its session without "
-                "running epochs: its script keeps its own loop (epochal.join() for the process "
-                "group only, or a torchrun script); the run finishes once every rank has closed "
-                "its session"
-            ),
-            *self._finish(now),
-        ]
-        self._ready.clear()
-        return actions + self._done_by(rank)
-
-    def _done_by(self, rank: int) -> list[Action]:
-        """``rank`` has finished (said done); the run ends once every rank has."""
-        self._done.add(rank)
-        return self._end() if len(self._done) == len(self.members) else []
-
-    def _finish(self, now: float) -> list[Action]:
-        finish, line = ending.finish(self._loop, self.config, self.run_id)
-        self._set_phase(RunPhase.FINISHING, now)
-        late = Abort(reason="the run finished before this worker could join it")
-        waiting = [Send(peer, late) for peer in self.membership.standby]
-        return [Broadcast(self._recipients(), finish), Log(line), *waiting]
-
-    def _end(self) -> list[Action]:
-        summary, result = ending.result(self._loop, self.run_id)
-        if self.config.elastic:
-            result["world_changes"] = self.world_changes
-        self.over = True
-        return [Journal("result", result), Finished(summary)]
-
-    # ------------------------------------------------------------------ the clock
-
-    def _check_clock(self, now: float) -> list[Action]:
-        dog, cfg = self.watchdog, self.config
-        losses = self._check_losses(now)
-        if losses is not None:
-            return losses
-        quiet = dog.first_silent(now, self.membership.standby)
-        if quiet is not None:  # a standby newcomer that went silent is forgotten
-            peer = quiet[0]
-            member = self.membership.leave(peer)
-            assert member is not None
-            self.rendezvous.leave(peer)
-            self.gate.sessions.forget(peer)
-            dog.drop(peer)
-            return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
-        if self.elastic:
-            silent = dog.first_silent(now, self._ranks)
-            if silent is not None:
-                peer, seconds = silent
-                self.lose(now, self._ranks[peer], f"sent nothing for {seconds:.1f} s")
-                return []
-        failed = dog.failure_due(now)
-        if failed is not None:
-            return self.abort(failed)
-        expired = self.models.expired(now)
-        if expired is not None:
-            return self._checked(now, expired)
-        if self._store is not None and self.phase is RunPhase.STORE:
-            return []  # the store is open; the welcome waits for rank 0's list, a bounded while
-        waited = now - dog.phase_started
-        if self.taking_back:
-            return self._check_taking_back(now, waited)
-        if self._carry is not None and not self.rendezvous.members:
-            return self._check_first_back(waited)
-        if self.phase is RunPhase.RENDEZVOUS:
-            return self._check_rendezvous(now, waited)
-        answered = self._ready if self.phase is RunPhase.READY else self._reports
-        lines, reason = dog.check(
-            now,
-            phase=self.phase,
-            epoch=self.epoch,
-            answered=answered,
-            members=self.members,
-            ranks=self._ranks,
-            welcomed=self._store is not None,
-        )
-        actions: list[Action] = [Log(line) for line in lines]
-        if reason is not None:
-            return actions + self.abort(reason)
-        if self.phase is RunPhase.FINISHING and waited > cfg.finish_timeout:
-            missing = sorted(set(range(cfg.world_size)) - self._done)
-            actions.append(
-                Log(f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s")
-            )
-            return actions + self._end()
         return actions

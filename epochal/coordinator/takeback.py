@@ -1,7 +1,7 @@
 """A restarted coordinator takes the run's running workers back where they are: no epoch redone.
 
 The journal holds every decision whole, and every ``go`` that started an epoch from the ranks'
-``epoch_ready`` (:class:`~epochal.coordinator.resume.Carry`), each fsynced before any rank heard
+``epoch_ready`` (:class:`~epochal.coordinator.carry.Carry`), each fsynced before any rank heard
 it. When the coordinator dies, every rank therefore either waits for the journal's last message or
 got it and went on: into the next epoch, or into the checkpoint the decision asked for, where it
 waits in a collective for the ranks that did not get it. Those say hello again to the restarted
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.batches import BatchCounts, EpochPlan, format_ranks
+from epochal.coordinator.carry import Carry, replay
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.regrouping import Regrouping
 from epochal.coordinator.rendezvous import Admitted, Member
-from epochal.coordinator.resume import Carry, replay
 from epochal.coordinator.sums import LossSums
 from epochal.protocol import (
     Checkpointed,

@@ -11,6 +11,7 @@ import pytest
 
 from epochal.coordinator import resume
 from epochal.coordinator.actions import Action, Broadcast, Journal, RunPhase, Send
+from epochal.coordinator.carry import sent_message
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.membership import LOSS_SETTLE
@@ -441,7 +442,7 @@ def test_a_world_of_shards_grows_at_the_boundary_from_the_state_its_members_gath
     assert not sent(decided, Regroup)
     assert run.machine.phase is RunPhase.READY and run.machine.epoch == 2
     (record,) = journal(decided, "epoch")
-    assert resume.sent_message(record["next"]["sent"]) == decision  # a restart resends it
+    assert sent_message(record["next"]["sent"]) == decision  # a restart resends it
     # the checkpoint the decision asked for is committed, and is not what the world grows from
     assert not sent(run.send(4.1, members[0], Checkpointed(epoch=1)), Regroup)
     ready = EpochReady(2, 5, 2, generation=1, snapshots="shard", gathers=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from epochal.coordinator import CoordinatorConfig, resume
 from epochal.coordinator.actions import Action, Finished, Journal, RunPhase, Send
+from epochal.coordinator.carry import sent_record
 from epochal.coordinator.machine import TAKING_BACK, RunMachine
 from epochal.errors import RunAborted
 from epochal.protocol import (
@@ -265,7 +266,7 @@ def test_after_a_decision_that_gathered_the_readies_are_kept_and_the_go_follows(
     gathered = dataclasses.replace(decisions[1], go=None, gather=True)
     journal = tmp_path / "run" / "epochs.jsonl"
     records = [json.loads(line) for line in journal.read_text().splitlines()]
-    records[-1]["next"]["sent"] = resume.sent_record(gathered)
+    records[-1]["next"]["sent"] = sent_record(gathered)
     journal.write_text("".join(json.dumps(r) + "\n" for r in records))
     carry = resume.inspect(config, None).carry
     assert carry is not None and carry.gathering and not carry.stopped and carry.epoch == 2

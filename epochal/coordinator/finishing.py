@@ -1,0 +1,146 @@
+"""How a run ends, and what the clock finds between messages: the part of
+:class:`~epochal.coordinator.machine.RunMachine` that commits checkpoints (pruning the old ones),
+finishes the run (the Finish to every rank, the result once each has said done, or at
+``--finish-timeout``) and, on every tick, asks the watchdog and the phases' own checks whether a
+rank is lost, a phase overran or a newcomer went silent. Pure like the machine.
+"""
+
+from __future__ import annotations
+
+from epochal.coordinator import ending, resume
+from epochal.coordinator.actions import (
+    Action,
+    Broadcast,
+    Finished,
+    Journal,
+    Log,
+    Prune,
+    RunPhase,
+    Send,
+)
+from epochal.coordinator.batches import BatchCounts
+from epochal.coordinator.sums import LossSums
+from epochal.coordinator.takeback import TakingBack
+from epochal.protocol import Abort
+
+
+class Finishing(TakingBack):
+    """The finishing and clock side of a run's machine; see the module docstring. The machine
+    sets every attribute below in its ``__init__``."""
+
+    _done: set[int]
+    _ready: dict[int, BatchCounts]
+    _reports: dict[int, LossSums]
+
+    def _recipients(self) -> tuple[bytes, ...]:
+        raise NotImplementedError  # the machine's
+
+    def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
+        if epoch in self._committed:
+            return []  # sent again by a worker taken back by a restarted coordinator
+        actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
+        self._committed.append(epoch)
+        if self._checkpoint_dir is not None:
+            pruned = resume.prunable(
+                self._committed, self.config.keep_checkpoints, self._loop.best_epoch
+            )
+            if pruned:
+                actions.append(Prune(tuple(pruned)))
+            self._committed = [e for e in self._committed if e not in pruned]
+            for gone in pruned:
+                self._loops_at.pop(gone, None)
+        grown = self._grow(now, checkpointed=epoch)  # a world whose copies are not whole
+        return actions + (grown or [])
+
+    def _closed_early(self, now: float, rank: int) -> list[Action]:
+        """A rank closed its session before it announced any epoch (a script with a loop of its
+        own): the run finishes; every rank gets the Finish now, and the run ends when each has
+        closed (or at ``--finish-timeout``). A rank that still asks for an epoch is out of step."""
+        actions = [
+            Log(
+                f"rank {rank} ({self.members[rank].describe()}) closed its session without "
+                "running epochs: its script keeps its own loop (epochal.join() for the process "
+                "group only, or a torchrun script); the run finishes once every rank has closed "
+                "its session"
+            ),
+            *self._finish(now),
+        ]
+        self._ready.clear()
+        return actions + self._done_by(rank)
+
+    def _done_by(self, rank: int) -> list[Action]:
+        """``rank`` has finished (said done); the run ends once every rank has."""
+        self._done.add(rank)
+        return self._end() if len(self._done) == len(self.members) else []
+
+    def _finish(self, now: float) -> list[Action]:
+        finish, line = ending.finish(self._loop, self.config, self.run_id)
+        self._set_phase(RunPhase.FINISHING, now)
+        late = Abort(reason="the run finished before this worker could join it")
+        waiting = [Send(peer, late) for peer in self.membership.standby]
+        return [Broadcast(self._recipients(), finish), Log(line), *waiting]
+
+    def _end(self) -> list[Action]:
+        summary, result = ending.result(self._loop, self.run_id)
+        if self.config.elastic:
+            result["world_changes"] = self.world_changes
+        self.over = True
+        return [Journal("result", result), Finished(summary)]
+
+    # ------------------------------------------------------------------ the clock
+
+    def _check_clock(self, now: float) -> list[Action]:
+        dog, cfg = self.watchdog, self.config
+        losses = self._check_losses(now)
+        if losses is not None:
+            return losses
+        quiet = dog.first_silent(now, self.membership.standby)
+        if quiet is not None:  # a standby newcomer that went silent is forgotten
+            peer = quiet[0]
+            member = self.membership.leave(peer)
+            assert member is not None
+            self.rendezvous.leave(peer)
+            self.gate.sessions.forget(peer)
+            dog.drop(peer)
+            return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
+        if self.elastic:
+            silent = dog.first_silent(now, self._ranks)
+            if silent is not None:
+                peer, seconds = silent
+                self.lose(now, self._ranks[peer], f"sent nothing for {seconds:.1f} s")
+                return []
+        failed = dog.failure_due(now)
+        if failed is not None:
+            return self.abort(failed)
+        expired = self.models.expired(now)
+        if expired is not None:
+            return self._checked(now, expired)
+        if self._store is not None and self.phase is RunPhase.STORE:
+            return []  # the store is open; the welcome waits for rank 0's list, a bounded while
+        waited = now - dog.phase_started
+        if self.taking_back:
+            return self._check_taking_back(now, waited)
+        if self._carry is not None and not self.rendezvous.members:
+            return self._check_first_back(waited)
+        if self.phase is RunPhase.RENDEZVOUS:
+            return self._check_rendezvous(now, waited)
+        answered = self._ready if self.phase is RunPhase.READY else self._reports
+        lines, reason = dog.check(
+            now,
+            phase=self.phase,
+            epoch=self.epoch,
+            answered=answered,
+            members=self.members,
+            ranks=self._ranks,
+            welcomed=self._store is not None,
+        )
+        actions: list[Action] = [Log(line) for line in lines]
+        if reason is not None:
+            return actions + self.abort(reason)
+        if self.phase is RunPhase.FINISHING and waited > cfg.finish_timeout:
+            missing = sorted(set(range(cfg.world_size)) - self._done)
+            actions.append(
+                Log(f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s")
+            )
+            return actions + self._end()
+        return actions
