@@ -124,6 +124,8 @@ class Finishing(TakingBack):
             return self._check_first_back(waited)
         if self.phase is RunPhase.RENDEZVOUS:
             return self._check_rendezvous(now, waited)
+        if self.phase is RunPhase.FINISHING:
+            return self._check_finishing(now, waited)
         answered = self._ready if self.phase is RunPhase.READY else self._reports
         lines, reason = dog.check(
             now,
@@ -137,10 +139,28 @@ class Finishing(TakingBack):
         actions: list[Action] = [Log(line) for line in lines]
         if reason is not None:
             return actions + self.abort(reason)
-        if self.phase is RunPhase.FINISHING and waited > cfg.finish_timeout:
-            missing = sorted(set(range(cfg.world_size)) - self._done)
-            actions.append(
-                Log(f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s")
-            )
-            return actions + self._end()
         return actions
+
+    def _check_finishing(self, now: float, waited: float) -> list[Action]:
+        """The Finish is out and every epoch decided: the run's result stands whether or not each
+        rank confirms it. A rank silent past the heartbeat timeout is waited for no longer (its
+        Done can be lost with its connection as its process ends: a frame lost on the way, then
+        the socket closed), and none past ``--finish-timeout``. A failure a rank reports still
+        aborts (the clock's rules before this one)."""
+        cfg = self.config
+        pending = {peer for peer, rank in self._ranks.items() if rank not in self._done}
+        silent = self.watchdog.first_silent(now, pending)
+        if silent is not None:
+            peer, seconds = silent
+            rank = self._ranks[peer]
+            line = (
+                f"rank {rank} ({self.members[rank].describe()}) sent nothing for {seconds:.1f} s "
+                "after the finish without confirming it (its process may have ended before its "
+                "last message arrived); every epoch is decided, so the result stands"
+            )
+            return [Log(line), *self._done_by(rank)]
+        if waited > cfg.finish_timeout:
+            missing = sorted(set(range(len(self.members))) - self._done)
+            line = f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s"
+            return [Log(line), *self._end()]
+        return []

@@ -542,6 +542,37 @@ def test_a_finish_unconfirmed_within_the_finish_timeout_ends_the_run():
     assert isinstance(actions[-1], Finished)
 
 
+def test_a_rank_silent_after_the_finish_ends_the_run_finished_not_aborted():
+    """Its Done can be lost as its process ends (a frame lost, then the socket closed): every
+    epoch is decided, so the run ends as finished once the heartbeat timeout passes, well before
+    --finish-timeout, with one line naming the rank."""
+    run = start(epochs=1, finish_timeout=100.0, heartbeat_timeout=5.0)
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: last(1.0, 0))
+    run.send(2.5, run.peers[1], Done())
+    early = run.machine.on_tick(7.0)  # rank 0 last heard at 2.0: not yet past the timeout
+    assert not logged(early) and not any(isinstance(a, Finished) for a in early)
+    actions = run.machine.on_tick(7.1)
+    assert aborted(actions) is None
+    (line,) = logged(actions)
+    assert line.startswith("rank 0 (") and "after the finish without confirming it" in line
+    assert "sent nothing for 5.1 s" in line
+    (ended,) = [a for a in actions if isinstance(a, Finished)]
+    assert ended.summary.epochs_run == 1
+    (result,) = [a.record for a in actions if isinstance(a, Journal) and a.kind == "result"]
+    assert result["status"] == "finished"
+
+
+def test_a_failure_reported_after_the_finish_still_aborts():
+    run = start(epochs=1, finish_timeout=100.0, heartbeat_timeout=5.0)
+    run.all(1.0, ready)
+    run.all(2.0, lambda r: last(1.0, 0))
+    run.send(2.5, run.peers[1], Done())
+    assert run.send(3.0, run.peers[0], Failed(reason="restoring the best weights: disk")) == []
+    reason = aborted(run.machine.on_tick(3.0 + FAILURE_SETTLE))
+    assert reason is not None and "restoring the best weights: disk" in reason
+
+
 def test_a_record_that_cannot_be_written_aborts_even_after_the_end():
     run = start(epochs=1)
     run.all(1.0, ready)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -68,5 +69,11 @@ with group:
         print(f"rank {rank}: epoch {epoch} loss {total / len(loader):.4f}", flush=True)
     if rank == 0:
         torch.save(model.module.state_dict(), args.out)
+    # A careful script's end: the DDP wrapper (in reference cycles) holds the process group, so
+    # drop it before the group is destroyed; then gloo's threads end now, while the interpreter is
+    # whole. Left to the interpreter's exit, one of them can drop a tensor there and abort the
+    # process ('terminate called without an active exception'), seen under torchrun itself.
+    del model, optimizer
+    gc.collect()
 if not args.join:
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ checkpoint was loaded, and ``epoch E [E+1/N]`` when it ends, which is what the b
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from pathlib import Path
@@ -73,6 +74,8 @@ def main() -> None:
             valid_loss = float(sums[0] / sums[1])
             print(f"epoch {epoch} [{epoch + 1}/{args.epochs}] valid {valid_loss:.4f}", flush=True)
         dist.barrier()
+    del ddp  # it holds the group: dropped first, gloo's threads end at the destroy, not at exit
+    gc.collect()
     dist.destroy_process_group()
 
 
