@@ -90,7 +90,7 @@ class Finishing(TakingBack):
     # ------------------------------------------------------------------ the clock
 
     def _check_clock(self, now: float) -> list[Action]:
-        dog, cfg = self.watchdog, self.config
+        dog = self.watchdog
         losses = self._check_losses(now)
         if losses is not None:
             return losses

@@ -29,7 +29,9 @@ from epochal.text import printable
 
 LOSS_SETTLE = 0.25
 """Seconds between the first loss and the new world, so that losses that come together (two
-workers of one host, an exit and its neighbours' broken collectives) make one change."""
+workers of one host, an exit and its neighbours' broken collectives) make one change. The window
+closes early once every other rank of the world has reported its broken collective: each is then
+known alive and waiting, so no loss of the same moment is still to come."""
 
 DROPPED_REMEMBERED = 4096
 """Dropped processes remembered to refuse their return; the oldest are forgotten first."""
@@ -127,6 +129,7 @@ class Membership:
         self.standby: OrderedDict[bytes, Member] = OrderedDict()
         # newcomers admitted while the run trains, in order of arrival, waiting for a boundary
         self._lost: dict[int, Loss] = {}
+        self._broken: set[int] = set()  # ranks of this world that reported a broken collective
         self._settle: float | None = None
         self._since: float | None = None
         self._dropped: OrderedDict[tuple[str, str, int], str] = OrderedDict()
@@ -141,6 +144,7 @@ class Membership:
         """The first world, from the rendezvous (generation 0), or the world a restarted
         coordinator took back (the generation its journal holds)."""
         self.world = World(generation, members)
+        self._broken.clear()
         return self.world
 
     # ------------------------------------------------------------------ losses
@@ -165,9 +169,21 @@ class Membership:
     def lost_ranks(self) -> frozenset[int]:
         return frozenset(self._lost)
 
+    def broken(self, rank: int) -> None:
+        """``rank`` of the current world reported that a collective broke: it is alive and
+        waits for the next world."""
+        self._broken.add(rank)
+
     def due(self, now: float) -> bool:
-        """Whether the settle window of the pending losses is over."""
-        return self._settle is not None and now >= self._settle
+        """Whether the settle window of the pending losses is over: its time has passed, or every
+        rank not lost has reported its broken collective (none can be lost with them unnoticed)."""
+        if self._settle is None:
+            return False
+        world = self.world
+        heard = world is not None and all(
+            r in self._lost or r in self._broken for r in range(world.size)
+        )
+        return heard or now >= self._settle
 
     def decide(self, scope: SnapshotScope) -> NewWorld | TooFew:
         """The new world after the pending losses (newcomers waiting join it), or the end;
@@ -178,6 +194,7 @@ class Membership:
         survivors = tuple(m for r, m in enumerate(world.members) if r not in self._lost)
         since = self._since if self._since is not None else 0.0
         self._lost.clear()
+        self._broken.clear()
         self._settle = self._since = None
         for loss in lost:
             self.drop(loss.member, loss.why)
@@ -226,6 +243,7 @@ class Membership:
         if joined and restore is Restore.MEMORY:
             restore = Restore.PEERS  # each survivor restores its copy, then rank 0 shares it
         self.world = World(world.generation + 1, survivors + joined)
+        self._broken.clear()
         return NewWorld(self.world, world, lost, joined, restore, since)
 
     # ------------------------------------------------------------------ newcomers, dropped

@@ -5,8 +5,8 @@ and :class:`~.joining.Joining` in its bases) that runs when the run is elastic (
 below the world size) and a rank is lost: its process exited (:meth:`Regrouping.process_exited`,
 told by the launcher), its connection closed (:meth:`Regrouping.connection_closed`), it failed,
 or it went silent past the heartbeat timeout. The losses that come together are collected for a
-moment (:data:`~.membership.LOSS_SETTLE`; the lost rank's peers then report their broken
-collectives, which are consequences, not failures of their own), and :class:`~.membership.
+moment (:data:`~.membership.LOSS_SETTLE`, or until every other rank has reported its broken
+collective, a consequence, not a failure of its own), and :class:`~.membership.
 Membership` decides: the survivors in their order, renumbered, as the next generation's world,
 or the end of the run when fewer than ``--min-workers`` remain.
 
@@ -135,8 +135,11 @@ class Regrouping(Joining):
         """A rank's collective failed in world ``message.generation``: a consequence of a loss
         the coordinator is about to find (or found already); when none is found within the
         failure settle window, the run aborts with its reason."""
-        if message.generation != self.generation or self.membership.losing:
-            return []  # of an older world, or explained already
+        if message.generation != self.generation:
+            return []  # of an older world
+        self.membership.broken(rank)  # alive: with every other rank so, a loss settles at once
+        if self.membership.losing:
+            return []  # explained already
         reason = printable(message.reason, REASON_CHARS)
         self.watchdog.report_failure(
             now, f"rank {rank} ({self.members[rank].describe()}) failed: {reason}"

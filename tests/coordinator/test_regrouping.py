@@ -197,6 +197,46 @@ def test_two_lost_at_once_make_one_change_and_one_more_below_the_least_ends_the_
     assert broadcast(actions, Abort)
 
 
+def test_a_loss_settles_at_once_when_every_other_rank_reports_its_broken_collective():
+    """Each survivor that reports its broken collective is alive and waiting: once all have, no
+    loss of the same moment can still be unnoticed, and the new world need not wait out the
+    settle window."""
+    run = elastic()
+    before = list(run.peers)
+    run.all(2.0, lambda r: report(1.0, 0))
+    assert run.machine.process_exited(3.0, 102, "was killed by SIGKILL")
+    for rank in (0, 1):
+        assert run.send(3.01, before[rank], Broken(1, 0, "Connection closed by peer")) == []
+    waiting = run.machine.on_tick(3.02)  # rank 3 not heard: it may have died with rank 2
+    assert not sent(waiting, Regroup)
+    assert run.send(3.03, before[3], Broken(1, 0, "Connection closed by peer")) == []
+    actions = run.machine.on_tick(3.03)
+    assert LOSS_SETTLE > 0.03  # within the window, which would have held it
+    assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[1], before[3]]
+
+
+def test_survivors_broken_before_a_second_loss_is_noticed_still_make_one_change():
+    """Two killed together, the second exit noticed after the survivors' reports: the dead
+    rank never reports, so the window holds until its exit is noticed, and one change names
+    both."""
+    run = elastic(world=4, least=2)
+    before = list(run.peers)
+    run.all(2.0, lambda r: report(1.0, 0))
+    run.machine.process_exited(3.0, 101, "was killed by SIGKILL")
+    for rank in (0, 2):
+        run.send(3.01, before[rank], Broken(1, 0, "Connection closed by peer"))
+    assert not sent(run.machine.on_tick(3.02), Regroup)  # rank 3 has not reported
+    run.machine.process_exited(3.1, 103, "was killed by SIGKILL")
+    actions = run.machine.on_tick(3.1)  # now every rank is lost or reported: at once
+    assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[2]]
+    lines = [a.line for a in actions if hasattr(a, "line")]
+    assert [line.split(" (")[0] for line in lines if "continuing with 2" in line] == [
+        "rank 1",
+        "rank 3",
+    ], lines
+    assert len(sent(actions, OpenStore)) == 1  # one new world
+
+
 def test_a_dropped_process_that_comes_back_is_refused_naming_why():
     run = elastic()
     stopped = run.peers[2]
