@@ -7,6 +7,8 @@ rank is lost, a phase overran or a newcomer went silent. Pure like the machine.
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
+
 from epochal.coordinator import ending, resume
 from epochal.coordinator.actions import (
     Action,
@@ -29,6 +31,7 @@ class Finishing(TakingBack):
     sets every attribute below in its ``__init__``."""
 
     _done: set[int]
+    _finish_decided: bool
     _ready: dict[int, BatchCounts]
     _reports: dict[int, LossSums]
 
@@ -63,7 +66,7 @@ class Finishing(TakingBack):
                 "group only, or a torchrun script); the run finishes once every rank has closed "
                 "its session"
             ),
-            *self._finish(now),
+            *self._finish(now, decided=False),
         ]
         self._ready.clear()
         return actions + self._done_by(rank)
@@ -73,9 +76,12 @@ class Finishing(TakingBack):
         self._done.add(rank)
         return self._end() if len(self._done) == len(self.members) else []
 
-    def _finish(self, now: float) -> list[Action]:
+    def _finish(self, now: float, *, decided: bool = True) -> list[Action]:
+        """The Finish to every rank; ``decided``: after the run's last epoch was decided (not a
+        script with a loop of its own, whose other ranks may still be training)."""
         finish, line = ending.finish(self._loop, self.config, self.run_id)
         self._set_phase(RunPhase.FINISHING, now)
+        self._finish_decided = decided
         late = Abort(reason="the run finished before this worker could join it")
         waiting = [Send(peer, late) for peer in self.membership.standby]
         return [Broadcast(self._recipients(), finish), Log(line), *waiting]
@@ -142,21 +148,24 @@ class Finishing(TakingBack):
         return actions
 
     def _check_finishing(self, now: float, waited: float) -> list[Action]:
-        """The Finish is out and every epoch decided: the run's result stands whether or not each
-        rank confirms it. A rank silent past the heartbeat timeout is waited for no longer (its
-        Done can be lost with its connection as its process ends: a frame lost on the way, then
-        the socket closed), and none past ``--finish-timeout``. A failure a rank reports still
-        aborts (the clock's rules before this one)."""
+        """The Finish is out; the ranks that said done are waited for no more. After the last
+        epoch's decision the run's result stands whether or not each rank confirms it: a rank
+        silent past the heartbeat timeout is not waited for (its Done can be lost with its
+        connection as its process ends: a frame lost on the way, then the socket closed), and
+        none past ``--finish-timeout``. Where no epoch was decided (ranks with loops of their own,
+        still training when one closed its session), a silent rank aborts the run as in any
+        other phase. A failure a rank reports aborts either way (the clock's rules before this)."""
         cfg = self.config
-        pending = {peer for peer, rank in self._ranks.items() if rank not in self._done}
-        silent = self.watchdog.first_silent(now, pending)
+        silent = self.watchdog.first_silent(now, _Pending(self._ranks, self._done))
         if silent is not None:
             peer, seconds = silent
             rank = self._ranks[peer]
+            if not self._finish_decided:
+                return self.abort(self.watchdog.silence(rank, seconds, self.members))
             line = (
-                f"rank {rank} ({self.members[rank].describe()}) sent nothing for {seconds:.1f} s "
-                "after the finish without confirming it (its process may have ended before its "
-                "last message arrived); every epoch is decided, so the result stands"
+                f"rank {rank} ({self.members[rank].describe()}) has not confirmed the finish and "
+                f"sent nothing for {seconds:.1f} s (its process may have ended before its last "
+                "message arrived): every epoch is decided, so the result stands"
             )
             return [Log(line), *self._done_by(rank)]
         if waited > cfg.finish_timeout:
@@ -164,3 +173,16 @@ class Finishing(TakingBack):
             line = f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s"
             return [Log(line), *self._end()]
         return []
+
+
+class _Pending:
+    """The ranked peers that have not said done (a view: nothing copied per tick)."""
+
+    __slots__ = ("_done", "_ranks")
+
+    def __init__(self, ranks: Mapping[bytes, int], done: Container[int]) -> None:
+        self._ranks, self._done = ranks, done
+
+    def __contains__(self, peer: object) -> bool:
+        rank = self._ranks.get(peer) if isinstance(peer, bytes) else None
+        return rank is not None and rank not in self._done

@@ -133,6 +133,7 @@ class RunMachine(Finishing):
         self._checksums: dict[int, int | None] = {}
         # phase running: each rank's checksum of its weights after the epoch, where it sent one
         self._done: set[int] = set()
+        self._finish_decided = True  # the Finish followed the last epoch's decision
         self._plan: EpochPlan | None = None
         self._validates = False
         self._checkpoint_dir = config.checkpoint_path

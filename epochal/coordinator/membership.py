@@ -30,8 +30,13 @@ from epochal.text import printable
 LOSS_SETTLE = 0.25
 """Seconds between the first loss and the new world, so that losses that come together (two
 workers of one host, an exit and its neighbours' broken collectives) make one change. The window
-closes early once every other rank of the world has reported its broken collective: each is then
-known alive and waiting, so no loss of the same moment is still to come."""
+closes early once every other rank of the world has reported its broken collective (each is then
+known alive and waiting), but not before :data:`LOSS_SETTLE_LEAST`."""
+
+LOSS_SETTLE_LEAST = 0.1
+"""Seconds the settle window lasts at the least, every rank heard or not: a rank that reported its
+broken collective can still die of the same cause a few milliseconds later (processes of one
+host killed one after another, a shutdown's signals), and its loss belongs to the same change."""
 
 DROPPED_REMEMBERED = 4096
 """Dropped processes remembered to refuse their return; the oldest are forgotten first."""
@@ -176,14 +181,16 @@ class Membership:
 
     def due(self, now: float) -> bool:
         """Whether the settle window of the pending losses is over: its time has passed, or every
-        rank not lost has reported its broken collective (none can be lost with them unnoticed)."""
-        if self._settle is None:
+        rank not lost has reported its broken collective and :data:`LOSS_SETTLE_LEAST` has
+        passed since the first loss."""
+        if self._settle is None or self._since is None:
             return False
+        if now >= self._settle:
+            return True
         world = self.world
-        heard = world is not None and all(
-            r in self._lost or r in self._broken for r in range(world.size)
-        )
-        return heard or now >= self._settle
+        if world is None or now < self._since + LOSS_SETTLE_LEAST:
+            return False
+        return all(r in self._lost or r in self._broken for r in range(world.size))
 
     def decide(self, scope: SnapshotScope) -> NewWorld | TooFew:
         """The new world after the pending losses (newcomers waiting join it), or the end;

@@ -5,8 +5,9 @@ and :class:`~.joining.Joining` in its bases) that runs when the run is elastic (
 below the world size) and a rank is lost: its process exited (:meth:`Regrouping.process_exited`,
 told by the launcher), its connection closed (:meth:`Regrouping.connection_closed`), it failed,
 or it went silent past the heartbeat timeout. The losses that come together are collected for a
-moment (:data:`~.membership.LOSS_SETTLE`, or until every other rank has reported its broken
-collective, a consequence, not a failure of its own), and :class:`~.membership.
+moment (:data:`~.membership.LOSS_SETTLE`; less, down to :data:`~.membership.LOSS_SETTLE_LEAST`,
+once every other rank has reported its broken collective, a consequence, not a failure of its
+own), and :class:`~.membership.
 Membership` decides: the survivors in their order, renumbered, as the next generation's world,
 or the end of the run when fewer than ``--min-workers`` remain.
 

@@ -65,7 +65,7 @@ class TakingBack(Regrouping):
     def _start_epoch(self, now: float) -> list[Action]:
         raise NotImplementedError  # the machine's
 
-    def _finish(self, now: float) -> list[Action]:
+    def _finish(self, now: float, *, decided: bool = True) -> list[Action]:
         raise NotImplementedError  # the machine's
 
     def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:

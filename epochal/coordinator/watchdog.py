@@ -211,12 +211,17 @@ class Watchdog:
         silent = self.first_silent(now, ranks)
         if silent is not None:
             peer, seconds = silent
-            rank = ranks[peer]
-            return lines, (
-                f"rank {rank} ({members[rank].describe()}) sent nothing for "
-                f"{seconds:.1f} s{self._doing(rank, welcomed)}: it died, hung or lost its network"
-            )
+            return lines, self.silence(ranks[peer], seconds, members, welcomed)
         return lines, None
+
+    def silence(
+        self, rank: int, seconds: float, members: Sequence[Member], welcomed: bool = True
+    ) -> str:
+        """Why the run aborts when ``rank`` sent nothing for ``seconds``."""
+        return (
+            f"rank {rank} ({members[rank].describe()}) sent nothing for "
+            f"{seconds:.1f} s{self._doing(rank, welcomed)}: it died, hung or lost its network"
+        )
 
     def _doing(self, rank: int, welcomed: bool) -> str:
         """What ``rank`` last said it was doing (" while connecting the data plane")."""

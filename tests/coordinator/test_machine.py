@@ -555,12 +555,25 @@ def test_a_rank_silent_after_the_finish_ends_the_run_finished_not_aborted():
     actions = run.machine.on_tick(7.1)
     assert aborted(actions) is None
     (line,) = logged(actions)
-    assert line.startswith("rank 0 (") and "after the finish without confirming it" in line
-    assert "sent nothing for 5.1 s" in line
+    assert line.startswith("rank 0 (") and "has not confirmed the finish" in line
+    assert "sent nothing for 5.1 s" in line and "the result stands" in line
     (ended,) = [a for a in actions if isinstance(a, Finished)]
     assert ended.summary.epochs_run == 1
     (result,) = [a.record for a in actions if isinstance(a, Journal) and a.kind == "result"]
     assert result["status"] == "finished"
+
+
+def test_a_rank_silent_after_another_closed_its_own_loop_early_still_aborts():
+    """No epoch was decided (the ranks keep loops of their own): a rank silent past the heartbeat
+    timeout may have died in its loop, so the run aborts, while a rank that said done and left
+    is not waited for."""
+    run = start(epochs=3, heartbeat_timeout=5.0, finish_timeout=100.0)
+    run.send(1.0, run.peers[1], Done())  # closed its session, then its process ended
+    run.send(4.0, run.peers[0], Heartbeat())  # still in its own loop
+    assert aborted(run.machine.on_tick(8.9)) is None  # rank 1 silent 7.9 s: it said done
+    reason = aborted(run.machine.on_tick(9.1))
+    assert reason is not None and reason.startswith("rank 0 (")
+    assert "sent nothing for 5.1 s" in reason
 
 
 def test_a_failure_reported_after_the_finish_still_aborts():

@@ -14,7 +14,7 @@ from epochal.coordinator.actions import Action, Broadcast, Journal, RunPhase, Se
 from epochal.coordinator.carry import sent_message
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.membership import LOSS_SETTLE
+from epochal.coordinator.membership import LOSS_SETTLE, LOSS_SETTLE_LEAST
 from epochal.coordinator.watchdog import FAILURE_SETTLE
 from epochal.protocol import (
     Abort,
@@ -197,22 +197,39 @@ def test_two_lost_at_once_make_one_change_and_one_more_below_the_least_ends_the_
     assert broadcast(actions, Abort)
 
 
-def test_a_loss_settles_at_once_when_every_other_rank_reports_its_broken_collective():
+def test_a_loss_settles_early_once_every_other_rank_reports_its_broken_collective():
     """Each survivor that reports its broken collective is alive and waiting: once all have, no
-    loss of the same moment can still be unnoticed, and the new world need not wait out the
-    settle window."""
+    loss of the same moment can still be unnoticed, and the new world forms after the least
+    settle time instead of the whole window."""
     run = elastic()
     before = list(run.peers)
     run.all(2.0, lambda r: report(1.0, 0))
     assert run.machine.process_exited(3.0, 102, "was killed by SIGKILL")
     for rank in (0, 1):
         assert run.send(3.01, before[rank], Broken(1, 0, "Connection closed by peer")) == []
-    waiting = run.machine.on_tick(3.02)  # rank 3 not heard: it may have died with rank 2
-    assert not sent(waiting, Regroup)
-    assert run.send(3.03, before[3], Broken(1, 0, "Connection closed by peer")) == []
-    actions = run.machine.on_tick(3.03)
-    assert LOSS_SETTLE > 0.03  # within the window, which would have held it
+    # rank 3 not heard: it may have died with rank 2
+    assert not sent(run.machine.on_tick(3.0 + LOSS_SETTLE_LEAST + 0.01), Regroup)
+    assert run.send(3.12, before[3], Broken(1, 0, "Connection closed by peer")) == []
+    actions = run.machine.on_tick(3.12)
     assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[1], before[3]]
+
+
+def test_every_rank_heard_still_waits_the_least_settle_time():
+    """A rank that reported its broken collective can die of the same cause a moment later: its
+    loss within the least settle time joins the same change."""
+    run = elastic(world=4, least=2)
+    before = list(run.peers)
+    run.all(2.0, lambda r: report(1.0, 0))
+    run.machine.process_exited(3.0, 102, "was killed by SIGKILL")
+    for rank in (0, 1, 3):
+        run.send(3.005, before[rank], Broken(1, 0, "Connection closed by peer"))
+    assert not sent(run.machine.on_tick(3.01), Regroup)
+    run.machine.process_exited(3.02, 103, "was killed by SIGKILL")  # rank 3, after its report
+    assert not sent(run.machine.on_tick(3.05), Regroup)
+    actions = run.machine.on_tick(3.0 + LOSS_SETTLE_LEAST + 0.001)
+    assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[1]]
+    assert len(sent(actions, OpenStore)) == 1  # one new world for both
+    assert aborted(run.machine.on_tick(3.0 + SETTLED)) is None
 
 
 def test_survivors_broken_before_a_second_loss_is_noticed_still_make_one_change():
@@ -225,9 +242,9 @@ def test_survivors_broken_before_a_second_loss_is_noticed_still_make_one_change(
     run.machine.process_exited(3.0, 101, "was killed by SIGKILL")
     for rank in (0, 2):
         run.send(3.01, before[rank], Broken(1, 0, "Connection closed by peer"))
-    assert not sent(run.machine.on_tick(3.02), Regroup)  # rank 3 has not reported
-    run.machine.process_exited(3.1, 103, "was killed by SIGKILL")
-    actions = run.machine.on_tick(3.1)  # now every rank is lost or reported: at once
+    assert not sent(run.machine.on_tick(3.15), Regroup)  # rank 3 has not reported
+    run.machine.process_exited(3.16, 103, "was killed by SIGKILL")
+    actions = run.machine.on_tick(3.16)  # now every rank is lost or reported: at once
     assert [peer for peer, _ in sent(actions, Regroup)] == [before[0], before[2]]
     lines = [a.line for a in actions if hasattr(a, "line")]
     assert [line.split(" (")[0] for line in lines if "continuing with 2" in line] == [
@@ -235,6 +252,21 @@ def test_survivors_broken_before_a_second_loss_is_noticed_still_make_one_change(
         "rank 3",
     ], lines
     assert len(sent(actions, OpenStore)) == 1  # one new world
+
+
+def test_a_broken_collective_of_an_older_world_does_not_count_as_heard():
+    run = elastic(world=4, least=2)
+    run.all(2.0, lambda r: report(1.0, 0))
+    run.machine.process_exited(3.0, 103, "was killed by SIGKILL")
+    regroup(run, 4.0, run.machine.on_tick(3.0 + SETTLED), 1)  # world 1: w0, w1, w2
+    survivors = list(run.peers)
+    run.machine.process_exited(5.0, 102, "was killed by SIGKILL")  # rank 2 of world 1
+    for peer in survivors[:2]:  # late reports of world 0 would close the window; not these
+        run.send(5.01, peer, Broken(1, 0, "Connection closed by peer"))
+    assert not sent(run.machine.on_tick(5.0 + LOSS_SETTLE_LEAST + 0.05), Regroup)
+    for peer in survivors[:2]:
+        run.send(5.2, peer, Broken(1, 1, "Connection closed by peer"))
+    assert [p for p, _ in sent(run.machine.on_tick(5.2), Regroup)] == survivors[:2]
 
 
 def test_a_dropped_process_that_comes_back_is_refused_naming_why():
