@@ -30,7 +30,14 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
-from epochal.rundir import RESULT_FILE, STATUS_FILE, monitor_of, rate_label, smoothed_label
+from epochal.rundir import (
+    RESULT_FILE,
+    STATUS_FILE,
+    monitor_of,
+    rate_label,
+    smoothed_label,
+    standing,
+)
 from epochal.text import PRINTABLE_CHARS, counted, printable
 
 INTERVAL = 2.0
@@ -297,7 +304,8 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
     status = read_status(run_dir)
     result = current_result(run_dir, status)
     run = read_run(run_dir) or {}
-    records = epoch_records(read_records(run_dir))
+    journal = read_records(run_dir)
+    records = epoch_records(journal)
     live = status or {}
     run_id = (result or {}).get("run_id") or live.get("run_id") or run.get("run_id")
     epochs = live.get("epochs") or _obj(run.get("config")).get("epochs")
@@ -346,6 +354,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         lines.append(_epoch_line(records[-1], monitor))
     elif isinstance(live.get("last"), dict):
         lines.append(_epoch_line(live["last"], monitor))
+    lines += world_lines(journal)
     if status is not None:
         events = [e for e in _list(status.get("events")) if isinstance(e, dict)]
         again = [e for e in events if e.get("kind") in ("restart", "resume")]
@@ -356,6 +365,41 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         if result is None and ranks:
             lines.append(rank_table([r for r in ranks if isinstance(r, dict)]))
     return "\n".join(lines)
+
+
+_RESTORED = {
+    "memory": "restored from memory",
+    "checkpoint": "restored from the checkpoint of epoch {checkpoint}",
+    "peers": "state sent from rank 0",
+}
+"""How a change's ``restore`` (:class:`~epochal.protocol.Restore`) reads in a world line."""
+
+
+def world_lines(journal: list[dict[str, Any]]) -> list[str]:
+    """One line per change of an elastic run's world, from the journal's ``world`` records that
+    stand: ``world changed before epoch 1: 4 -> 3 workers (generation 1; lost rank 3 (...);
+    restored from memory; 0.8 s)``. None for a run whose world never changed."""
+    lines = []
+    for record in standing(journal):
+        if record.get("kind") != "world":
+            continue
+        said = [f"generation {_t(record.get('generation'))}"]
+        lost = [_t(x) for x in _list(record.get("lost"))]
+        joined = [_t(x) for x in _list(record.get("joined"))]
+        if lost:
+            said.append(f"lost {', '.join(lost)}")
+        if joined:
+            said.append(f"joined {', '.join(joined)}")
+        source = _RESTORED.get(str(record.get("restore")))
+        if source is not None:
+            said.append(source.format(checkpoint=_t(record.get("checkpoint"))))
+        if _is_number(record.get("seconds")):
+            said.append(f"{record['seconds']:.1f} s")
+        lines.append(
+            f"world changed before epoch {_t(record.get('epoch'))}: {_t(record.get('from'))} -> "
+            f"{_t(record.get('to'))} workers ({'; '.join(said)})"
+        )
+    return lines
 
 
 def current_result(run_dir: Path, status: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -38,11 +38,15 @@ TAGS = {
     "seconds": "time/epoch_seconds",
     "train_batches": "batches/train",
     "valid_batches": "batches/valid",
+    "world_size": "world/size",
+    "generation": "world/generation",
 }
 """The tag of each known field; any other numeric field NAME of a record (or entry of its
 ``metrics`` object) is written as ``metrics/NAME``. With ``--monitor NAME`` (a metric) the
 smoothed and best monitored values are that metric's, not the loss's: they are written beside it
-as ``metrics/smoothed_NAME`` and ``metrics/best_NAME`` (:func:`monitored_tags`)."""
+as ``metrics/smoothed_NAME`` and ``metrics/best_NAME`` (:func:`monitored_tags`). An elastic run's
+change of world shows as a step in ``world/size`` (and ``world/generation``) at the epoch it
+redid at the new size."""
 
 _NOT_SCALARS = {"epoch", "time", "kind"}
 

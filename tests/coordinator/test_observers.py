@@ -64,8 +64,8 @@ def snapshot(epoch: int = 0, state: str = "running", **kw: Any) -> StatusSnapsho
         state=state,
         epoch=epoch,
         epochs=10,
-        world_size=2,
-        joined=2,
+        world_size=kw.pop("world_size", 2),
+        joined=kw.pop("joined", 2),
         ranks=kw.pop("ranks", rows),
         **kw,
     )
@@ -396,6 +396,71 @@ def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(directory))
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def elastic_journal(run_dir: Path) -> None:
+    """A finished elastic run: 4 workers in epoch 0, rank 3 lost in epoch 1, which the other
+    three redo from memory; a world record of epoch 2 that a later restore superseded."""
+    journal = Journal(run_dir)
+    journal.start({"run_id": "e1", "config": {"epochs": 3}})
+    journal.epoch(record(0, world_size=4, generation=0))
+    lost = {"lost": ["rank 3 (worker w3 on node4, pid 44)"], "joined": [], "seconds": 0.8}
+    journal.epoch(
+        {"kind": "world", "epoch": 1, "generation": 1, "from": 4, "to": 3, "restore": "memory"}
+        | lost
+    )
+    journal.epoch(record(1, world_size=3, generation=1))
+    journal.epoch(record(2, world_size=3, generation=1))
+    journal.result(
+        {"status": "finished", "run_id": "e1", "best_epoch": 2, "best_loss": 0.5, "epochs_run": 3}
+    )
+    journal.close()
+
+
+def test_status_shows_each_change_of_an_elastic_world(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    elastic_journal(tmp_path)
+    assert main(["status", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "world changed before epoch 1: 4 -> 3 workers (generation 1; lost rank 3 (worker w3 on "
+        "node4, pid 44); restored from memory; 0.8 s)"
+    ]
+    journal = Journal(tmp_path)  # a grown world, its state from rank 0 and then a checkpoint
+    joined = {"lost": [], "joined": ["w9"], "seconds": 0.4, "restore": "peers"}
+    journal.epoch({"kind": "world", "epoch": 3, "generation": 2, "from": 3, "to": 4} | joined)
+    restored = {"restore": "checkpoint", "checkpoint": 2, "lost": ["rank 0 (w0)"], "joined": []}
+    journal.epoch({"kind": "world", "epoch": 3, "generation": 3, "from": 4, "to": 3} | restored)
+    journal.close()
+    assert main(["status", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "world changed before epoch 3: 3 -> 4 workers (generation 2; joined w9; state sent from "
+        "rank 0; 0.4 s)",
+        "world changed before epoch 3: 4 -> 3 workers (generation 3; lost rank 0 (w0); restored "
+        "from the checkpoint of epoch 2)",
+    ]
+
+
+def test_tensorboard_and_prometheus_show_the_size_of_an_elastic_world(tmp_path: Path) -> None:
+    board = TensorBoard(tmp_path / "tb")
+    metrics = Prometheus("127.0.0.1:0")
+    try:
+        for observer in (board, metrics):
+            observer.on_start(start(tmp_path / "run"))
+            observer.on_epoch(record(0, world_size=4, generation=0), snapshot(0, world_size=4))
+        assert value(scrape(metrics), "epochal_world_size") == 4
+        world = {"kind": "world", "epoch": 1, "generation": 1, "from": 4, "to": 3}
+        for observer in (board, metrics):
+            observer.on_epoch(world, snapshot(1, world_size=3, joined=3))
+            observer.on_epoch(record(1, world_size=3, generation=1), snapshot(1, world_size=3))
+        assert value(scrape(metrics), "epochal_world_size") == 3
+    finally:
+        metrics.close()
+        board.close()
+    assert board.directory is not None
+    got = scalars(board.directory)
+    assert got["world/size"] == [(0, 4.0), (1, 3.0)]
+    assert got["world/generation"] == [(0, 0.0), (1, 1.0)]
 
 
 def test_tensorboard_gets_every_journaled_scalar(tmp_path: Path) -> None:
