@@ -5,6 +5,12 @@ the workers it starts; a worker on another machine is pointed at its coordinator
 ``EPOCHAL_COORDINATOR=tcp://HOST:PORT``.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from epochal.errors import ConfigError
+
 COORDINATOR_ENV = "EPOCHAL_COORDINATOR"
 """Endpoint of the coordinator, e.g. ``tcp://10.0.0.5:29400``."""
 
@@ -51,6 +57,10 @@ ABORT_GRACE_ENV = "EPOCHAL_ABORT_GRACE"
 """Seconds a worker's training code has to come back to epochal after an abort (or a change of
 the world) before the process ends itself."""
 
+DEFAULT_ABORT_GRACE = 2.0
+"""The default of :data:`ABORT_GRACE_ENV` (``JoinOptions.abort_grace``), declared here because the
+launcher, which never imports the worker, bounds its workers' exit by it too."""
+
 REATTACH_TIMEOUT_ENV = "EPOCHAL_REATTACH_TIMEOUT"
 """Seconds a worker whose coordinator vanished waits for a restarted one (0: stop at once)."""
 
@@ -74,3 +84,20 @@ workers."""
 LOG_FORMAT_ENV = "EPOCHAL_LOG_FORMAT"
 """``text`` (the default: the lines alone) or ``json`` (one object a line); ``--log-format`` of
 ``epochal run`` and ``epochal worker`` sets it for their workers."""
+
+
+def env_seconds(
+    env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False
+) -> float:
+    """Seconds from the variable ``name`` (``default`` when unset or empty); ConfigError naming it
+    when it is not a positive number (or zero, with ``allow_zero``)."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value

@@ -20,12 +20,15 @@ import os
 import secrets
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from epochal.coordinator import Coordinator, CoordinatorConfig, RunSummary
 from epochal.environment import (
+    ABORT_GRACE_ENV,
     COORDINATOR_ENV,
+    DEFAULT_ABORT_GRACE,
     JOB_ENV,
     LOCAL_RANK_ENV,
     PROGRESS_ENV,
@@ -35,6 +38,7 @@ from epochal.environment import (
     VERBOSE_ENV,
     WORKER_ID_ENV,
     WORLD_SIZE_ENV,
+    env_seconds,
 )
 from epochal.errors import RunAborted
 from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
@@ -48,16 +52,24 @@ from epochal.text import counted, exit_words
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-WORKER_ABORT_GRACE = 2.0
-"""A worker's default ``abort_grace``: the seconds its training code has to return to epochal after
-an abort before the worker exits by itself (see :func:`epochal.join`)."""
 EXIT_MARGIN = 10.0
 """Seconds, on top of ``abort_grace``, an aborted worker gets to shut its interpreter down (garbage
 collection alone took up to 11 s on a loaded 2-core machine). Only an aborted or interrupted run
 is bounded: the workers of a finished run exit in their own time, their own post-training work
 included, unless ``--exit-timeout`` says otherwise."""
-ABORT_EXIT_TIMEOUT = WORKER_ABORT_GRACE + EXIT_MARGIN
-"""How long the launcher waits for the workers of an aborted run before it kills them."""
+ABORT_EXIT_TIMEOUT = DEFAULT_ABORT_GRACE + EXIT_MARGIN
+"""How long the launcher waits for the workers of an aborted run before it kills them, where
+``EPOCHAL_ABORT_GRACE`` (which the workers inherit) is not set: :func:`abort_exit_timeout`."""
+
+
+def abort_exit_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """How long the launcher waits for the workers of an aborted run before it kills them: their
+    ``abort_grace`` (``EPOCHAL_ABORT_GRACE`` in ``environ``, which they inherit, or its default)
+    plus :data:`EXIT_MARGIN`."""
+    environ = os.environ if environ is None else environ
+    return env_seconds(environ, ABORT_GRACE_ENV, DEFAULT_ABORT_GRACE) + EXIT_MARGIN
+
+
 NEVER_CALLED_HINT = (
     "; did the script call epochal.train() or epochal.join()? (an `if __name__ == "
     "'__main__':` guard around a function that is never called does this too)"
@@ -186,14 +198,14 @@ async def _wait_for_exit(
     watchers: list[asyncio.Task[int]], bound: float | None, interrupted: list[str]
 ) -> None:
     """Wait for every worker to exit, at most ``bound`` seconds (None: no bound); a signal
-    received meanwhile bounds the wait to ``ABORT_EXIT_TIMEOUT`` from then on."""
+    received meanwhile bounds the wait to :func:`abort_exit_timeout` from then on."""
     loop = asyncio.get_running_loop()
     deadline = None if bound is None else loop.time() + bound
     signalled_at: float | None = None
     while pending := [w for w in watchers if not w.done()]:
         if interrupted and signalled_at is None:
             signalled_at = loop.time()
-            limit = signalled_at + ABORT_EXIT_TIMEOUT
+            limit = signalled_at + abort_exit_timeout()
             deadline = limit if deadline is None else min(deadline, limit)
         step = 0.5
         if deadline is not None:
@@ -360,7 +372,7 @@ async def _attempt(
                     logging.INFO,
                 )
         if plain:  # no bound: the script trains for as long as it does
-            failed_first = await wait_plain(procs, watchers, ABORT_EXIT_TIMEOUT)
+            failed_first = await wait_plain(procs, watchers, abort_exit_timeout())
     except RunAborted as exc:
         reason = exc.reason
         relay.stop()
@@ -372,7 +384,7 @@ async def _attempt(
     finally:
         detector.cancel()
         await asyncio.gather(*replacing, return_exceptions=True)
-        bound = exit_timeout if summary is not None else ABORT_EXIT_TIMEOUT
+        bound = exit_timeout if summary is not None else abort_exit_timeout()
         await _wait_for_exit(watchers, bound, interrupted)
         stuck = [i for i, p in enumerate(procs) if p.returncode is None]
         for i in stuck:
@@ -388,7 +400,7 @@ async def _attempt(
         return _plain_outcome(codes, failed_first, interrupted)
     hidden = hidden_note(relay.hidden)
     if interrupted and summary is not None:
-        bound = ABORT_EXIT_TIMEOUT  # the signal bounded a wait that had none
+        bound = abort_exit_timeout()  # the signal bounded a wait that had none
     killed = (
         f"; {_workers([slots[i] for i in stuck])} still running {bound:g} s later and killed"
         if stuck

@@ -11,7 +11,7 @@ any other process (another run's store, say) may have bound it since. The
 coordinator then stands down with one line saying what needs ``epochal.train``/``epochal.join``,
 and the launcher does what torchrun does for such a script: the run is finished when every worker
 exits 0; the first that exits otherwise stops the others (SIGTERM, then SIGKILL after
-``ABORT_EXIT_TIMEOUT``).
+its workers' ``abort_grace`` and a margin: ``launcher.abort_exit_timeout``).
 """
 
 from __future__ import annotations

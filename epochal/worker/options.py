@@ -29,10 +29,12 @@ from epochal.environment import (
     COORDINATOR_ENV,
     CURVE_KEY_ENV,
     CURVE_SERVER_KEY_ENV,
+    DEFAULT_ABORT_GRACE,
     JOB_ENV,
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
     WORKER_ID_ENV,
+    env_seconds,
 )
 from epochal.errors import ConfigError
 from epochal.log import WORKER
@@ -98,7 +100,9 @@ class JoinOptions:
         default=600.0, metadata=_from(COLLECTIVE_TIMEOUT_ENV, _seconds)
     )
     # seconds each data-plane collective may take
-    abort_grace: float = field(default=2.0, metadata=_from(ABORT_GRACE_ENV, _seconds))
+    abort_grace: float = field(
+        default=DEFAULT_ABORT_GRACE, metadata=_from(ABORT_GRACE_ENV, _seconds)
+    )
     # seconds the training code has to return to epochal after an abort before the process exits
     reattach_timeout: float = field(
         default=60.0, metadata=_from(REATTACH_TIMEOUT_ENV, _seconds_or_never)
@@ -190,23 +194,6 @@ def coordinator_address(given: str | None, env: Mapping[str, str]) -> str:
 def default_worker_id() -> str:
     """``HOST/PID/random``: unique among the workers of a run."""
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
-
-
-def env_seconds(
-    env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = False
-) -> float:
-    """Seconds from the variable ``name`` (``default`` when unset or empty); ConfigError naming it
-    when it is not a positive number (or zero, with ``allow_zero``)."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (value >= 0 if allow_zero else value > 0):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 def check_endpoint(endpoint: str) -> str:

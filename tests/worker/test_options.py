@@ -11,7 +11,7 @@ import pytest
 
 import epochal
 from epochal.errors import ConfigError
-from epochal.launch.launcher import WORKER_ABORT_GRACE
+from epochal.launch.launcher import EXIT_MARGIN, abort_exit_timeout
 from epochal.worker.launchenv import Placement
 from epochal.worker.options import RUN_SETTINGS, VARIABLE, JoinOptions, env_seconds
 
@@ -48,8 +48,17 @@ def test_the_guide_states_each_default_the_options_have(name: str):
     assert {float(s) for s in stated} == {default}, name
 
 
-def test_the_launcher_waits_for_the_workers_default_abort_grace():
-    assert JoinOptions().abort_grace == WORKER_ABORT_GRACE
+def test_the_launcher_waits_for_the_abort_grace_its_workers_have():
+    """The launcher never imports the worker: both read the one declaration of the default, and
+    the launcher the variable its workers inherit."""
+    assert abort_exit_timeout({}) == JoinOptions().abort_grace + EXIT_MARGIN
+    given = {"EPOCHAL_ABORT_GRACE": "7"}
+    assert (
+        abort_exit_timeout(given)
+        == JoinOptions.from_env(given | ENDPOINT).abort_grace + EXIT_MARGIN
+    )
+    with pytest.raises(ConfigError, match="EPOCHAL_ABORT_GRACE"):
+        abort_exit_timeout({"EPOCHAL_ABORT_GRACE": "soon"})
 
 
 def test_an_argument_wins_over_its_variable_and_the_variable_over_the_default():
