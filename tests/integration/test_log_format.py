@@ -15,6 +15,8 @@ import pytest
 from epochal import cli, log
 from tests.integration.conftest import Spawner
 
+pytestmark = pytest.mark.slow  # real coordinator, launcher and worker processes
+
 DEADLINE = 60.0
 """Neither command below trains: each ends after its rendezvous timeout or a failing child."""
 

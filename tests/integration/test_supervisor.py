@@ -10,6 +10,8 @@ import pytest
 
 from tests.integration.conftest import Spawner
 
+pytestmark = pytest.mark.slow  # every test runs epochal's supervisor and its workers
+
 FLAKY = """
 import os, pathlib, sys
 count = pathlib.Path(sys.argv[1])
@@ -90,7 +92,6 @@ def test_a_command_is_required(spawn):
     assert code == 2 and "give the command to run after --" in output
 
 
-@pytest.mark.slow
 # its own deadlines in turn: the reference run (120 s), the first checkpoint (60 s), the
 # supervisors (120 s), the coordinator (60 s)
 @pytest.mark.timeout(120 + 60 + 120 + 60 + 60)

@@ -17,6 +17,8 @@ import zmq
 
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
 
+pytestmark = pytest.mark.slow  # each test runs a worker in a process of its own
+
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.0
 ABORT_GRACE = 0.5

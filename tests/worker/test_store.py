@@ -99,6 +99,7 @@ def test_the_stores_budget_is_stated_per_world_size(world: int | None, mib: floa
     assert storeserver.budget(world) / 2**20 == pytest.approx(mib, abs=0.1)
 
 
+@pytest.mark.slow  # the store server is a process that imports torch
 def test_the_store_server_runs_apart_capped_and_its_cap_grows_with_the_world():
     server = StoreServer.start("127.0.0.1", 60)
     try:
@@ -114,6 +115,7 @@ def test_the_store_server_runs_apart_capped_and_its_cap_grows_with_the_world():
     assert server.process.returncode == 0
 
 
+@pytest.mark.slow  # the store server is a process that imports torch
 def test_the_store_server_ends_when_the_process_that_started_it_is_killed():
     starter = subprocess.Popen(
         [
