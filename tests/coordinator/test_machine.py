@@ -67,6 +67,12 @@ def logged(actions: list[Action]) -> list[str]:
     return [a.line for a in actions if isinstance(a, Log)]
 
 
+def sent(actions: list[Action], kind: type) -> list[tuple[bytes, Any]]:
+    return [
+        (a.peer, a.message) for a in actions if isinstance(a, Send) and isinstance(a.message, kind)
+    ]
+
+
 def broadcast(actions: list[Action], kind: type) -> list[Any]:
     return [a.message for a in actions if isinstance(a, Broadcast) and isinstance(a.message, kind)]
 

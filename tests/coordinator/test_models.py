@@ -18,7 +18,7 @@ import pytest
 
 import tests.conftest
 from epochal.coordinator import CoordinatorConfig, resume
-from epochal.coordinator.actions import Aborted, Action, Log, Send
+from epochal.coordinator.actions import Action, Log, Send
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.models import (
     LIST_TIMEOUT,
@@ -36,6 +36,7 @@ from epochal.protocol import (
     Welcome,
 )
 from epochal.protocol.paging import model_page
+from tests.coordinator.test_machine import aborted
 
 WEIGHT = ParamSpec(name="weight", shape=(2, 5), dtype="torch.float32")
 BIAS = ParamSpec(name="bias", shape=(2,), dtype="torch.float32")
@@ -108,11 +109,6 @@ def asked(actions: list[Action]) -> dict[bytes, int]:
         for a in actions
         if isinstance(a, Send) and isinstance(a.message, DescribeModel)
     }
-
-
-def aborted(actions: list[Action]) -> str | None:
-    reasons = [a.reason for a in actions if isinstance(a, Aborted)]
-    return reasons[0] if reasons else None
 
 
 def answer(

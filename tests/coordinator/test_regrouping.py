@@ -35,15 +35,9 @@ from epochal.protocol import (
 )
 from epochal.rundir import standing
 from tests.conftest import FINGERPRINT, hello
-from tests.coordinator.test_machine import Run, aborted, broadcast, report
+from tests.coordinator.test_machine import Run, aborted, broadcast, report, sent
 
 SETTLED = max(LOSS_SETTLE, FAILURE_SETTLE) + 0.01
-
-
-def sent(actions: list[Action], kind: type) -> list[tuple[bytes, Any]]:
-    return [
-        (a.peer, a.message) for a in actions if isinstance(a, Send) and isinstance(a.message, kind)
-    ]
 
 
 def elastic(world: int = 4, least: int = 3, **settings: Any) -> Run:

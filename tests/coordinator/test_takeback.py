@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.coordinator import CoordinatorConfig, resume
-from epochal.coordinator.actions import Action, Finished, Journal, RunPhase, Send
+from epochal.coordinator.actions import Action, Finished, Journal, RunPhase
 from epochal.coordinator.carry import sent_record
 from epochal.coordinator.machine import TAKING_BACK, RunMachine
 from epochal.errors import RunAborted
@@ -31,7 +31,16 @@ from epochal.protocol import (
 )
 from tests.conftest import hello
 from tests.coordinator.conftest import serve
-from tests.coordinator.test_machine import Run, aborted, broadcast, logged, ready, report, start
+from tests.coordinator.test_machine import (
+    Run,
+    aborted,
+    broadcast,
+    logged,
+    ready,
+    report,
+    sent,
+    start,
+)
 
 EPOCHS = 4
 
@@ -71,12 +80,6 @@ def restarted(config: CoordinatorConfig, now: float = 100.0) -> Run:
 
 def back(rank: int) -> Any:
     return hello(f"w{rank}", rank_hint=rank, run_id="r1", pid=100 + rank)
-
-
-def sent(actions: list[Action], kind: type) -> list[tuple[bytes, Any]]:
-    return [
-        (a.peer, a.message) for a in actions if isinstance(a, Send) and isinstance(a.message, kind)
-    ]
 
 
 def reference_decision(tmp_path: Path, epoch: int) -> Decision:

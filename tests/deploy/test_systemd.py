@@ -25,6 +25,7 @@ import pytest
 from epochal import cli
 from epochal.launch.service import EXIT_CRASH
 from tests.multihost import netns
+from tests.multihost.test_across_hosts import clean_env
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "systemd" / "epochal-coordinator@.service"
@@ -175,17 +176,6 @@ def test_the_run_directory_is_fixed_and_the_only_writable_path() -> None:
 
 
 # ---------------------------------------------------------------------- a crash and a restart
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("EPOCHAL_", "GLOO_", "NCCL_", "MASTER_"))
-    }
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "EPOCHAL_PROGRESS": "0"})
-    env.update(extra)
-    return env
 
 
 def journal_has(run_dir: Path, kind: str, proc: subprocess.Popen[bytes]) -> None:

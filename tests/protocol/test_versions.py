@@ -40,15 +40,11 @@ from epochal.protocol.messages import (
 from epochal.protocol.reader import Reader
 from epochal.protocol.skipped import MAX_TOLD, SkippedFields
 from tests.protocol.examples import examples
-from tests.protocol.test_codec import messages, msgpack_objects
+from tests.protocol.test_codec import messages, msgpack_objects, pack
 
 NEWER = PROTOCOL_MINOR + 1
 LATER = {"note": "from a later minor", "sizes": [1, 2.5, None, True], "more": {"x": [1]}}
 """An unknown field's value as a newer peer might send it: plain values, a list and a map."""
-
-
-def pack(frame: Any) -> bytes:
-    return msgpack.packb(frame, use_bin_type=True)
 
 
 def frame_of(message: Any, session: str = "") -> dict[str, Any]:
