@@ -86,13 +86,17 @@ class Regrouping(Joining):
         no rank holds it whole otherwise). Every member's last ready must say it gathers; a
         worker one minor version older, or a training loop without the hook, grows the old way
         (:meth:`_grow`)."""
-        copies = self._copies
         return (
             self.config.elastic
             and self.phase is RunPhase.RUNNING
             and self.membership.grows()
-            and all(m.peer in copies and copies[m.peer].gathers for m in self.members)
+            and self._members_gather()
         )
+
+    def _members_gather(self) -> bool:
+        """Whether every member's last ready says it gathers the state for newcomers."""
+        copies = self._copies
+        return all(m.peer in copies and copies[m.peer].gathers for m in self.members)
 
     # ------------------------------------------------------------------ losses
 
@@ -168,9 +172,9 @@ class Regrouping(Joining):
         """At an epoch boundary, newcomers waiting: the world with them (None: no change). Where
         the members' copies hold the whole state, at the decision (``checkpointed`` None): they
         keep their state and rank 0 shares it; where they ``gathered`` it onto rank 0 at the
-        decision, once their readies are in: rank 0 shares that; else once the checkpoint of the
-        epoch just decided is committed (``checkpointed``), which every member of the new world
-        loads."""
+        decision, once their readies are in: rank 0 shares that; else (members that do not
+        gather: older workers) once the checkpoint of the epoch just decided is committed
+        (``checkpointed``), which every member of the new world loads."""
         waits = RunPhase.READY if gathered else RunPhase.RUNNING
         if not self.config.elastic or self.phase is not waits:
             return None
@@ -182,6 +186,10 @@ class Regrouping(Joining):
             return None
         if checkpointed is not None and checkpointed != self.epoch - 1:
             return None  # an older epoch's, late: the next boundary's will do
+        if checkpointed is not None and self._members_gather():
+            # newcomers that came after the decision: the next decision gathers for them, so
+            # that they never read the state from disk
+            return None
         change = self.membership.at_boundary(now, scope, gathered=gathered)
         return None if change is None else self._change_world(now, change)
 

@@ -537,6 +537,36 @@ def test_a_world_of_shards_grows_at_the_boundary_from_the_state_its_members_gath
     assert "checkpoint" not in world and world["joined"] == ["w9"]
 
 
+def test_a_newcomer_after_the_decision_waits_for_the_next_gather_not_the_checkpoint():
+    """A newcomer that says hello between a decision (which could not gather for it) and the
+    commit of that decision's checkpoint is not grown from the checkpoint when the members
+    gather: the next decision gathers for it, and it takes the state from rank 0."""
+    run = elastic(checkpoint_dir=Path("/nowhere"))
+    before = list(run.peers)
+    run.all(2.0, lambda r: gathering_report(10.0, 0))
+    run.send(2.1, before[0], Checkpointed(epoch=0))
+    run.machine.process_exited(2.5, 103, "was killed by SIGKILL")
+    regroup(run, 3.0, run.machine.on_tick(2.5 + SETTLED), 1)
+    members = list(run.peers)
+    decided = run.all(4.0, lambda r: gathering_report(9.0, 1, generation=1))
+    (decision,) = broadcast(decided, Decision)
+    assert not decision.gather and decision.go is not None  # nobody was waiting yet
+    assert sent(run.send(4.1, b"w9", hello("w9", pid=109)), Joined)
+    assert not sent(run.send(4.2, members[0], Checkpointed(epoch=1)), Regroup)
+    assert run.machine.generation == 1 and run.machine.phase is RunPhase.RUNNING
+    (decision,) = broadcast(run.all(5.0, lambda r: gathering_report(8.0, 2, 1)), Decision)
+    assert decision.gather and decision.go is None
+    ready = EpochReady(3, 5, 2, generation=1, snapshots="shard", gathers=True)
+    grown = run.all(5.5, lambda r: ready)
+    assert [peer for peer, _ in sent(grown, Regroup)] == members
+    ((opener, _),) = sent(grown, OpenStore)
+    welcome = run.send(5.6, opener, StoreReady(host="h", port=2, key="k3", generation=2))
+    welcomes = dict(sent(welcome, Welcome))
+    assert {(w.restore, w.resume_epoch, w.start_epoch) for w in welcomes.values()} == {
+        ("peers", None, 3)
+    }
+
+
 def test_members_that_cannot_all_gather_grow_from_the_checkpoint():
     run = elastic(checkpoint_dir=Path("/nowhere"))
     shards_at_three_with_a_standby(run)
