@@ -110,10 +110,8 @@ class Finishing(TakingBack):
             dog.drop(peer)
             return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
         if self.elastic:
-            silent = dog.first_silent(now, self._ranks)
-            if silent is not None:
-                peer, seconds = silent
-                self.lose(now, self._ranks[peer], f"sent nothing for {seconds:.1f} s")
+            self._lose_silent(now)
+            if self.membership.losing:
                 return []
         failed = dog.failure_due(now)
         if failed is not None:

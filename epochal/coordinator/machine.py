@@ -221,6 +221,8 @@ class RunMachine(Finishing):
         rank = self._ranks.get(peer)
         if rank is not None or self.watchdog.knows(peer):
             self.watchdog.heard(peer, now)
+        if rank is not None:
+            self.membership.heard(rank, now)  # alive: a pending loss need not wait for it
         actions = self._handle(now, peer, message, user_id)
         if rank is not None and self.phase in (RunPhase.READY, RunPhase.RUNNING):
             answered = self._ready if self.phase is RunPhase.READY else self._reports

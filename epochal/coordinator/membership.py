@@ -30,8 +30,17 @@ from epochal.text import printable
 LOSS_SETTLE = 0.25
 """Seconds between the first loss and the new world, so that losses that come together (two
 workers of one host, an exit and its neighbours' broken collectives) make one change. The window
-closes early once every other rank of the world has reported its broken collective (each is then
-known alive and waiting), but not before :data:`LOSS_SETTLE_LEAST`."""
+closes early once every other rank of the world is known alive (it reported its broken
+collective, or was heard after the loss), but not before :data:`LOSS_SETTLE_LEAST`. A loss found
+by its silence holds the window open longer (:data:`SILENCE_SETTLE_MARGIN`)."""
+
+SILENCE_SETTLE_MARGIN = 0.5
+"""Seconds beyond one heartbeat interval that the settle window of a loss found by its silence
+lasts while some other rank is unheard since. Ranks cut off together (a host's link down, a paused
+machine) fall silent together, but their last heartbeats came up to an interval apart, so their
+timeouts expire up to an interval apart; every live rank is heard within an interval (its
+heartbeat), so the window still closes as soon as they all were, and the silent ones make one
+change instead of a world formed with a rank that is already gone."""
 
 LOSS_SETTLE_LEAST = 0.1
 """Seconds the settle window lasts at the least, every rank heard or not: a rank that reported its
@@ -134,7 +143,9 @@ class Membership:
         self.standby: OrderedDict[bytes, Member] = OrderedDict()
         # newcomers admitted while the run trains, in order of arrival, waiting for a boundary
         self._lost: dict[int, Loss] = {}
-        self._broken: set[int] = set()  # ranks of this world that reported a broken collective
+        self._alive: set[int] = set()
+        # ranks of this world known alive since the first pending loss: a broken collective
+        # reported, or anything heard
         self._settle: float | None = None
         self._since: float | None = None
         self._dropped: OrderedDict[tuple[str, str, int], str] = OrderedDict()
@@ -149,21 +160,24 @@ class Membership:
         """The first world, from the rendezvous (generation 0), or the world a restarted
         coordinator took back (the generation its journal holds)."""
         self.world = World(generation, members)
-        self._broken.clear()
+        self._alive.clear()
         return self.world
 
     # ------------------------------------------------------------------ losses
 
-    def lose(self, now: float, rank: int, why: str) -> bool:
+    def lose(self, now: float, rank: int, why: str, *, hold: float = 0.0) -> bool:
         """Note ``rank`` of the current world lost at ``now``; False when it already was (or is
-        no rank). The decision comes when :meth:`due` says so."""
+        no rank). The decision comes when :meth:`due` says so: at the latest :data:`LOSS_SETTLE`
+        after the first loss, or ``hold`` seconds after this one if that is later (a loss found
+        by its silence)."""
         world = self.world
         if world is None or not 0 <= rank < world.size or rank in self._lost:
             return False
         self._lost[rank] = Loss(rank, world.members[rank], why)
-        if self._settle is None:
-            self._settle = now + LOSS_SETTLE
+        if self._since is None or self._settle is None:
             self._since = now
+            self._settle = now + LOSS_SETTLE
+        self._settle = max(self._settle, now + hold)
         return True
 
     @property
@@ -177,12 +191,19 @@ class Membership:
     def broken(self, rank: int) -> None:
         """``rank`` of the current world reported that a collective broke: it is alive and
         waits for the next world."""
-        self._broken.add(rank)
+        self._alive.add(rank)
+
+    def heard(self, rank: int, now: float) -> None:
+        """``rank`` of the current world sent something at ``now``: known alive once that is
+        :data:`LOSS_SETTLE_LEAST` after the first pending loss (a frame that arrives sooner may
+        have left before the loss, and its sender may die of the same cause)."""
+        if self._since is not None and now >= self._since + LOSS_SETTLE_LEAST:
+            self._alive.add(rank)
 
     def due(self, now: float) -> bool:
         """Whether the settle window of the pending losses is over: its time has passed, or every
-        rank not lost has reported its broken collective and :data:`LOSS_SETTLE_LEAST` has
-        passed since the first loss."""
+        rank not lost is known alive and :data:`LOSS_SETTLE_LEAST` has passed since the first
+        loss."""
         if self._settle is None or self._since is None:
             return False
         if now >= self._settle:
@@ -190,7 +211,7 @@ class Membership:
         world = self.world
         if world is None or now < self._since + LOSS_SETTLE_LEAST:
             return False
-        return all(r in self._lost or r in self._broken for r in range(world.size))
+        return all(r in self._lost or r in self._alive for r in range(world.size))
 
     def decide(self, scope: SnapshotScope) -> NewWorld | TooFew:
         """The new world after the pending losses (newcomers waiting join it), or the end;
@@ -201,7 +222,7 @@ class Membership:
         survivors = tuple(m for r, m in enumerate(world.members) if r not in self._lost)
         since = self._since if self._since is not None else 0.0
         self._lost.clear()
-        self._broken.clear()
+        self._alive.clear()
         self._settle = self._since = None
         for loss in lost:
             self.drop(loss.member, loss.why)
@@ -250,7 +271,7 @@ class Membership:
         if joined and restore is Restore.MEMORY:
             restore = Restore.PEERS  # each survivor restores its copy, then rank 0 shares it
         self.world = World(world.generation + 1, survivors + joined)
-        self._broken.clear()
+        self._alive.clear()
         return NewWorld(self.world, world, lost, joined, restore, since)
 
     # ------------------------------------------------------------------ newcomers, dropped

@@ -38,7 +38,12 @@ from typing import Any
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
 from epochal.coordinator.loop import LoopState
-from epochal.coordinator.membership import Membership, NewWorld, TooFew
+from epochal.coordinator.membership import (
+    SILENCE_SETTLE_MARGIN,
+    Membership,
+    NewWorld,
+    TooFew,
+)
 from epochal.protocol import (
     Abort,
     Broken,
@@ -109,13 +114,24 @@ class Regrouping(Joining):
             RunPhase.RUNNING,
         )
 
-    def lose(self, now: float, rank: int, why: str) -> bool:
+    def lose(self, now: float, rank: int, why: str, *, hold: float = 0.0) -> bool:
         """``rank`` is lost, ``why``; True when the run goes on without it (elastic), False when
-        the caller must treat it as a failure of the run."""
+        the caller must treat it as a failure of the run. ``hold``: how long the change may wait
+        for other losses that come with this one (:meth:`Membership.lose`)."""
         if not self.elastic or self.over:
             return False
-        self.membership.lose(now, rank, why)
+        self.membership.lose(now, rank, why, hold=hold)
         return True
+
+    def _lose_silent(self, now: float) -> None:
+        """Every rank silent past the heartbeat timeout that is not lost yet is lost now; its
+        change waits a heartbeat interval for others of the same cause (a host cut off)."""
+        lost = self.membership.lost_ranks()
+        ranked = {peer: rank for peer, rank in self._ranks.items() if rank not in lost}
+        hold = self.config.heartbeat_interval + SILENCE_SETTLE_MARGIN
+        while (silent := self.watchdog.first_silent(now, ranked)) is not None:
+            peer, seconds = silent
+            self.lose(now, ranked.pop(peer), f"sent nothing for {seconds:.1f} s", hold=hold)
 
     def process_exited(self, now: float, pid: int, what: str) -> bool:
         """A worker process of this machine (``pid``) exited, ``what``; True when a rank was lost
@@ -156,6 +172,8 @@ class Regrouping(Joining):
         While they settle, the clock's other rules (a failure's abort above all) wait."""
         if not self.membership.losing:
             return None
+        if self.elastic:
+            self._lose_silent(now)  # ranks cut off with the first lost join its change
         if not self.membership.due(now):
             return []
         decided = self.membership.decide(self.scope)
