@@ -31,16 +31,15 @@ LOSS_SETTLE = 0.25
 """Seconds between the first loss and the new world, so that losses that come together (two
 workers of one host, an exit and its neighbours' broken collectives) make one change. The window
 closes early once every other rank of the world is known alive (it reported its broken
-collective, or was heard after the loss), but not before :data:`LOSS_SETTLE_LEAST`. A loss found
-by its silence holds the window open longer (:data:`SILENCE_SETTLE_MARGIN`)."""
+collective, or was heard after the loss), but not before :data:`LOSS_SETTLE_LEAST`.
 
-SILENCE_SETTLE_MARGIN = 0.5
-"""Seconds beyond one heartbeat interval that the settle window of a loss found by its silence
-lasts while some other rank is unheard since. Ranks cut off together (a host's link down, a paused
-machine) fall silent together, but their last heartbeats came up to an interval apart, so their
-timeouts expire up to an interval apart; every live rank is heard within an interval (its
-heartbeat), so the window still closes as soon as they all were, and the silent ones make one
-change instead of a world formed with a rank that is already gone."""
+A loss found by its silence holds the window open while another rank is unheard since, up to the
+heartbeat timeout (the caller's ``hold``): ranks cut off together (a host's link down, a paused
+machine) fall silent together, but their last heartbeats came up to an interval apart (more on a
+loaded machine), so their timeouts expire apart. Every live rank is heard within about an
+interval, and every silent one is found silent within the timeout, so the window closes once each
+is one or the other, and the silent ones make one change instead of a world formed with a rank
+that is already gone."""
 
 LOSS_SETTLE_LEAST = 0.1
 """Seconds the settle window lasts at the least, every rank heard or not: a rank that reported its

@@ -39,7 +39,6 @@ from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.membership import (
-    SILENCE_SETTLE_MARGIN,
     Membership,
     NewWorld,
     TooFew,
@@ -125,10 +124,11 @@ class Regrouping(Joining):
 
     def _lose_silent(self, now: float) -> None:
         """Every rank silent past the heartbeat timeout that is not lost yet is lost now; its
-        change waits a heartbeat interval for others of the same cause (a host cut off)."""
+        change waits, while another rank is unheard since, for others of the same cause (a host
+        cut off), at most the heartbeat timeout (see :mod:`~epochal.coordinator.membership`)."""
         lost = self.membership.lost_ranks()
         ranked = {peer: rank for peer, rank in self._ranks.items() if rank not in lost}
-        hold = self.config.heartbeat_interval + SILENCE_SETTLE_MARGIN
+        hold = self.config.heartbeat_timeout
         while (silent := self.watchdog.first_silent(now, ranked)) is not None:
             peer, seconds = silent
             self.lose(now, ranked.pop(peer), f"sent nothing for {seconds:.1f} s", hold=hold)

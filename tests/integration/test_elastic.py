@@ -7,7 +7,8 @@ a new world of three that redoes epoch 1 from its start, restored from memory. T
 the same run with the rank killed before epoch 1 takes its first step: the survivors then start
 epoch 1 at three with nothing to undo. A restore that left any trace of the interrupted steps
 (weights, momentum, generators) would differ from it in the last bits; the test compares the
-weights bit for bit.
+weights bit for bit, checks that the survivors are the processes that started, and that the
+validation losses stay within float rounding of a run that lost no worker.
 """
 
 from __future__ import annotations
@@ -117,6 +118,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     return weights(out)
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The validation losses of the same run with no fault: four workers throughout."""
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    spawn = Spawner(uuid.uuid4().hex, tmp)
+    try:
+        code, output, _, out = elastic_run(spawn, tmp, "ref", "")
+    finally:
+        assert not spawn.cleanup()
+    assert code == 0, output
+    losses = weights(out)[0]["valid_losses"]
+    assert len(losses) == 3, losses
+    return list(losses)
+
+
+ROUNDING = 1e-5
+"""How far apart (relatively) the validation losses of worlds of other sizes may be: the same
+rows and steps, summed in another order across the ranks, in float32."""
+
+
 def world_changes(run_dir: Path) -> list[dict[str, Any]]:
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished", result
@@ -135,13 +156,23 @@ def world_changes(run_dir: Path) -> list[dict[str, Any]]:
     ids=["train-step", "validation", "rank-0-the-store-host", "checkpoint-write"],
 )
 def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
-    spawn: Spawner, tmp_path: Path, reference: dict[int, dict[str, Any]], fault: str, lost: int
+    spawn: Spawner,
+    tmp_path: Path,
+    reference: dict[int, dict[str, Any]],
+    undisturbed: list[float],
+    fault: str,
+    lost: int,
 ):
-    code, output, run_dir, out = elastic_run(spawn, tmp_path, "run", fault)
+    proc, run_dir, out = start_elastic(spawn, tmp_path, "run", fault)
+    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)  # every rank is in epoch 1 (or 0's
+    first = set(marked_pids(spawn.mark))  # checkpoint): these are the survivors' processes
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
     assert code == 0, output
     (change,) = world_changes(run_dir)
     assert (change["epoch"], change["from"], change["to"], change["generation"]) == (1, 4, 3, 1)
     assert change["lost"][0].startswith(f"rank {lost} ")
+    assert change["restore"] == "memory" and "checkpoint" not in change, change
     assert "continuing with 3 workers from the start of epoch 1" in output
     assert f"done: best epoch 2 of 3 (worker {lost} lost on the way)" in output
     assert "resuming" not in output  # restored from memory, no checkpoint read
@@ -152,7 +183,11 @@ def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
         (1, 3, 1),
         (2, 3, 1),
     ]
-    assert_bit_identical(weights(out), reference)
+    final = weights(out)
+    assert {final[r]["pid"] for r in final} <= first  # the survivors never restarted
+    assert_bit_identical(final, reference)
+    # with a fixed global batch, a world of three takes the same steps as one of four
+    assert final[0]["valid_losses"] == pytest.approx(undisturbed, rel=ROUNDING)
 
 
 def test_ranks_lost_one_after_another_end_the_run_below_the_least_naming_them(
