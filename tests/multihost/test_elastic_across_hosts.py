@@ -7,7 +7,8 @@ hosts. No checkpoint is read, the survivor never restarts, and both end with the
 And a cut link instead of a killed script: the other carries on, the cut-off worker ends; and a
 killed worker of a sharded run: the other loads the last checkpoint, resharded to one rank; and
 a frozen worker, dropped by its silence and refused once it wakes; and a whole host of two
-workers cut off, the other host's two carrying on."""
+workers cut off (four workers on two hosts): one change, the other host's two carrying on, or the
+end of the run naming both where that leaves fewer than ``--min-workers``."""
 
 from __future__ import annotations
 
@@ -130,18 +131,18 @@ def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_its
     cluster.none_left()
 
 
-def test_a_host_lost_with_two_workers_leaves_the_other_host_s_two_training(make_hosts, tmp_path):
-    """Four workers, two on each of two hosts, ``--min-workers 2``: the link of one host goes
-    down, and both of its workers fall silent at once. The coordinator drops them by their
-    silence (in one change, or two when their last heartbeats came more than the settle window
-    apart), the other host's two carry on from the start of the epoch, restored from memory, and
-    finish with the same weights; the two cut off end by themselves."""
+def host_cut_off(make_hosts, tmp_path: Path, least: int):
+    """Four workers, two on each of two hosts, ``--min-workers LEAST``; once epoch 0 is decided,
+    the link of the second host goes down and both of its workers fall silent at once. Each cut-off
+    worker must end by itself within the bound its timeouts set. The cluster, the coordinator's
+    process, the two others' and the run directory."""
     net = make_hosts(3)
     cluster = Cluster(net, tmp_path, workers=4)
     cluster.places = [1, 1, 2, 2]
     run_dir, out = tmp_path / "run", tmp_path / "out"
     coordinator = cluster.coordinator(
-        "--min-workers", "2", "--epochs", "5", "--no-restore-best", "--run-dir", str(run_dir)
+        *("--min-workers", str(least), "--epochs", "5", "--no-restore-best"),
+        *("--run-dir", str(run_dir)),
     )
     work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.1"]
     extra = {"EPOCHAL_REATTACH_TIMEOUT": f"{ABORT_GRACE:g}"}
@@ -149,32 +150,54 @@ def test_a_host_lost_with_two_workers_leaves_the_other_host_s_two_training(make_
     journal_has(run_dir, "epoch")
     net[2].link(up=False)
     cut = time.monotonic()
-
     bound = WORKER_HEARTBEAT_TIMEOUT + 2 * ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
     for proc in workers[2:]:
         cut_off = cluster.wait(proc, deadline=bound + 30)
         assert time.monotonic() - cut < bound, cut_off
         assert proc.returncode != 0, cut_off
-    survivors = [cluster.wait(proc) for proc in workers[:2]]
+    return cluster, coordinator, workers[:2], run_dir
+
+
+def test_a_host_lost_with_two_workers_leaves_the_other_host_s_two_training(make_hosts, tmp_path):
+    """``--min-workers 2``: the coordinator finds the two cut off by their silence, which ends up
+    to a heartbeat interval apart, and drops both in one change (the first silence holds the
+    change open while a rank is unheard since); the other host's two carry on from the start of
+    the epoch, restored from memory, and finish with the same weights."""
+    cluster, coordinator, others, run_dir = host_cut_off(make_hosts, tmp_path, least=2)
+    survivors = [cluster.wait(proc) for proc in others]
     log = cluster.wait(coordinator)
     assert coordinator.returncode == 0, cluster.dump()
-    assert all(proc.returncode == 0 for proc in workers[:2]), survivors
-    changes = json.loads((run_dir / "result.json").read_text())["world_changes"]
-    assert 1 <= len(changes) <= 2, changes
-    assert (changes[0]["from"], changes[-1]["to"]) == (4, 2), changes
-    lost = [loss for change in changes for loss in change["lost"]]
-    assert sorted(loss.split(" (")[0] for loss in lost) in (
-        ["rank 2", "rank 3"],
-        ["rank 2", "rank 2"],  # rank 3 renumbered 2 by a first change that dropped rank 2
-    ), changes
-    assert all("sent nothing for" in loss for loss in lost), changes
-    assert all(change["restore"] == "memory" for change in changes), changes
-    assert "workers from the start of epoch" in log, log
+    assert all(proc.returncode == 0 for proc in others), survivors
+    (change,) = json.loads((run_dir / "result.json").read_text())["world_changes"]
+    assert (change["from"], change["to"], change["restore"]) == (4, 2, "memory"), change
+    lost = change["lost"]
+    assert [loss.split(" (")[0] for loss in lost] == ["rank 2", "rank 3"], change
+    assert all("sent nothing for" in loss for loss in lost), change
+    assert log.count("continuing with 2 workers from the start of epoch") == 2, log
     records = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
     assert [r["world_size"] for r in records if r["kind"] == "epoch"][-1] == 2, records
+    out = tmp_path / "out"
     final = {r: torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)}
     for key, tensor in final[0]["state"].items():
         assert torch.equal(tensor, final[1]["state"][key]), key
+    cluster.none_left()
+
+
+def test_a_host_lost_below_the_least_ends_the_run_naming_both_its_workers(make_hosts, tmp_path):
+    """``--min-workers 3``: the same cut leaves two, fewer than three: the run aborts in one
+    change naming both lost ranks, and the other host's two end with that reason."""
+    cluster, coordinator, others, run_dir = host_cut_off(make_hosts, tmp_path, least=3)
+    for proc in others:
+        cluster.wait(proc)
+        assert proc.returncode != 0, cluster.dump()
+    log = cluster.wait(coordinator)
+    assert coordinator.returncode != 0, cluster.dump()
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "aborted", result
+    reason = result["reason"]
+    assert "rank 2 (" in reason and "rank 3 (" in reason, reason
+    assert "2 workers left, fewer than --min-workers 3" in reason, reason
+    assert "continuing with" not in log, log
     cluster.none_left()
 
 
