@@ -38,3 +38,19 @@ def test_bad_usage_still_exits_2(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_:
         coordinator(tmp_path, "--bind", "tcp://256.1.1.1:0")
     assert exit_.value.code == 2
+
+
+def test_a_bad_abort_grace_is_said_before_the_run_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher bounds its workers' exit by the abort grace they inherit: a value they would
+    refuse is refused once, before a coordinator or worker starts."""
+    monkeypatch.setenv("EPOCHAL_ABORT_GRACE", "soon")
+    script = tmp_path / "never_runs.py"
+    script.write_text("raise SystemExit('started')\n")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--nproc", "1", "--run-dir", str(tmp_path / "run"), str(script)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.count("EPOCHAL_ABORT_GRACE='soon' is not a number of seconds") == 1, err
+    assert "starting 1 worker" not in err and "started" not in err, err

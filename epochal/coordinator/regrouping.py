@@ -38,11 +38,7 @@ from typing import Any
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
 from epochal.coordinator.joining import Joining
 from epochal.coordinator.loop import LoopState
-from epochal.coordinator.membership import (
-    Membership,
-    NewWorld,
-    TooFew,
-)
+from epochal.coordinator.membership import Membership, NewWorld, TooFew
 from epochal.protocol import (
     Abort,
     Broken,

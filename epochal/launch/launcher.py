@@ -195,17 +195,21 @@ def worker_environment(
 
 
 async def _wait_for_exit(
-    watchers: list[asyncio.Task[int]], bound: float | None, interrupted: list[str]
+    watchers: list[asyncio.Task[int]],
+    bound: float | None,
+    interrupted: list[str],
+    abort_exit: float,
 ) -> None:
     """Wait for every worker to exit, at most ``bound`` seconds (None: no bound); a signal
-    received meanwhile bounds the wait to :func:`abort_exit_timeout` from then on."""
+    received meanwhile bounds the wait to ``abort_exit`` (:func:`abort_exit_timeout`) from then
+    on."""
     loop = asyncio.get_running_loop()
     deadline = None if bound is None else loop.time() + bound
     signalled_at: float | None = None
     while pending := [w for w in watchers if not w.done()]:
         if interrupted and signalled_at is None:
             signalled_at = loop.time()
-            limit = signalled_at + abort_exit_timeout()
+            limit = signalled_at + abort_exit
             deadline = limit if deadline is None else min(deadline, limit)
         step = 0.5
         if deadline is not None:
@@ -228,6 +232,7 @@ async def _attempt(
 ) -> Outcome:
     """One coordinator and one set of workers; a failed run's outcome asks for a retry (the
     workers failing after the run finished, or a signal, do not)."""
+    abort_exit = abort_exit_timeout()  # a bad EPOCHAL_ABORT_GRACE is said before anything starts
     endpoint = await coordinator.start()
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
@@ -372,7 +377,7 @@ async def _attempt(
                     logging.INFO,
                 )
         if plain:  # no bound: the script trains for as long as it does
-            failed_first = await wait_plain(procs, watchers, abort_exit_timeout())
+            failed_first = await wait_plain(procs, watchers, abort_exit)
     except RunAborted as exc:
         reason = exc.reason
         relay.stop()
@@ -384,8 +389,8 @@ async def _attempt(
     finally:
         detector.cancel()
         await asyncio.gather(*replacing, return_exceptions=True)
-        bound = exit_timeout if summary is not None else abort_exit_timeout()
-        await _wait_for_exit(watchers, bound, interrupted)
+        bound = exit_timeout if summary is not None else abort_exit
+        await _wait_for_exit(watchers, bound, interrupted, abort_exit)
         stuck = [i for i, p in enumerate(procs) if p.returncode is None]
         for i in stuck:
             kill_group(procs[i].pid, signal.SIGKILL)
@@ -400,7 +405,7 @@ async def _attempt(
         return _plain_outcome(codes, failed_first, interrupted)
     hidden = hidden_note(relay.hidden)
     if interrupted and summary is not None:
-        bound = abort_exit_timeout()  # the signal bounded a wait that had none
+        bound = abort_exit  # the signal bounded a wait that had none
     killed = (
         f"; {_workers([slots[i] for i in stuck])} still running {bound:g} s later and killed"
         if stuck
