@@ -92,6 +92,38 @@ def test_a_killed_worker_rejoins_at_a_boundary_and_the_other_never_stops(
     cluster.none_left()
 
 
+def host_cut_off(make_hosts, tmp_path: Path, *, places: list[int], least: int, epochs: int):
+    """A coordinator on host 0 and a worker on each host of ``places`` (``--min-workers
+    LEAST``, every step slow: whenever the cut comes, the workers are in an epoch or between
+    two); once epoch 0 is decided, the link of host 2 goes down and every worker there falls
+    silent at once. Each cut-off worker must end by itself within the bound its own timeouts set:
+    blocked in a collective, it waits the re-attach window too (a peer may bring the decision it
+    missed from a restarted coordinator), then ends itself. The cluster, the coordinator's
+    process, the other workers' and the run directory."""
+    net = make_hosts(3)
+    cluster = Cluster(net, tmp_path, workers=len(places))
+    cluster.places = places
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    coordinator = cluster.coordinator(
+        *("--min-workers", str(least), "--epochs", str(epochs), "--no-restore-best"),
+        *("--run-dir", str(run_dir)),
+    )
+    work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.1"]
+    extra = {"EPOCHAL_REATTACH_TIMEOUT": f"{ABORT_GRACE:g}"}
+    workers = [cluster.worker(i, work, **extra) for i in range(len(places))]
+    journal_has(run_dir, "epoch")
+    net[2].link(up=False)
+    cut = time.monotonic()
+    bound = WORKER_HEARTBEAT_TIMEOUT + 2 * ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
+    for proc, place in zip(workers, places, strict=True):
+        if place == 2:
+            cut_off = cluster.wait(proc, deadline=bound + 30)
+            assert time.monotonic() - cut < bound, cut_off
+            assert proc.returncode != 0, cut_off
+    others = [proc for proc, place in zip(workers, places, strict=True) if place != 2]
+    return cluster, coordinator, others, run_dir
+
+
 def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_itself(
     make_hosts, tmp_path
 ):
@@ -99,30 +131,14 @@ def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_its
     closes, so the coordinator finds the rank by its silence (the heartbeat timeout) and the
     other carries on alone from the start of the epoch; the cut-off worker, which hears from
     nobody, ends by itself within the bound its own timeouts set."""
-    net = make_hosts(3)
-    cluster = Cluster(net, tmp_path)
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    coordinator = cluster.coordinator(
-        "--min-workers", "1", "--epochs", "6", "--no-restore-best", "--run-dir", str(run_dir)
+    cluster, coordinator, others, run_dir = host_cut_off(
+        make_hosts, tmp_path, places=[1, 2], least=1, epochs=6
     )
-    # every step slow: whenever the cut comes, the workers are in an epoch or between two
-    work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.1"]
-    extra = {"EPOCHAL_REATTACH_TIMEOUT": f"{ABORT_GRACE:g}"}
-    workers = [cluster.worker(i, work, **extra) for i in range(2)]
-    journal_has(run_dir, "epoch")
-    net[2].link(up=False)
-    cut = time.monotonic()
-
-    # blocked in a collective, it waits the re-attach window too (a peer may bring the decision
-    # it missed from a restarted coordinator), then ends itself
-    bound = WORKER_HEARTBEAT_TIMEOUT + 2 * ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
-    cut_off = cluster.wait(workers[1], deadline=bound + 30)
-    assert time.monotonic() - cut < bound, cut_off
-    assert workers[1].returncode != 0, cut_off
-    survivor = cluster.wait(workers[0])
+    (worker,) = others
+    survivor = cluster.wait(worker)
     log = cluster.wait(coordinator)
     assert coordinator.returncode == 0, cluster.dump()
-    assert workers[0].returncode == 0, survivor
+    assert worker.returncode == 0, survivor
     (change,) = json.loads((run_dir / "result.json").read_text())["world_changes"]
     assert (change["from"], change["to"], change["restore"]) == (2, 1, "memory"), change
     assert change["lost"][0].startswith("rank 1 ") and "sent nothing for" in change["lost"][0]
@@ -131,39 +147,14 @@ def test_a_cut_link_leaves_the_other_training_and_the_cut_off_worker_ends_by_its
     cluster.none_left()
 
 
-def host_cut_off(make_hosts, tmp_path: Path, least: int):
-    """Four workers, two on each of two hosts, ``--min-workers LEAST``; once epoch 0 is decided,
-    the link of the second host goes down and both of its workers fall silent at once. Each cut-off
-    worker must end by itself within the bound its timeouts set. The cluster, the coordinator's
-    process, the two others' and the run directory."""
-    net = make_hosts(3)
-    cluster = Cluster(net, tmp_path, workers=4)
-    cluster.places = [1, 1, 2, 2]
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    coordinator = cluster.coordinator(
-        *("--min-workers", str(least), "--epochs", "5", "--no-restore-best"),
-        *("--run-dir", str(run_dir)),
-    )
-    work = ["python", str(LINEAR), "--out", str(out), "--step-delay", "0.1"]
-    extra = {"EPOCHAL_REATTACH_TIMEOUT": f"{ABORT_GRACE:g}"}
-    workers = [cluster.worker(i, work, **extra) for i in range(4)]
-    journal_has(run_dir, "epoch")
-    net[2].link(up=False)
-    cut = time.monotonic()
-    bound = WORKER_HEARTBEAT_TIMEOUT + 2 * ABORT_GRACE + HEARTBEAT_INTERVAL + MARGIN
-    for proc in workers[2:]:
-        cut_off = cluster.wait(proc, deadline=bound + 30)
-        assert time.monotonic() - cut < bound, cut_off
-        assert proc.returncode != 0, cut_off
-    return cluster, coordinator, workers[:2], run_dir
-
-
 def test_a_host_lost_with_two_workers_leaves_the_other_host_s_two_training(make_hosts, tmp_path):
     """``--min-workers 2``: the coordinator finds the two cut off by their silence, which ends up
     to a heartbeat interval apart, and drops both in one change (the first silence holds the
     change open while a rank is unheard since); the other host's two carry on from the start of
     the epoch, restored from memory, and finish with the same weights."""
-    cluster, coordinator, others, run_dir = host_cut_off(make_hosts, tmp_path, least=2)
+    cluster, coordinator, others, run_dir = host_cut_off(
+        make_hosts, tmp_path, places=[1, 1, 2, 2], least=2, epochs=5
+    )
     survivors = [cluster.wait(proc) for proc in others]
     log = cluster.wait(coordinator)
     assert coordinator.returncode == 0, cluster.dump()
@@ -186,7 +177,9 @@ def test_a_host_lost_with_two_workers_leaves_the_other_host_s_two_training(make_
 def test_a_host_lost_below_the_least_ends_the_run_naming_both_its_workers(make_hosts, tmp_path):
     """``--min-workers 3``: the same cut leaves two, fewer than three: the run aborts in one
     change naming both lost ranks, and the other host's two end with that reason."""
-    cluster, coordinator, others, run_dir = host_cut_off(make_hosts, tmp_path, least=3)
+    cluster, coordinator, others, run_dir = host_cut_off(
+        make_hosts, tmp_path, places=[1, 1, 2, 2], least=3, epochs=5
+    )
     for proc in others:
         cluster.wait(proc)
         assert proc.returncode != 0, cluster.dump()
