@@ -378,7 +378,7 @@ _RESTORED = {
 def world_lines(journal: list[dict[str, Any]]) -> list[str]:
     """One line per change of an elastic run's world, from the journal's ``world`` records that
     stand: ``world changed before epoch 1: 4 -> 3 workers (generation 1; lost rank 3 (...);
-    restored from memory; 0.8 s)``. None for a run whose world never changed."""
+    restored from memory; 0.8 s)``. No line for a run whose world never changed."""
     lines = []
     for record in standing(journal):
         if record.get("kind") != "world":

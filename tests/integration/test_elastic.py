@@ -102,33 +102,44 @@ def assert_bit_identical(a: dict[int, dict[str, Any]], b: dict[int, dict[str, An
         assert a[rank]["valid_losses"] == b[rank]["valid_losses"]
 
 
+def module_run(tmp_path_factory: pytest.TempPathFactory, name: str, fault: str) -> Path:
+    """:func:`elastic_run` once for a module's tests, in a directory and process mark of its own:
+    where its ranks saved their weights."""
+    tmp = tmp_path_factory.mktemp(name)
+    spawn = Spawner(uuid.uuid4().hex, tmp)
+    try:
+        code, output, _, out = elastic_run(spawn, tmp, "ref", fault)
+    finally:
+        assert not spawn.cleanup()
+    assert code == 0, output
+    return out
+
+
+def finish_noting_processes(
+    spawn: Spawner, proc: subprocess.Popen[str], run_dir: Path
+) -> tuple[int, str, set[int]]:
+    """Run ``proc`` to its end; with its exit status and output, the processes of the test alive
+    once epoch 0 is journaled (every worker started, none lost or replaced before epoch 1)."""
+    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
+    first = set(marked_pids(spawn.mark))
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    return code, output, first
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Rank 3 lost before epoch 1's first step: the survivors run epoch 1 at three from its
     start, nothing to undo."""
-    tmp = tmp_path_factory.mktemp("reference")
-    spawn = Spawner(uuid.uuid4().hex, tmp)
-    try:
-        code, output, _, out = elastic_run(
-            spawn, tmp, "ref", "kill@train-step:rank=3:epoch=1:step=0:world=0"
-        )
-    finally:
-        assert not spawn.cleanup()
-    assert code == 0, output
-    return weights(out)
+    return weights(
+        module_run(tmp_path_factory, "reference", "kill@train-step:rank=3:epoch=1:step=0:world=0")
+    )
 
 
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The validation losses of the same run with no fault: four workers throughout."""
-    tmp = tmp_path_factory.mktemp("undisturbed")
-    spawn = Spawner(uuid.uuid4().hex, tmp)
-    try:
-        code, output, _, out = elastic_run(spawn, tmp, "ref", "")
-    finally:
-        assert not spawn.cleanup()
-    assert code == 0, output
-    losses = weights(out)[0]["valid_losses"]
+    losses = weights(module_run(tmp_path_factory, "undisturbed", ""))[0]["valid_losses"]
     assert len(losses) == 3, losses
     return list(losses)
 
@@ -164,10 +175,7 @@ def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
     lost: int,
 ):
     proc, run_dir, out = start_elastic(spawn, tmp_path, "run", fault)
-    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)  # every rank is in epoch 1 (or 0's
-    first = set(marked_pids(spawn.mark))  # checkpoint): these are the survivors' processes
-    code, output = spawn.finish(proc, DEADLINE)
-    spawn.assert_none_left()
+    code, output, first = finish_noting_processes(spawn, proc, run_dir)
     assert code == 0, output
     (change,) = world_changes(run_dir)
     assert (change["epoch"], change["from"], change["to"], change["generation"]) == (1, 4, 3, 1)
@@ -319,10 +327,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
         script=("--step-delay", "0.25", "--slow-below", "4", *parallel),
         restore_best=best,
     )
-    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
-    first = set(marked_pids(spawn.mark))
-    code, output = spawn.finish(proc, DEADLINE)
-    spawn.assert_none_left()
+    code, output, first = finish_noting_processes(spawn, proc, run_dir)
     assert code == 0, output
     lost, joined = world_changes(run_dir)
     assert (lost["epoch"], lost["from"], lost["to"], lost["joined"]) == (1, 4, 3, [])
