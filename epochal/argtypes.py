@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from epochal.errors import ConfigError
+
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
@@ -48,3 +50,21 @@ def seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+DEFAULT_HOST = "127.0.0.1"
+"""Where ``--metrics-address PORT`` (no host) serves: loopback."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (loopback) -> (host, port); ConfigError else."""
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        host, port = DEFAULT_HOST, text
+    host = host.removeprefix("[").removesuffix("]") or DEFAULT_HOST
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(
+            f"--metrics-address needs HOST:PORT or PORT (got {text!r}): e.g. 127.0.0.1:9400, "
+            "or 0.0.0.0:9400 for a scraper on another machine"
+        )
+    return host, int(port)

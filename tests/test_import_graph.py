@@ -307,6 +307,31 @@ def test_the_parts_import_each_other_without_a_cycle():
     assert not cycles(graph), f"a cycle between parts: {cycles(graph)}"
 
 
+def opens(path: Path) -> list[int]:
+    """The lines of ``path`` that call ``open``."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
+    ]
+
+
+def reached(graph: dict[str, set[str]], module: str) -> dict[str, list[str]]:
+    """Every module ``module`` imports, directly or through others, with one import path to it."""
+    paths = {module: [module]}
+    frontier = [module]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    del paths[module]
+    return paths
+
+
 @pytest.mark.parametrize(
     "module", stated_decision_modules(ARCHITECTURE.read_text(encoding="utf-8"))
 )
@@ -314,12 +339,38 @@ def test_the_decision_modules_read_no_clock_and_touch_no_socket_or_file(module: 
     path = module_names(ROOT)[module]
     imported = libraries_imported(path)
     assert not imported & CLOCK_SOCKET_FILE, f"{module} imports {imported & CLOCK_SOCKET_FILE}"
-    opened = [
-        node.lineno
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
-    ]
-    assert not opened, f"{module} opens a file at line(s) {opened}"
+    assert not opens(path), f"{module} opens a file at line(s) {opens(path)}"
+
+
+@pytest.mark.parametrize(
+    "module", stated_decision_modules(ARCHITECTURE.read_text(encoding="utf-8"))
+)
+def test_what_a_decision_module_imports_reads_no_clock_and_touches_no_socket_or_file(module: str):
+    """Also through the modules it imports: each of those may hold a path as a value (pathlib),
+    nothing more of CLOCK_SOCKET_FILE, and opens no file."""
+    names = module_names(ROOT)
+    impure = []
+    for other, route in reached(import_graph(ROOT), module).items():
+        found = libraries_imported(names[other]) & (CLOCK_SOCKET_FILE - {"pathlib"})
+        if found or opens(names[other]):
+            why = f"imports {sorted(found)}" if found else f"opens a file at {opens(names[other])}"
+            impure.append(f"{' -> '.join(route)}: {other} {why}")
+    assert not impure, "\n".join(impure)
+
+
+def test_an_impure_module_reached_through_another_is_found(tmp_path, monkeypatch):
+    pkg = tmp_path / "epochal"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pure.py").write_text("from epochal import middle\n")
+    (pkg / "middle.py").write_text("from pathlib import Path\nfrom epochal import disk\n")
+    (pkg / "disk.py").write_text("def read(p):\n    return open(p).read()\n")
+    graph = import_graph(pkg)
+    assert reached(graph, "epochal.pure") == {
+        "epochal.middle": ["epochal.pure", "epochal.middle"],
+        "epochal.disk": ["epochal.pure", "epochal.middle", "epochal.disk"],
+    }
+    assert opens(pkg / "disk.py") == [2] and not opens(pkg / "middle.py")
 
 
 def test_the_decision_module_list_is_read():

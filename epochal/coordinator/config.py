@@ -10,10 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from epochal.argtypes import nonnegative_int, positive_int, seconds, seconds_or_never
+from epochal.argtypes import (
+    nonnegative_int,
+    parse_address,
+    positive_int,
+    seconds,
+    seconds_or_never,
+)
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.errors import ConfigError
-from epochal.observe.prometheus import parse_address
 from epochal.protocol.messages import (
     DEFAULT_JOB,
     HEARTBEAT_INTERVAL,

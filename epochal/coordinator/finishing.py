@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 
-from epochal.coordinator import ending, resume
+from epochal.coordinator import ending, runstate
 from epochal.coordinator.actions import (
     Action,
     Broadcast,
@@ -44,7 +44,7 @@ class Finishing(TakingBack):
         actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
         self._committed.append(epoch)
         if self._checkpoint_dir is not None:
-            pruned = resume.prunable(
+            pruned = runstate.prunable(
                 self._committed, self.config.keep_checkpoints, self._loop.best_epoch
             )
             if pruned:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from epochal.coordinator import resume
+from epochal.coordinator import runstate
 from epochal.coordinator.actions import Action, Log, RunPhase, Send
 from epochal.coordinator.batches import BatchCounts
 from epochal.coordinator.carry import Carry
@@ -71,7 +71,7 @@ class Joining:
     watchdog: Watchdog
     members: list[Member]
     refused: int
-    _state: resume.RunState
+    _state: runstate.RunState
     _joins: JoinLog
     _ranks: dict[bytes, int]
     _backend: str

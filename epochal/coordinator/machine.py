@@ -23,7 +23,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from epochal.coordinator import ending, resume
+from epochal.coordinator import ending, runstate
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -97,7 +97,7 @@ class RunMachine(Finishing):
     def __init__(
         self,
         config: CoordinatorConfig,
-        state: resume.RunState,
+        state: runstate.RunState,
         *,
         run_id: str,
         now: float,

@@ -24,6 +24,7 @@ from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.runstate import RunState
 from epochal.errors import RunAborted
 from epochal.files import remove
 from epochal.observe import StatusSnapshot
@@ -37,7 +38,7 @@ class Recording:
     run_id: str
     endpoint: str | None
     _journal: RunJournal | None
-    _state: resume.RunState | None
+    _state: RunState | None
     _machine: RunMachine | None
     _feed: ObserverFeed
     _outcome: RunSummary | RunAborted | None
@@ -52,7 +53,7 @@ class Recording:
     def phase(self) -> RunPhase:
         raise NotImplementedError  # the service's
 
-    def _start_journal(self, run_dir: Path, state: resume.RunState) -> None:
+    def _start_journal(self, run_dir: Path, state: RunState) -> None:
         """Open the journal (keeping the records up to the resumed checkpoint), write run.json
         and say where the run resumes. A run given more epochs has no result any more: a kill
         before its new end must not leave it looking finished at its old one."""
@@ -93,7 +94,7 @@ class Recording:
         else:
             self._say_resuming(run_dir, state)
 
-    def _say_resuming(self, run_dir: Path, state: resume.RunState) -> None:
+    def _say_resuming(self, run_dir: Path, state: RunState) -> None:
         """Where the run resumes, when it resumes from a checkpoint."""
         if state.resume_epoch is not None:
             now, had = self.config.world_size, resume.last_world_size(state.records)

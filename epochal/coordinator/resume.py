@@ -19,18 +19,19 @@ import os
 import shlex
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
-from epochal.coordinator.carry import Carry, carry_from, replay
+from epochal.coordinator.carry import carry_from, replay
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.directories import check_directories
 from epochal.coordinator.journal import check_record
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.models import describe_difference, describe_fingerprints
 from epochal.coordinator.outcome import EpochOutcome
+from epochal.coordinator.runstate import RunState
 from epochal.errors import ConfigError
 from epochal.files import NotRegular, read_regular, write_atomic
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
@@ -77,12 +78,6 @@ def script_identity(script: str, args: list[str], *, module: bool) -> dict[str, 
     return {"command": (str(path), *args), "script_digest": file_digest(path)}
 
 
-def prunable(committed: list[int], keep: int, best: int | None) -> list[int]:
-    """Committed checkpoints that may go: all but the newest ``keep`` and the best one."""
-    newest = set(sorted(set(committed))[-keep:])
-    return sorted(e for e in set(committed) if e not in newest and e != best)
-
-
 def config_record(config: CoordinatorConfig) -> dict[str, Any]:
     """The configuration as stored in run.json (no secrets)."""
     return {
@@ -123,32 +118,6 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
             shorter = " (a run may be given more, never fewer)" if key in _MAY_GROW else ""
             out.append(f"{flag} is {now} now but {then} in the run{shorter}")
     return out
-
-
-@dataclass(slots=True)
-class RunState:
-    """What the run directory says about where to start."""
-
-    loop: LoopState
-    resume_epoch: int | None = None
-    # the epoch whose checkpoint the workers load; None: start at epoch 0
-    finished: dict[str, Any] | None = None
-    # result.json of a run that already finished
-    records: list[dict[str, Any]] = field(default_factory=list)
-    # the journal records kept (everything up to resume_epoch)
-    notes: list[str] = field(default_factory=list)
-    # what the user should be told (fallbacks, a dropped half-written line)
-    extended_from: int | None = None
-    # the epochs the run had, when this resume gives it more (a finished run trained further)
-    extensions: list[dict[str, Any]] = field(default_factory=list)
-    # every time the run was given more epochs, oldest first: run.json and result.json keep it
-    carry: Carry | None = None
-    # where running workers are taken back by a restarted coordinator (not for a resume from a
-    # checkpoint by workers started again); None: the journal holds no decision to carry on from
-
-    @property
-    def start_epoch(self) -> int:
-        return 0 if self.resume_epoch is None else self.resume_epoch + 1
 
 
 def _read(path: Path, limit: int, what: str) -> bytes | None:

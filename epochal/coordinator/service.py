@@ -48,6 +48,7 @@ from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.recording import Recording
 from epochal.coordinator.router import LINGER_MS, open_router
+from epochal.coordinator.runstate import RunState
 from epochal.errors import RunAborted
 from epochal.log import COORDINATOR, ensure_configured
 from epochal.manifest import checkpoint_path
@@ -144,7 +145,7 @@ class Coordinator(Recording):
         # ROUTER's send to a peer never blocks (past its high-water mark libzmq drops), and reads
         # are taken while frames are queued. pyzmq's awaitable calls cost a future and loop
         # bookkeeping each, about a third of the service's CPU at 4,096 workers (bench/)
-        self._state: resume.RunState | None = None
+        self._state: RunState | None = None
         self._machine: RunMachine | None = None
         self._ended = False
         self._requested_abort: str | None = None

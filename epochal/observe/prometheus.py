@@ -26,6 +26,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from epochal.argtypes import parse_address
 from epochal.errors import ConfigError
 from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
 from epochal.observe.metricsserver import MetricsServer
@@ -36,24 +37,8 @@ if TYPE_CHECKING:
 
 EXTRA_HINT = "pip install 'epochal[metrics]'"
 
-DEFAULT_HOST = "127.0.0.1"
-
 EPOCH_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, math.inf)
 ROUND_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, math.inf)
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (loopback) -> (host, port); ConfigError else."""
-    host, colon, port = text.rpartition(":")
-    if not colon:
-        host, port = DEFAULT_HOST, text
-    host = host.removeprefix("[").removesuffix("]") or DEFAULT_HOST
-    if not port.isdigit() or int(port) > 65535:
-        raise ConfigError(
-            f"--metrics-address needs HOST:PORT or PORT (got {text!r}): e.g. 127.0.0.1:9400, "
-            "or 0.0.0.0:9400 for a scraper on another machine"
-        )
-    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from epochal.coordinator import CoordinatorConfig, resume
+from epochal.coordinator import CoordinatorConfig, resume, runstate
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -108,7 +108,7 @@ def start(now: float = 0.0, resumed: int | None = None, **settings: Any) -> Run:
     if resumed is not None:
         for epoch in range(resumed + 1):
             state.loop.update(epoch, 1.0, 1.0, validates=True)
-        state = resume.RunState(loop=state.loop, resume_epoch=resumed)
+        state = runstate.RunState(loop=state.loop, resume_epoch=resumed)
     run = Run(RunMachine(config, state, run_id="r1", now=now))
     actions: list[Action] = []
     for i in range(config.world_size):

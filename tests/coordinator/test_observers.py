@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from epochal import log
+from epochal.argtypes import parse_address
 from epochal.cli import EXIT_USAGE, main
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.journal import Journal
@@ -31,7 +32,7 @@ from epochal.observe import (
     options,
 )
 from epochal.observe.curve import Curve
-from epochal.observe.prometheus import Prometheus, parse_address
+from epochal.observe.prometheus import Prometheus
 from epochal.observe.statusfile import StatusFile, describe, ended
 from epochal.observe.tensorboard import TensorBoard
 

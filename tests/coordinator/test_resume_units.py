@@ -26,15 +26,14 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.resume import (
-    RunState,
     config_record,
     differences,
     inspect,
     last_world_size,
-    prunable,
     script_identity,
     start_fresh,
 )
+from epochal.coordinator.runstate import RunState, prunable
 from epochal.coordinator.schedule import parse_schedule
 from epochal.errors import ConfigError
 from epochal.manifest import checkpoint_path, signed, verify_checkpoint, write_manifest
