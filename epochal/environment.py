@@ -53,6 +53,11 @@ CONNECT_TIMEOUT_ENV = "EPOCHAL_CONNECT_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "EPOCHAL_COLLECTIVE_TIMEOUT"
 """Seconds each data-plane collective (an all-reduce, a broadcast) may take on a worker."""
 
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+"""The default of :data:`COLLECTIVE_TIMEOUT_ENV` (``JoinOptions.collective_timeout``), declared
+here because the coordinator's default ``--stall-abort`` is twice it
+(:data:`epochal.coordinator.config.STALL_ABORT`)."""
+
 ABORT_GRACE_ENV = "EPOCHAL_ABORT_GRACE"
 """Seconds a worker's training code has to come back to epochal after an abort (or a change of
 the world) before the process ends itself."""
@@ -63,6 +68,9 @@ launcher, which never imports the worker, bounds its workers' exit by it too."""
 
 REATTACH_TIMEOUT_ENV = "EPOCHAL_REATTACH_TIMEOUT"
 """Seconds a worker whose coordinator vanished waits for a restarted one (0: stop at once)."""
+
+DEFAULT_REATTACH_TIMEOUT = 60.0
+"""The default of :data:`REATTACH_TIMEOUT_ENV` (``JoinOptions.reattach_timeout``)."""
 
 PROGRESS_ENV = "EPOCHAL_PROGRESS"
 """``1`` forces the in-epoch progress bar on, ``0`` off; default: on when stderr is a terminal."""

@@ -18,6 +18,7 @@ from epochal.argtypes import (
     seconds_or_never,
 )
 from epochal.coordinator.schedule import Schedule, parse_schedule
+from epochal.environment import DEFAULT_COLLECTIVE_TIMEOUT
 from epochal.errors import ConfigError
 from epochal.protocol.messages import (
     DEFAULT_JOB,
@@ -63,8 +64,8 @@ def metrics_address(text: str) -> str:
     return text
 
 
-STALL_ABORT = 1200.0
-"""The default ``stall_abort``, 20 minutes. Twice the workers' default collective timeout (600 s),
+STALL_ABORT = 2 * DEFAULT_COLLECTIVE_TIMEOUT
+"""The default ``stall_abort``, 20 minutes: twice the workers' default collective timeout (600 s),
 so a rank blocked in a collective ends with that timeout's own error first; long enough for what
 legitimately shows no progress (a slow first step, a loader that downloads its data, a large
 checkpoint); finite, so a rank stuck outside any collective, which nothing else ends, is ended and

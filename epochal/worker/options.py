@@ -30,6 +30,8 @@ from epochal.environment import (
     CURVE_KEY_ENV,
     CURVE_SERVER_KEY_ENV,
     DEFAULT_ABORT_GRACE,
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_REATTACH_TIMEOUT,
     JOB_ENV,
     REATTACH_TIMEOUT_ENV,
     TOKEN_ENV,
@@ -97,7 +99,7 @@ class JoinOptions:
     connect_timeout: float = field(default=120.0, metadata=_from(CONNECT_TIMEOUT_ENV, _seconds))
     # seconds to reach the coordinator and be admitted (the address file's wait included)
     collective_timeout: float = field(
-        default=600.0, metadata=_from(COLLECTIVE_TIMEOUT_ENV, _seconds)
+        default=DEFAULT_COLLECTIVE_TIMEOUT, metadata=_from(COLLECTIVE_TIMEOUT_ENV, _seconds)
     )
     # seconds each data-plane collective may take
     abort_grace: float = field(
@@ -105,7 +107,7 @@ class JoinOptions:
     )
     # seconds the training code has to return to epochal after an abort before the process exits
     reattach_timeout: float = field(
-        default=60.0, metadata=_from(REATTACH_TIMEOUT_ENV, _seconds_or_never)
+        default=DEFAULT_REATTACH_TIMEOUT, metadata=_from(REATTACH_TIMEOUT_ENV, _seconds_or_never)
     )
     # seconds a worker whose coordinator vanished waits for a restarted one; 0: never
     curve_key: str | os.PathLike[str] | None = field(default=None, metadata=_from(CURVE_KEY_ENV))

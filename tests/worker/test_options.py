@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import epochal
+from epochal.coordinator.config import STALL_ABORT, CoordinatorConfig
 from epochal.errors import ConfigError
 from epochal.launch.launcher import EXIT_MARGIN, abort_exit_timeout
 from epochal.worker.launchenv import Placement
@@ -46,6 +47,13 @@ def test_the_guide_states_each_default_the_options_have(name: str):
     stated = re.findall(rf"`{name}=?` \((?:default )?([0-9.]+) s[,)]", guide_text())
     assert stated, f"the guide states no default for {name}"
     assert {float(s) for s in stated} == {default}, name
+
+
+def test_the_coordinator_s_default_stall_abort_is_twice_the_workers_collective_timeout():
+    """So that a rank blocked in a collective ends with that timeout's own error first; the
+    coordinator never imports the worker: both read the one declaration of the default."""
+    assert 2 * JoinOptions().collective_timeout == STALL_ABORT
+    assert CoordinatorConfig(world_size=2).stall_abort == STALL_ABORT
 
 
 def test_the_launcher_waits_for_the_abort_grace_its_workers_have():
