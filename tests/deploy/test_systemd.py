@@ -24,6 +24,7 @@ import pytest
 
 from epochal import cli
 from epochal.launch.service import EXIT_CRASH
+from tests.integration.conftest import wait_for_record
 from tests.multihost import netns
 from tests.multihost.test_across_hosts import clean_env
 
@@ -178,15 +179,6 @@ def test_the_run_directory_is_fixed_and_the_only_writable_path() -> None:
 # ---------------------------------------------------------------------- a crash and a restart
 
 
-def journal_has(run_dir: Path, kind: str, proc: subprocess.Popen[bytes]) -> None:
-    journal = run_dir / "epochs.jsonl"
-    end = time.monotonic() + RUN_DEADLINE
-    while not (journal.exists() and f'"kind": "{kind}"' in journal.read_text()):
-        assert proc.poll() is None, f"the coordinator exited with {proc.returncode}"
-        assert time.monotonic() < end, f"no {kind} record in {journal}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(int(RUN_DEADLINE) * 2)
 def test_a_killed_coordinator_restarted_as_the_unit_says_takes_the_workers_back(
@@ -261,7 +253,7 @@ def test_a_killed_coordinator_restarted_as_the_unit_says_takes_the_workers_back(
             )
             for i in range(2)
         ]
-        journal_has(state, "checkpoint", coordinator)
+        wait_for_record(state, "checkpoint", RUN_DEADLINE, alive=coordinator)
         os.killpg(coordinator.pid, signal.SIGKILL)  # as the OOM killer would
         code = wait(coordinator)
         assert code == -signal.SIGKILL and restarts(code), dump()

@@ -196,12 +196,7 @@ class StandaloneRun:
 
     def wait_for_first_epoch(self, deadline: float = 60.0) -> None:
         """Until the journal holds a first line: the run is under way."""
-        epochs = self.run_dir / "epochs.jsonl"
-        end = time.monotonic() + deadline
-        while not (epochs.exists() and epochs.read_text().strip()):
-            assert self.coordinator.poll() is None, "the coordinator ended before the first epoch"
-            assert time.monotonic() < end, "the job did not start"
-            time.sleep(0.05)
+        wait_for_record(self.run_dir, deadline=deadline, alive=self.coordinator)
 
     def finish_coordinator(self, deadline: float) -> tuple[int, str]:
         """Wait for the coordinator at most ``deadline`` seconds; its status and its output."""
@@ -285,6 +280,25 @@ def epoch_records(run_dir: Path) -> list[dict[str, Any]]:
         return []
     lines = path.read_text().splitlines()
     return [json.loads(x) for x in lines if x.strip().endswith("}")]
+
+
+def wait_for_record(
+    run_dir: Path,
+    kind: str | None = None,
+    deadline: float = 60.0,
+    alive: subprocess.Popen[Any] | None = None,
+) -> None:
+    """Until the run's journal (``RUN_DIR/epochs.jsonl``) holds a record of ``kind`` (None: any
+    line); fails past ``deadline`` seconds, or as soon as ``alive`` (the run's process) has ended,
+    naming its exit status."""
+    journal = run_dir / "epochs.jsonl"
+    wanted, what = ("\n", "first") if kind is None else (f'"kind": "{kind}"', kind)
+    end = time.monotonic() + deadline
+    while not (journal.exists() and wanted in journal.read_text()):
+        if alive is not None and alive.poll() is not None:
+            pytest.fail(f"the run ended (status {alive.returncode}) before a {what} record")
+        assert time.monotonic() < end, f"no {what} record in {journal} within {deadline} s"
+        time.sleep(0.05)
 
 
 def wait_for(condition: Callable[[], bool], deadline: float) -> None:

@@ -8,13 +8,18 @@ import re
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from epochal.worker.dataplane.storeserver import budget
-from tests.integration.conftest import SCRIPTS, Spawner, marked_pids, standalone_run
+from tests.integration.conftest import (
+    SCRIPTS,
+    Spawner,
+    marked_pids,
+    standalone_run,
+    wait_for_record,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +59,7 @@ def test_a_loopback_run_listens_on_loopback_only(spawn: Spawner, tmp_path):
         "--delay",
         "0.1",  # long enough epochs to look at the sockets while they train
     )
-    epochs = tmp_path / "run" / "epochs.jsonl"
-    deadline = time.monotonic() + 120
-    while not (epochs.exists() and epochs.read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the run did not reach its first epoch"
-        time.sleep(0.1)
+    wait_for_record(tmp_path / "run", deadline=120, alive=proc)
     sockets = {pid: listening(pid) for pid in marked_pids(spawn.mark)}
     _, output = spawn.finish(proc, 120)  # its exit status is not what this test is about
     assert any(sockets.values()), "no listening socket found: the check would see nothing"

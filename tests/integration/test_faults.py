@@ -30,6 +30,7 @@ from tests.integration.conftest import (
     StandaloneRun,
     marked_pids,
     standalone_run,
+    wait_for_record,
 )
 
 pytestmark = pytest.mark.slow
@@ -130,15 +131,6 @@ def worker_pid(spawn: Spawner, rank: int) -> int:
         if needle in env and b"resumable.py" in cmd:
             return pid
     raise AssertionError(f"no worker process of rank {rank}")
-
-
-def wait_for_epoch(run_dir: Path, deadline: float = 60.0) -> None:
-    """Until the coordinator has decided an epoch (the journal exists from its start)."""
-    path = run_dir / "epochs.jsonl"
-    end = time.monotonic() + deadline
-    while not (path.exists() and '"kind": "epoch"' in path.read_text()):
-        assert time.monotonic() < end, "no epoch was decided in time"
-        time.sleep(0.05)
 
 
 def workers_gone(spawn: Spawner, launcher: int, script: str = "resumable.py") -> float:
@@ -278,7 +270,7 @@ def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
 
 def test_a_killed_coordinator_stops_its_workers(spawn):
     run = standalone_run(spawn, *POLICY, world=3, delay=0.02, EPOCHAL_REATTACH_TIMEOUT="0")
-    wait_for_epoch(run.run_dir)
+    wait_for_record(run.run_dir, "epoch")
     run.coordinator.kill()
     killed = time.monotonic()
     outputs = []
@@ -362,7 +354,7 @@ def test_a_cut_control_link_stops_everything(spawn):
         run.start_workers(
             delay=0.02, connect={2: f"tcp://127.0.0.1:{proxy.port}"}, EPOCHAL_REATTACH_TIMEOUT="0"
         )
-        wait_for_epoch(run.run_dir)
+        wait_for_record(run.run_dir, "epoch")
         proxy.flowing.clear()
         cut = time.monotonic()
         code, output = run.finish_coordinator(DEADLINE)

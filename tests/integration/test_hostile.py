@@ -32,7 +32,7 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from tests.integration.conftest import SCRIPTS, Spawner, standalone_run
+from tests.integration.conftest import SCRIPTS, Spawner, standalone_run, wait_for_record
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +42,6 @@ TEARDOWN = 4.0
 """Seconds a process takes from its decision to leave to its last words on a loaded machine."""
 INTERPRETER_EXIT = 5.0
 """Seconds a worker's interpreter takes to exit after that (torch's teardown, under load)."""
-
-
-def wait_for_first_epoch(run_dir: Path, proc) -> None:
-    epochs = run_dir / "epochs.jsonl"
-    deadline = time.monotonic() + 60
-    while not (epochs.exists() and '"kind": "epoch"' in epochs.read_text()):  # one decided
-        assert proc.poll() is None, "the run ended before its first epoch"
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.05)
 
 
 def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run(
@@ -70,7 +61,7 @@ def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run
         "--delay",
         "0.03",
     )
-    wait_for_first_epoch(run_dir, launcher)
+    wait_for_record(run_dir, "epoch", alive=launcher)
     info = json.loads((run_dir / "run.json").read_text())
     run_id, endpoint = info["run_id"], info["endpoint"]
 
@@ -180,7 +171,7 @@ def test_a_flood_of_maximum_size_hellos_without_the_token_keeps_the_epochs_pace(
         "--delay",
         "0.01",
     )
-    wait_for_first_epoch(run_dir, launcher)
+    wait_for_record(run_dir, "epoch", alive=launcher)
     endpoint = json.loads((run_dir / "run.json").read_text())["endpoint"]
     start = len(decided_at(run_dir))
     before = wait_for_epochs(run_dir, start + EPOCHS_MEASURED, launcher, DEADLINE)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Spawner
+from tests.integration.conftest import Spawner, wait_for_record
 
 pytestmark = pytest.mark.slow  # every test runs epochal's supervisor and its workers
 
@@ -97,7 +97,6 @@ def test_a_command_is_required(spawn):
 @pytest.mark.timeout(120 + 60 + 120 + 60 + 60)
 def test_remote_workers_and_a_restarting_coordinator_recover_a_killed_worker(spawn, tmp_path):
     import os
-    import time
 
     import torch
 
@@ -150,11 +149,7 @@ def test_remote_workers_and_a_restarting_coordinator_recover_a_killed_worker(spa
         )
         for rank in (0, 1)
     ]
-    journal = run_dir / "epochs.jsonl"
-    deadline = time.monotonic() + 60
-    while not (journal.exists() and '"kind": "checkpoint"' in journal.read_text()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_record(run_dir, "checkpoint")
     victim = next(
         pid
         for pid in marked_pids(spawn.mark)

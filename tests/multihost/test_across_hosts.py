@@ -21,6 +21,7 @@ import pytest
 import epochal
 from epochal.protocol import Liveness
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
+from tests.integration.conftest import wait_for_record
 from tests.multihost import netns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,12 +125,9 @@ class Cluster:
         assert not left, f"processes left on the hosts: {left}\n{self.dump()}"
 
 
-def journal_has(run_dir: Path, kind: str, deadline: float = RUN_DEADLINE) -> None:
-    journal = run_dir / "epochs.jsonl"
-    end = time.monotonic() + deadline
-    while not (journal.exists() and f'"kind": "{kind}"' in journal.read_text()):
-        assert time.monotonic() < end, f"no {kind} record in {journal} within {deadline} s"
-        time.sleep(0.05)
+def journal_has(run_dir: Path, kind: str) -> None:
+    """Until the run's journal holds a ``kind`` record, within the run's deadline."""
+    wait_for_record(run_dir, kind, RUN_DEADLINE)
 
 
 def run_to_end(cluster: Cluster, work: list[str], *policy: str) -> tuple[str, list[str]]:
