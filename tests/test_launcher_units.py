@@ -298,6 +298,13 @@ def test_a_listener_on_the_master_port_is_seen_and_nothing_else_is():
     assert not listening(free_port())
 
 
+HOLDS_A_SOCKET = (
+    "import socket, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print('bound', flush=True); time.sleep(60)"
+)
+
+
 def test_a_listener_that_is_not_a_workers_is_not_their_process_group(tmp_path):
     # the free port handed to the workers may be taken meanwhile by any other process (another
     # run's store): only a socket one of the workers holds says the script made its own group
@@ -306,9 +313,14 @@ def test_a_listener_that_is_not_a_workers_is_not_their_process_group(tmp_path):
         server.listen()
         port = server.getsockname()[1]
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        holder = subprocess.Popen(  # a worker that holds a socket, but not the one listening
+            [sys.executable, "-c", HOLDS_A_SOCKET], stdout=subprocess.PIPE, text=True
+        )
         try:
+            assert holder.stdout is not None and holder.stdout.readline() == "bound\n"
             assert listening(port)
             assert not listening(port, [worker.pid])
+            assert not listening(port, [holder.pid])
             assert not listening(port, [])
             looks = iter(range(5))  # five looks, then a hello came
             possible = functools.partial(next, looks, None)
@@ -318,6 +330,9 @@ def test_a_listener_that_is_not_a_workers_is_not_their_process_group(tmp_path):
             assert seen is False
         finally:
             worker.kill()
+            holder.kill()
+            worker.wait()
+            holder.communicate()
             worker.wait()
 
 

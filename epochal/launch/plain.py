@@ -47,7 +47,14 @@ def free_port() -> int:
 def listening(port: int, pids: Iterable[int] | None = None) -> bool:
     """Whether a TCP socket in this network namespace listens on ``port`` (Linux; read from
     ``/proc/net``, so nothing connects to it); with ``pids``, only a socket one of those
-    processes holds counts."""
+    processes holds counts (the tables, which list every socket of the namespace and are long
+    on a busy machine, are read only once one of them holds a socket: a worker still importing
+    torch holds none)."""
+    held: set[str] | None = None
+    if pids is not None:
+        held = set().union(*(_sockets(pid) for pid in pids))
+        if not held:
+            return False
     inodes: set[str] = set()
     for table in _TABLES:
         try:
@@ -62,9 +69,9 @@ def listening(port: int, pids: Iterable[int] | None = None) -> bool:
                 and int(fields[1].rsplit(":", 1)[1], 16) == port
             ):
                 inodes.add(f"socket:[{fields[9]}]")
-    if not inodes or pids is None:
+    if held is None:
         return bool(inodes)
-    return any(inodes & _sockets(pid) for pid in pids)
+    return bool(inodes & held)
 
 
 def _sockets(pid: int) -> set[str]:
