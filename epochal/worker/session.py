@@ -497,7 +497,7 @@ class Session(Reattaching, Regrouping):
                     dist.destroy_process_group()
             except Exception:  # tearing down after an abort: the peers may be gone already
                 pass
-        self.client.close()
+        self.client.close(finished=finished)
 
     def __enter__(self) -> Session:
         return self

@@ -228,6 +228,7 @@ class ClosingClient(ScriptedClient):
         self.answer = answer
         self.liveness = Liveness()
         self.closed = False
+        self.closed_finished: bool | None = None
 
     def send(self, message: Message) -> None:
         self.sent.append(message)
@@ -239,8 +240,9 @@ class ClosingClient(ScriptedClient):
             raise TimeoutError("no message from the coordinator")
         return self.inbox.popleft()
 
-    def close(self, *, flush: float = 2.0) -> None:
+    def close(self, *, flush: float = 2.0, finished: bool = False) -> None:
         self.closed = True
+        self.closed_finished = finished
 
 
 @pytest.mark.parametrize("answer", [True, False], ids=["finished", "no-answer"])
@@ -252,6 +254,7 @@ def test_a_session_closed_cleanly_before_any_epoch_says_done_and_waits_for_the_f
     with session(client):  # type: ignore[arg-type]
         pass
     assert client.sent == [Done()] and client.closed
+    assert client.closed_finished is True  # once the coordinator has gone, nothing to linger for
     assert client.waits[-1] == (Phase.FINISHING, 0, None)  # its heartbeats say it is finishing
     assert not client.inbox  # the Finish was taken (when one came)
 
@@ -261,6 +264,7 @@ def test_a_session_left_by_an_exception_or_after_its_epochs_says_no_early_done()
     with pytest.raises(ValueError), session(client):  # type: ignore[arg-type]
         raise ValueError("the script failed")
     assert client.sent == [] and client.closed  # the script's failure is the run's, not a finish
+    assert client.closed_finished is False  # what it queued (its Failed) is still sent
     client = ScriptedClient(epochs=1)  # a session that ran its epochs: its Done was the finish's
     client.close = lambda **_: None  # type: ignore[attr-defined]
     s = session(client)

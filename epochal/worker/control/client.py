@@ -63,7 +63,7 @@ from epochal.security.curve import ClientSecurity, describe_handshake_failure
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.control.backstop import exit_if_stuck, exit_unless_taken
-from epochal.worker.control.dealer import Dealer
+from epochal.worker.control.dealer import LINGER_MS, Dealer
 from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
@@ -140,6 +140,9 @@ class ControlClient:
         self._skipped = SkippedFields("worker")
         # the fields a newer coordinator's frames carried that this version skips, logged once
         self._disconnected: float | None = None
+        self._up = False  # the connection to the coordinator is up (its handshake succeeded)
+        self._linger = LINGER_MS  # how long closing tries to send what is queued, in ms
+        self._finished = False  # closed once the run is over and this worker said Done
         # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
         self._progress_at = time.monotonic()
@@ -316,8 +319,13 @@ class ControlClient:
         if self._regroup is regroup:
             self._regroup_taken.set()
 
-    def close(self, *, flush: float = 2.0) -> None:
-        """Send what is queued (waiting up to ``flush`` seconds) and stop the thread."""
+    def close(self, *, flush: float = LINGER_MS / 1000, finished: bool = False) -> None:
+        """Send what is queued (waiting up to ``flush`` seconds) and stop the thread.
+
+        ``finished``: the run is over and this worker said so (Done). Then, once the coordinator
+        has closed the connection, what is still queued (heartbeats sent meanwhile) has nobody
+        to go to, and the socket closes at once instead of trying for ``flush`` seconds."""
+        self._linger, self._finished = int(flush * 1000), finished
         self._abort_taken.set()
         self._loss_taken.set()
         loop, outbox = self._loop, self._outbox
@@ -363,7 +371,8 @@ class ControlClient:
             ticker.cancel()
             watcher.cancel()
             await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
-            dealer.close()
+            # a finished worker's coordinator that closed the connection got its Done
+            dealer.close(linger=0 if self._finished and not self._up else self._linger)
 
     def _watched(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         """Run ``work`` as a task of this thread whose end, other than by cancelling, fails us."""
@@ -457,6 +466,7 @@ class ControlClient:
                 continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshake.succeeded()
+                self._up = True
                 continue
             # without detail: closed by the coordinator during a CURVE handshake (a key it cannot
             # read) fails; anything else is no answer, which libzmq retries and the deadline says
@@ -467,8 +477,10 @@ class ControlClient:
             problem = describe_handshake_failure(event, parsed["value"], curve=curve)
             if problem is not None:
                 self._fail(problem)
-            elif event == zmq.EVENT_DISCONNECTED and self._watch_coordinator:
-                self._disconnected = now
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._up = False
+                if self._watch_coordinator:
+                    self._disconnected = now
 
     async def _tick(self) -> None:
         assert self._outbox is not None
