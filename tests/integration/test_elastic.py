@@ -32,7 +32,6 @@ hang should reach it."""
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("elastic"),  # one reference run
     # each run is bounded by DEADLINE; a test runs up to four in turn (the replacement and the
     # three legs of its reference), which on a loaded machine takes longer than the suite's
     # default per-test timeout
@@ -166,6 +165,7 @@ def world_changes(run_dir: Path) -> list[dict[str, Any]]:
     ],
     ids=["train-step", "validation", "rank-0-the-store-host", "checkpoint-write"],
 )
+@pytest.mark.xdist_group("elastic")  # one test process: the module's two runs made once
 def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
     spawn: Spawner,
     tmp_path: Path,
