@@ -15,7 +15,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from epochal.errors import (
     EpochalError,
     RunAborted,
 )
-from epochal.log import WORKER
 from epochal.protocol import (
     Awaiting,
     Checkpointed,
@@ -47,7 +45,8 @@ from epochal.protocol import (
     clip,
 )
 from epochal.worker import faults
-from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
+from epochal.worker.checkpointing import Checkpointing
+from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.control.client import ControlClient, RegroupNow
 from epochal.worker.control.exits import failure_reason
@@ -72,7 +71,7 @@ from epochal.worker.training.results import (
 __all__ = ["EpochContext", "EpochRecord", "LossSum", "Rejoin", "RunResult", "Session"]
 
 
-class Session(Reattaching, Regrouping):
+class Session(Checkpointing, Reattaching, Regrouping):
     """One worker's membership in a run: rank, world, the control client and the process group."""
 
     def __init__(
@@ -358,34 +357,6 @@ class Session(Reattaching, Regrouping):
             return None
         return weights_checksum(self.model)
 
-    def _resume(self, state: Stateful | None) -> list[EpochRecord]:
-        """Load the checkpoint the coordinator resumes from; the learning curve up to it."""
-        if self.resume_epoch is None:
-            return []
-        if state is None or self.checkpointer is None:
-            raise EpochalError(
-                f"the coordinator resumes this run after epoch {self.resume_epoch}, but there is "
-                "no state to load it into: pass state= to run_epochs (or use epochal.train)"
-            )
-        # a rank the checkpoint's world had not (a newcomer to a world that restores it, or a
-        # resume at a larger size than the last checkpoint's) keeps its own generators
-        history = self.checkpointer.load(self.resume_epoch, state, rng=None)
-        if not isinstance(history, list):  # a checkpoint written before curves were kept
-            return []
-        return [
-            EpochRecord(**r)
-            for r in history
-            if isinstance(r, dict) and r["epoch"] <= self.resume_epoch
-        ]
-
-    def _save(self, epoch: int, state: Stateful, curve: list[EpochRecord]) -> None:
-        if self.checkpointer is None:
-            return
-        history = [asdict(r) for r in curve]
-        if self.checkpointer.save(epoch, state, history=history) is not None:
-            self.client.send(Checkpointed(epoch=epoch))  # rank 0, once the rename is durable
-            self._saved = epoch
-
     def _ask(self, message: EpochReady | EpochReport) -> None:
         """Send ``message``, whose answer this rank now awaits."""
         self._asked = message
@@ -404,36 +375,6 @@ class Session(Reattaching, Regrouping):
             what = "report" if isinstance(asked, EpochReport) else "ready"
             sent.append(f"its {what} of epoch {asked.epoch}")
         return sent
-
-    def load_checkpoint(self, epoch: int, state: Stateful) -> None:
-        """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).
-
-        Raises :class:`~epochal.worker.checkpoints.checkpoint.CheckpointCorrupt` (nothing loaded)
-        when the checkpoint does not match its manifest.
-        """
-        if self.checkpointer is None:
-            raise EpochalError("this run has no checkpoint directory")
-        self.checkpointer.load(epoch, state, rng=False)
-
-    def restore_best(self, result: RunResult, state: Stateful) -> RunResult:
-        """Collective: load the best epoch's checkpoint into ``state`` at the end of the run.
-
-        A damaged checkpoint is never loaded: ``state`` keeps the last epoch's weights, and the
-        returned result says so in ``weights_note`` (also printed), rather than claiming the best.
-        """
-        if result.best_epoch is None:
-            return result
-        try:
-            self.load_checkpoint(result.best_epoch, state)
-        except CheckpointCorrupt as exc:
-            last = max((r.epoch for r in result.curve), default=None)
-            note = (
-                f"{exc}; the model keeps the weights of the last epoch trained ({last}) instead "
-                f"of the best epoch's ({result.best_epoch})"
-            )
-            WORKER.info(f"epochal: rank {self.rank}: {note}")
-            return replace(result, weights_note=note)
-        return result
 
     def fail(self, exc: BaseException) -> None:
         """Tell the coordinator this rank cannot go on, so every other rank stops too."""
