@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -31,7 +29,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from epochal.errors import CoordinatorLost, EpochalError, MalformedMessage, RunAborted
 from epochal.log import WORKER, ensure_configured
@@ -49,7 +46,6 @@ from epochal.protocol import (
     Phase,
     Regroup,
     Reject,
-    Status,
     Welcome,
     WorkerMessage,
     clip,
@@ -59,11 +55,12 @@ from epochal.protocol.codec import decode_frame
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.protocol.paging import model_page
 from epochal.protocol.skipped import SkippedFields
-from epochal.security.curve import ClientSecurity, describe_handshake_failure
+from epochal.security.curve import ClientSecurity
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.control.backstop import exit_if_stuck, exit_unless_taken
 from epochal.worker.control.dealer import LINGER_MS, Dealer
+from epochal.worker.control.heartbeats import Heartbeats
 from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
@@ -100,7 +97,7 @@ class RegroupNow(Exception):
         self.regroup = regroup
 
 
-class ControlClient:
+class ControlClient(Heartbeats):
     """Owns the DEALER socket; safe to call from one user thread while its own thread runs."""
 
     def __init__(
@@ -140,10 +137,10 @@ class ControlClient:
         self._skipped = SkippedFields("worker")
         # the fields a newer coordinator's frames carried that this version skips, logged once
         self._disconnected: float | None = None
+        # when the connection to the coordinator closed (its process died?); None: connected
         self._up = False  # the connection to the coordinator is up (its handshake succeeded)
         self._linger = LINGER_MS  # how long closing tries to send what is queued, in ms
         self._finished = False  # closed once the run is over and this worker said Done
-        # when the connection to the coordinator closed (its process died?); None: connected
         self._main_thread = threading.get_ident()  # made on the training code's thread
         self._progress_at = time.monotonic()
         # when the main thread last showed progress (a step, a phase, a call into the client)
@@ -452,90 +449,6 @@ class ControlClient:
                 )
                 continue
             self._inbox.put(message)  # type: ignore[arg-type]
-
-    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        """Socket events: a refused handshake fails at once; a handshake that does not complete
-        is noted (the connect deadline's line says the coordinator does not answer); a closed
-        connection is suspicious."""
-        curve = self._security is not None
-        while True:
-            parsed = parse_monitor_message(await monitor.recv_multipart())
-            event, now = parsed["event"], time.monotonic()
-            if event == zmq.EVENT_CONNECTED:
-                self.handshake.connected(now)
-                continue
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshake.succeeded()
-                self._up = True
-                continue
-            # without detail: closed by the coordinator during a CURVE handshake (a key it cannot
-            # read) fails; anything else is no answer, which libzmq retries and the deadline says
-            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not (
-                self.handshake.failed(now) and curve
-            ):
-                continue
-            problem = describe_handshake_failure(event, parsed["value"], curve=curve)
-            if problem is not None:
-                self._fail(problem)
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._up = False
-                if self._watch_coordinator:
-                    self._disconnected = now
-
-    async def _tick(self) -> None:
-        assert self._outbox is not None
-        while True:
-            slept = time.monotonic()
-            await asyncio.sleep(self.liveness.interval)
-            if time.monotonic() - slept > self.liveness.timeout and self._last_heard is not None:
-                # this process was not running (frozen by SIGSTOP, a paused machine): the silence
-                # was its own. What the coordinator sent meanwhile is waiting to be read (an
-                # abort, say: this worker was dropped), so its clock starts again now
-                self._last_heard = time.monotonic()
-            self._own_progress()
-            self._beat()
-            heard = self._last_heard
-            gone = self._disconnected
-            if (
-                self._watch_coordinator
-                and gone is not None
-                and time.monotonic() - gone > 2 * self.liveness.interval
-            ):
-                # the connection closed and nothing came back over a new one: the coordinator's
-                # process is gone (a network blip reconnects and clears this within the window)
-                self._lose(f"the connection to the coordinator at {self.endpoint} closed")
-                continue
-            if (
-                self._watch_coordinator
-                and heard is not None
-                and time.monotonic() - heard > self.liveness.timeout
-                and self._abort_reason is None
-            ):
-                self._lose(
-                    f"the coordinator at {self.endpoint} sent nothing for "
-                    f"{self.liveness.timeout:g} s: it died or the network to it is down"
-                )
-
-    def _own_progress(self) -> None:
-        """Count a step when training code with a loop of its own used CPU since the last one."""
-        busy = self.busy
-        if busy is not None and busy.grew():
-            self.step += 1
-            self._progress_at = time.monotonic()
-
-    def _beat(self) -> None:
-        """Queue a heartbeat saying where the training code is (on this thread)."""
-        if self._outbox is not None:
-            phase, awaiting = self._doing
-            self._outbox.put_nowait(Status(phase, self.epoch, self.step, self._where(), awaiting))
-
-    def _where(self) -> str:
-        """Where the main thread is right now: its innermost frame, as ``file.py:12 in fn``."""
-        frame = sys._current_frames().get(self._main_thread)
-        if frame is None:
-            return ""
-        code = frame.f_code
-        return clip(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}", 200)
 
     def _fail(self, reason: str) -> None:
         self._begin_abort(reason)
