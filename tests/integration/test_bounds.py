@@ -19,12 +19,12 @@ import time
 import pytest
 
 from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
+from tests.integration.conftest import wait_for_record
 from tests.integration.test_faults import (
     POLICY,
     SCRIPTS,
     Output,
     run_cmd,
-    wait_for_epoch,
     worker_pid,
     workers_gone,
 )
@@ -82,7 +82,7 @@ def test_a_killed_coordinator_bound(spawn, tmp_path, reattach):
         for r in range(2)
     ]
     outputs = [Output(w) for w in workers]
-    wait_for_epoch(tmp_path / "run")
+    wait_for_record(tmp_path / "run", "epoch")
     coordinator.kill()
     killed = time.monotonic()
     # the worker's last words: its traceback, printed once it has left the run. A coordinator
