@@ -271,38 +271,24 @@ SHORT_FLUSH = 1.0
 
 @pytest.mark.parametrize("finished", [True, False], ids=["finished", "not-finished"])
 def test_a_finished_worker_whose_coordinator_has_gone_closes_without_waiting_out_the_flush(
-    finished: bool,
+    router: tuple[zmq.Socket[bytes], str], client: ControlClient, finished: bool
 ):
     """Once the run is over and the coordinator has closed the connection, the heartbeats queued
     meanwhile have nobody to go to: closing drops them at once. Not finished (a last Failed may
     be queued), closing still tries to send what is queued for the flush."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    control = ControlClient(
-        f"tcp://127.0.0.1:{port}",
-        b"worker-under-test",
-        JoinOptions(abort_grace=600.0),
-        liveness=Liveness(interval=HEARTBEAT_INTERVAL),
-    )
-    control.start()
-    try:
-        assert any(isinstance(m, Status) for m in frames_until(sock, MARGIN, Status))
-        sock.close(linger=0)  # the coordinator ends
-        end = time.monotonic() + MARGIN
-        while control._up and time.monotonic() < end:  # its disconnect seen by the client
-            time.sleep(0.02)
-        assert not control._up
-        time.sleep(3 * HEARTBEAT_INTERVAL)  # heartbeats queued for nobody
-        closing = time.monotonic()
-        control.close(flush=FLUSH if finished else SHORT_FLUSH, finished=finished)
-        took = time.monotonic() - closing
-        assert control._thread is not None and not control._thread.is_alive()
-        if finished:
-            assert took < FLUSH, took
-        else:  # what is queued is tried for the whole flush (linger): a lower bound holds
-            assert took >= SHORT_FLUSH * 0.9, took
-    finally:
-        if control._thread is not None and control._thread.is_alive():
-            control.close(flush=0.0)
-        ctx.term()
+    sock, _ = router
+    assert any(isinstance(m, Status) for m in frames_until(sock, MARGIN, Status))
+    sock.close(linger=0)  # the coordinator ends
+    end = time.monotonic() + MARGIN
+    while client._up and time.monotonic() < end:  # its disconnect seen by the client
+        time.sleep(0.02)
+    assert not client._up
+    time.sleep(3 * HEARTBEAT_INTERVAL)  # heartbeats queued for nobody
+    closing = time.monotonic()
+    client.close(flush=FLUSH if finished else SHORT_FLUSH, finished=finished)
+    took = time.monotonic() - closing
+    assert client._thread is not None and not client._thread.is_alive()
+    if finished:
+        assert took < FLUSH, took
+    else:  # what is queued is tried for the whole flush (linger): a lower bound holds
+        assert took >= SHORT_FLUSH * 0.9, took
