@@ -3,6 +3,10 @@
 An explicit argument always wins over the variable. The launcher (``epochal run``) sets these for
 the workers it starts; a worker on another machine is pointed at its coordinator with
 ``EPOCHAL_COORDINATOR=tcp://HOST:PORT``.
+
+Two more are the launcher's own, declared where they are used, in :mod:`epochal.zygote` (which
+imports nothing of epochal): ``EPOCHAL_ZYGOTE``, a forked worker's channel to the process it was
+forked from, and ``EPOCHAL_ZYGOTE_ROOM``, that process's room for its children's environments.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ VERBOSE_ENV = "EPOCHAL_VERBOSE"
 """``1`` keeps a worker's full traceback for an error that stops the run (``RunAborted``,
 ``JoinRefused``, ...), which otherwise ends the worker with one line; ``epochal run --verbose``
 and ``epochal worker --verbose`` set it for their workers."""
+
+PRELOAD_ENV = "EPOCHAL_PRELOAD"
+"""The modules ``epochal run`` imports once, in a process its workers are forked from
+(comma-separated; default ``torch,torch.distributed,torch._dynamo``); ``none`` starts each worker
+as a fresh interpreter that imports them itself (see :mod:`epochal.launch.zygote`)."""
 
 LOG_LEVEL_ENV = "EPOCHAL_LOG_LEVEL"
 """``debug``, ``info`` (the default), ``warning`` or ``error``: the least severe message epochal's

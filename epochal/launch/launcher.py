@@ -42,7 +42,8 @@ from epochal.environment import (
 )
 from epochal.errors import RunAborted
 from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
-from epochal.launch.processes import die_with_parent, kill_group
+from epochal.launch.preload import Forked, Preload, preload_modules
+from epochal.launch.processes import Child, die_with_parent, kill_group
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
 from epochal.observe import RunObserver
@@ -117,12 +118,14 @@ async def launch(
     line that continues it.
     """
     ensure_configured()
+    modules = preload_modules()  # a bad EPOCHAL_PRELOAD is said before anything starts
     if not config.token:
         # a job token of its own, only in the workers' environment: a local process that reads
         # the endpoint from run.json still cannot join the run or take a worker's place
         config = dataclasses.replace(config, token=secrets.token_urlsafe(32))
 
     outcomes: list[Outcome] = []
+    preload = Preload(modules, command, _preload_environment())
 
     async def attempt(n: int) -> Outcome:
         coordinator = Coordinator(
@@ -143,6 +146,7 @@ async def launch(
             verbose=verbose,
             exit_timeout=exit_timeout,
             max_restarts=max_restarts,
+            preload=preload,
         )
         outcomes.append(outcome)
         return outcome
@@ -157,7 +161,10 @@ async def launch(
             logging.ERROR,
         )
 
-    status = await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
+    try:
+        status = await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
+    finally:
+        preload.close()
     if resume_command and outcomes and outcomes[-1].unfinished:
         _say(f"to resume: {resume_command}", logging.WARNING)
     return status
@@ -173,6 +180,15 @@ def run_observed(config: CoordinatorConfig, nproc: int, command: list[str], **kw
         return asyncio.run(launch(config, nproc, command, observers=observers, **kwargs))
     finally:
         observers.close()
+
+
+def _preload_environment() -> dict[str, str]:
+    """The environment the workers' preloaded process imports torch in: the launcher's, the
+    workers' log settings, and their ``OMP_NUM_THREADS`` default (read as torch is imported)."""
+    env = dict(os.environ)
+    env.update(child_environment())
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def worker_environment(
@@ -229,6 +245,7 @@ async def _attempt(
     verbose: bool,
     exit_timeout: float | None,
     max_restarts: int = 0,
+    preload: Preload | None = None,
 ) -> Outcome:
     """One coordinator and one set of workers; a failed run's outcome asks for a retry (the
     workers failing after the run finished, or a signal, do not)."""
@@ -261,22 +278,36 @@ async def _attempt(
 
     master_port = free_port()  # for a script that makes its own process group (torchrun's)
     relay = Relay(out, verbose=verbose)
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[Child] = []
     pumps: list[asyncio.Task[None]] = []
     slots: list[int] = []
     # the worker index each process stands for (a replacement takes its lost worker's)
     width = len(str(nproc - 1))
 
-    async def start(index: int, worker_id: str) -> asyncio.subprocess.Process:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            env=worker_environment(env_base, index, nproc, worker_id, master_port),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+    def failed() -> None:
+        _say(
+            "the process that imports torch once for every worker ended before it served (its "
+            "error is above): each worker imports it itself",
+            logging.WARNING,
         )
+
+    preloaded = None if preload is None else await preload.get(failed)
+
+    async def start(index: int, worker_id: str) -> Child:
+        env = worker_environment(env_base, index, nproc, worker_id, master_port)
+        proc: asyncio.subprocess.Process | Forked
+        if preloaded is not None:
+            proc = await preloaded.spawn(command, env)
+        else:
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            )
         procs.append(proc)
         slots.append(index)
         assert proc.stdout is not None
@@ -308,7 +339,7 @@ async def _attempt(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    async def watch(position: int, proc: asyncio.subprocess.Process) -> int:
+    async def watch(position: int, proc: Child) -> int:
         code = await proc.wait()
         phase = coordinator.phase.value
         index = slots[position]

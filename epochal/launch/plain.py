@@ -20,10 +20,10 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from epochal.launch.processes import kill_group
+from epochal.launch.processes import Child, kill_group
 
 PLAIN_LINE = (
     "the script made its own process group (a torchrun script): epochal starts its workers, "
@@ -104,7 +104,7 @@ async def made_its_own_group(
 
 
 async def wait_plain(
-    procs: list[asyncio.subprocess.Process],
+    procs: Sequence[Child],
     watchers: list[asyncio.Task[int]],
     grace: float,
 ) -> int | None:

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import os
 import signal
+from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal a child gets when its parent dies (Linux)."""
@@ -35,3 +36,16 @@ def kill_group(pid: int, sig: int) -> None:
     own), the child's own children included; a group already gone is no error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+class Child(Protocol):
+    """A worker process the launcher started: an ``asyncio.subprocess.Process``, or one forked by
+    its preloaded process (:class:`epochal.launch.preload.Forked`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...

@@ -54,6 +54,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from epochal.errors import EpochalError
 from epochal.log import WORKER
 from epochal.worker.dataplane import storeserver
+from epochal.zygote import CHANNEL_ENV, Child, channel_from, popen
 
 KEY_BYTES = 16
 """Random bytes in a run's store secret (hex-encoded on the wire)."""
@@ -103,7 +104,13 @@ class StoreServer:
     capped (see the module docstring). It ends when :meth:`close` is called, when this object is
     collected, or when this process ends, however it ends (its standard input closes)."""
 
-    def __init__(self, process: subprocess.Popen[bytes], host: str, port: int, baseline: int):
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes] | Child,
+        host: str,
+        port: int,
+        baseline: int,
+    ):
         self.process = process
         self.host = host
         # where this machine's clients reach the server
@@ -121,22 +128,30 @@ class StoreServer:
         port = listener.getsockname()[1]
         env = dict(os.environ)
         env.setdefault(LOG_LEVEL_ENV, "ERROR")
+        env.pop(CHANNEL_ENV, None)  # this process's, not the server's
+        args = [str(listener.fileno()), own, str(port), str(timeout), str(os.getpid())]
+        process: subprocess.Popen[bytes] | Child
         try:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-P",  # never import from the script's directory (this package's modules)
+            channel = channel_from()
+            if channel is not None:  # forked from the process that imported torch for the run
+                process = popen(
+                    channel,
                     storeserver.__file__,
-                    str(listener.fileno()),
-                    own,
-                    str(port),
-                    str(timeout),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                pass_fds=(listener.fileno(),),
-                env=env,
-            )
+                    args,
+                    env=env,
+                    stdin=True,
+                    stdout=True,
+                    pass_fds=(listener.fileno(),),
+                )
+            else:
+                process = subprocess.Popen(
+                    # -P: never import from the script's directory (this package's modules)
+                    [sys.executable, "-P", storeserver.__file__, *args],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    pass_fds=(listener.fileno(),),
+                    env=env,
+                )
         finally:
             listener.close()  # the server holds it now: if it ends, connections are refused
         try:
@@ -160,7 +175,7 @@ class StoreServer:
         self._close()
 
 
-def _ready(process: subprocess.Popen[bytes], timeout: float) -> int:
+def _ready(process: subprocess.Popen[bytes] | Child, timeout: float) -> int:
     """The baseline the server process reports once it serves; EpochalError if it does not."""
     assert process.stdout is not None
     deadline = time.monotonic() + timeout
@@ -186,7 +201,7 @@ def _ready(process: subprocess.Popen[bytes], timeout: float) -> int:
     return int(baseline)
 
 
-def _end(process: subprocess.Popen[bytes]) -> None:
+def _end(process: subprocess.Popen[bytes] | Child) -> None:
     """Close the server's input (it ends on its own), then make sure it has ended."""
     for pipe in (process.stdin, process.stdout):
         if pipe is not None:

@@ -1,15 +1,17 @@
 """Rank 0's data-plane store server, run in a process of its own whose memory is capped.
 
 :class:`epochal.worker.dataplane.store.StoreServer` starts this file as a script (``python -P
-storeserver.py FD HOST PORT TIMEOUT``), by path rather than as ``-m
+storeserver.py FD HOST PORT TIMEOUT OWNER``), by path rather than as ``-m
 epochal.worker.dataplane.storeserver``: the package's ``__init__`` would import the whole worker API
 for a process that needs only torch's ``TCPStore``. So it imports nothing of epochal; the parent
-imports it as a module for :func:`budget` and :func:`cap`.
+imports it as a module for :func:`budget` and :func:`cap`. A worker that ``epochal run`` forked
+from its preloaded process has that process fork this one too (:func:`epochal.zygote.popen`):
+torch is imported already, and the other ranks do not wait for a second import.
 
 The process imports torch, caps its own data (``RLIMIT_DATA``: heap and every private writable
 mapping) at what it then holds (BASELINE) plus :func:`budget`, serves a ``TCPStore`` on the
 listening socket FD (bound by the parent), prints ``ready BASELINE``, and serves until its
-standard input closes or the process that started it ends, however it ends. Whatever anyone
+standard input closes or rank 0's process (OWNER) ends, however it ends. Whatever anyone
 who reaches the port sends, the store's memory cannot grow past that cap: an allocation past it
 fails, torch's server closes the connection that asked for it, and the training process is not
 touched. See :mod:`epochal.worker.dataplane.store` for why a cap, not a sweep of foreign keys.
@@ -95,6 +97,7 @@ def serve(fd: int, host: str, port: int, timeout: float, store: Any = None) -> A
 
 def main(argv: list[str]) -> int:
     fd, host, port, timeout = int(argv[1]), argv[2], int(argv[3]), float(argv[4])
+    owner = int(argv[5]) if len(argv) > 5 else os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; we end with it
     import torch.distributed  # noqa: F401  (imported before the baseline is taken)
 
@@ -102,14 +105,41 @@ def main(argv: list[str]) -> int:
     cap(0, baseline, None)
     store = serve(fd, host, port, timeout)
     print(f"ready {baseline}", flush=True)
-    parent = os.getppid()
-    # until the parent closes its end or ends; a process forked from it (a data loader's worker)
-    # may hold its end open a while longer, so its end is also seen by this process's new parent
-    while os.getppid() == parent:
-        if select.select([0], [], [], PARENT_CHECK_INTERVAL)[0] and not os.read(0, 4096):
-            break
+    _serve_until_closed(owner)
     del store
     return 0
+
+
+def _serve_until_closed(owner: int) -> None:
+    """Return once standard input closes or process ``owner`` (rank 0) ends: a process forked from
+    it (a data loader's worker) may hold the input open a while longer, and this process's parent
+    may be another (the run's preloaded process, :mod:`epochal.zygote`)."""
+    try:
+        ended = os.pidfd_open(owner)
+    except ProcessLookupError:
+        return
+    except (OSError, AttributeError):  # no pidfd (Linux before 5.3): look every so often
+        while _alive(owner):
+            if select.select([0], [], [], PARENT_CHECK_INTERVAL)[0] and not os.read(0, 4096):
+                return
+        return
+    try:
+        while True:
+            ready = select.select([0, ended], [], [])[0]
+            if ended in ready or not os.read(0, 4096):
+                return
+    finally:
+        os.close(ended)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""The launcher's side of :mod:`epochal.launch.zygote`: start it, fork workers, see them end.
+
+``epochal run`` starts one zygote per launch (it outlives restarts and starts elastic
+replacements too) and asks it for each worker; a :class:`Forked` worker stands where an
+``asyncio.subprocess.Process`` would (``pid``, ``returncode``, ``wait()``, ``stdout``). Where the
+zygote cannot start (the modules fail to import, say), the launcher says so once and starts each
+worker as a fresh interpreter, as it does with ``--no-preload`` or ``EPOCHAL_PRELOAD=none``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from epochal.environment import PRELOAD_ENV
+from epochal.errors import ConfigError, EpochalError
+from epochal.launch.processes import die_with_parent
+from epochal.zygote import ARGV_ROOM, ENV_ROOM, ROOM_ENV
+from epochal.zygote import __file__ as ZYGOTE_SCRIPT
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+"""What the zygote imports: torch, its process groups, and ``torch._dynamo``, which torch's
+optimizers import the first time one is built (1.0-1.2 s of CPU a process, measured)."""
+
+OFF = ("none", "0", "")
+
+
+def preload_modules(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The modules ``EPOCHAL_PRELOAD`` names (comma-separated; ``none``: fork nothing, start each
+    worker afresh), else :data:`DEFAULT_PRELOAD`."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(PRELOAD_ENV)
+    if raw is None:
+        return DEFAULT_PRELOAD
+    if raw.strip().lower() in OFF:
+        return ()
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    bad = [name for name in names if not all(part.isidentifier() for part in name.split("."))]
+    if bad:
+        raise ConfigError(
+            f"{PRELOAD_ENV}={raw!r}: {', '.join(map(repr, bad))} is not a module name; give "
+            "module names separated by commas (torch,torch._dynamo), or none"
+        )
+    return names
+
+
+class Forked:
+    """A worker forked by the zygote: what the launcher uses of an asyncio subprocess."""
+
+    def __init__(self, pid: int, stdout: asyncio.StreamReader):
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def _exited(self, status: int) -> None:
+        if self.returncode is None:
+            self.returncode = status
+            self._ended.set_result(status)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._ended)
+
+
+class Preloaded:
+    """One zygote: :meth:`start`, :meth:`spawn` as often as needed, :meth:`close` at the end."""
+
+    def __init__(self, process: subprocess.Popen[bytes], channel: socket.socket):
+        self._process = process
+        self._channel = channel
+        self._ids = itertools.count(1)
+        self._asked: dict[int, asyncio.Future[int]] = {}
+        self._forked: dict[int, Forked] = {}
+        self._early: dict[int, int] = {}  # statuses of pids reported before their start was seen
+        self._ready: asyncio.Future[None] | None = None
+        self._gone = False
+
+    @classmethod
+    def start(cls, modules: Sequence[str], env: Mapping[str, str]) -> Preloaded:
+        """Start a zygote that imports ``modules`` in environment ``env``; :meth:`ready` says
+        when it serves."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-u",
+                    "-P",  # never import from the launcher's directory
+                    ZYGOTE_SCRIPT,
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    " " * ARGV_ROOM,  # room for each worker's command line (zygote._show)
+                    *modules,
+                ],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                env={**env, ROOM_ENV: " " * ENV_ROOM},  # and for its environment
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self = cls(process, ours)
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        loop.add_reader(ours.fileno(), self._readable)
+        return self
+
+    async def ready(self) -> bool:
+        """Whether the zygote serves (False: it ended first; its error is on stderr)."""
+        assert self._ready is not None
+        with contextlib.suppress(EpochalError):
+            await asyncio.shield(self._ready)
+            return True
+        return False
+
+    async def spawn(self, command: Sequence[str], env: Mapping[str, str]) -> Forked:
+        """Fork a worker that runs ``command`` (``[python, -u, SCRIPT, ARGS...]`` or ``[python,
+        -u, -m, MODULE, ARGS...]``, as :func:`epochal.launch.launcher.script_command` makes) in
+        ``env``, its output to a pipe read by the returned worker's ``stdout``; the worker may
+        ask the zygote for processes of its own (:func:`epochal.zygote.popen`)."""
+        script, module, args = parse_command(command)
+        loop = asyncio.get_running_loop()
+        request_id = next(self._ids)
+        asked: asyncio.Future[int] = loop.create_future()
+        self._asked[request_id] = asked
+        read_end, write_end = os.pipe()
+        try:
+            request = {
+                "id": request_id,
+                "script": script,
+                "module": module,
+                "args": list(args),
+                "env": dict(env),
+                "cwd": os.getcwd(),
+                "argv": list(command),
+                "fds": [1, 2],
+                "channel": True,
+            }
+            await self._send(json.dumps(request).encode(), [write_end, write_end])
+        except BaseException:
+            os.close(read_end)
+            self._asked.pop(request_id, None)
+            raise
+        finally:
+            os.close(write_end)
+        reader = asyncio.StreamReader(limit=2**20)
+        pipe = os.fdopen(read_end, "rb", buffering=0)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        pid = await asked
+        forked = Forked(pid, reader)
+        self._forked[pid] = forked
+        if pid in self._early:
+            forked._exited(self._early.pop(pid))
+        return forked
+
+    async def _send(self, data: bytes, fds: list[int]) -> None:
+        if self._gone:
+            raise EpochalError("the launcher's preloaded process has ended")
+        while True:
+            try:
+                socket.send_fds(self._channel, [data], fds)
+                return
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+            except OSError as exc:
+                raise EpochalError(f"the launcher's preloaded process has ended ({exc})") from exc
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                data = self._channel.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._ended()
+                return
+            self._dispatch(json.loads(data))
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if "ready" in message and self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+        elif "started" in message:
+            asked = self._asked.pop(message["started"], None)
+            if asked is not None and not asked.done():
+                asked.set_result(message["pid"])
+        elif "failed" in message:
+            asked = self._asked.pop(message["failed"], None)
+            if asked is not None and not asked.done():
+                asked.set_exception(EpochalError(f"could not fork a worker: {message['error']}"))
+        elif "exited" in message:
+            pid, status = message["exited"], message["status"]
+            forked = self._forked.pop(pid, None)
+            if forked is None:
+                self._early[pid] = status
+            else:
+                forked._exited(status)
+
+    def _ended(self) -> None:
+        """The zygote is gone: so are its workers (their death signal killed them)."""
+        if self._gone:
+            return
+        self._gone = True
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._channel.fileno())
+        gone = EpochalError("the launcher's preloaded process ended")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(gone)
+            self._ready.exception()  # retrieved: ready() says False
+        for asked in self._asked.values():
+            if not asked.done():
+                asked.set_exception(gone)
+        for forked in self._forked.values():
+            forked._exited(-9)
+        self._forked.clear()
+
+    def close(self) -> None:
+        """End the zygote (idempotent); a worker still running ends with it."""
+        serving = self._ready is not None and self._ready.done() and not self._ready.exception()
+        if not self._gone:
+            self._ended()
+        with contextlib.suppress(OSError):
+            self._channel.close()
+        if not serving:  # still importing: nothing of it is worth waiting for
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+class Preload:
+    """The zygote of one launch: started when its first workers are (so a launch that stops
+    before any worker starts, on a bad option say, imports nothing), kept for the restarts and
+    the replacements, closed at the end. Without one (``EPOCHAL_PRELOAD=none``, a command that is
+    not a Python script or module, a zygote that failed) the launcher starts each worker
+    afresh."""
+
+    def __init__(self, modules: Sequence[str], command: Sequence[str], env: Mapping[str, str]):
+        self._modules = tuple(modules)
+        self._env = dict(env)
+        self._zygote: Preloaded | None = None
+        self._off = not self._modules
+        try:
+            parse_command(command)
+        except ValueError:
+            self._off = True
+
+    async def get(self, failed: Callable[[], None]) -> Preloaded | None:
+        """The zygote, serving (started on the first call); None without one. ``failed`` is
+        called once, when the zygote ended before it served (its error is on stderr)."""
+        if self._off:
+            return None
+        if self._zygote is None:
+            self._zygote = Preloaded.start(self._modules, self._env)
+        if await self._zygote.ready():
+            return self._zygote
+        self._off = True
+        failed()
+        return None
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+
+
+def parse_command(command: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
+    """``(script, module, args)`` of a ``python [-u] SCRIPT|-m MODULE ARGS...`` command line;
+    ValueError for any other shape (the launcher then starts that worker afresh)."""
+    rest = list(command[1:])
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return None, rest[1], rest[2:]
+    if rest and not rest[0].startswith("-"):
+        return rest[0], None, rest[1:]
+    raise ValueError(f"not a script or module command line: {list(command)!r}")

@@ -1,0 +1,511 @@
+"""The preloaded parent of a local run's processes: one process imports torch, the others fork.
+
+Every worker of ``epochal run`` used to start a fresh interpreter and import torch on its own:
+about 2.4 s of CPU each (``import torch`` 1.3 s; ``torch._dynamo``, which torch's optimizers import
+the first time one is built, 1.0-1.2 s), N times over on one machine, and rank 0's data-plane
+store server 1.5 s more, which the other ranks wait for. This process imports them once; each
+worker is a ``fork`` of it that then runs the user's script as ``python -u SCRIPT ARGS`` would
+(``__main__``, ``sys.argv``, ``sys.path[0]``, its environment, its exit status), and rank 0 asks
+it for its store server the same way. It is Python's own ``multiprocessing`` forkserver with a
+preload, reduced to what a launcher needs: the standard streams and descriptors the asker
+attaches, a session of its own, death with its parent, and the exit status reported back.
+
+:class:`epochal.launch.preload.Preloaded` starts this file as a script (``python -u -P
+zygote.py FD PARENT ROOM MODULE...``), by path: it imports nothing of epochal, so that nothing
+epochal reads at import time is fixed here for every worker. FD is one end of a
+``SOCK_SEQPACKET`` pair (the launcher holds the other); PARENT is the launcher's pid; ROOM is
+:data:`ARGV_ROOM` spaces, room for the children's command lines (:func:`_show`); the MODULEs are
+imported before the process says ``ready``. Over FD, the launcher asks (JSON, descriptors
+attached)::
+
+    {"id": 1, "script": PATH | null, "module": NAME | null, "args": [...], "env": {...},
+     "cwd": DIR, "argv": ["python", "-u", PATH, ...], "fds": [1, 2], "channel": true}
+
+(``fds``: the descriptor number each attached one becomes in the child; standard input is
+``/dev/null`` unless one becomes 0), and this process answers ``{"started": 1, "pid": PID}`` (or
+``{"failed": 1, "error": ...}``), later ``{"exited": PID, "status": N}`` (N as
+``Popen.returncode`` gives it: negative for a signal). A child asked with ``"channel": true`` gets
+a channel of its own to this process, named in ``EPOCHAL_ZYGOTE`` (``FD:PID``), over which it may
+ask the same (:func:`popen`: rank 0's store server). When the launcher's channel closes, this
+process ends, and every child with it (their death signal).
+
+Fork safety: nothing here starts a thread, touches CUDA or runs an operator before it forks (torch
+starts its thread pools and CUDA on first use, in each worker); the interpreter reseeds
+``random`` in each child, and this module reseeds NumPy's global generator, so no two workers
+share a random stream they did not ask to share.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import fcntl
+import gc
+import importlib
+import importlib.machinery
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, NoReturn
+
+CHANNEL_ENV = "EPOCHAL_ZYGOTE"
+"""``FD:PID``: a forked worker's channel to the process it was forked from (PID)."""
+
+ROOM_ENV = "EPOCHAL_ZYGOTE_ROOM"
+"""A variable of :data:`ENV_ROOM` spaces in this process's own environment: the room each child
+rewrites with its environment (:func:`_show`). The launcher sets it; nothing reads it."""
+ENV_ROOM = 16384
+"""Bytes of room for a child's environment beyond this process's own."""
+ARGV_ROOM = 4096
+"""Bytes of room for a child's command line: an argument of as many spaces the launcher passes."""
+
+PR_SET_PDEATHSIG = 1
+ORPHAN_EXIT_CODE = 70
+"""This process's exit status (and a child's) when its parent was gone before it armed its death
+signal; the same as :data:`epochal.launch.processes.ORPHAN_EXIT_CODE`."""
+MESSAGE_BYTES = 1 << 20
+"""The largest request read (a worker's environment, its arguments)."""
+MAX_FDS = 8
+"""The most descriptors one request attaches."""
+HIGH_FD = 64
+"""Where a child moves the attached descriptors before it puts each in its place."""
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` dies (prctl); leave at once if it is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(ORPHAN_EXIT_CODE)
+
+
+def _send(channel: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # an asker gone does not stop the others
+        channel.sendall(json.dumps(message).encode())
+
+
+class _Server:
+    """The zygote's loop: requests from the launcher and from its workers, exits reported."""
+
+    def __init__(self, launcher: socket.socket):
+        self.launcher = launcher
+        self.channels = {launcher.fileno(): launcher}
+        self.owners: dict[int, socket.socket] = {}  # pid -> the channel that asked for it
+
+    def serve(self) -> tuple[dict[str, Any], list[int], socket.socket | None] | None:
+        """Answer requests until the launcher closes its channel (None then). In a forked child,
+        return its request, the descriptors that came with it, and its own channel."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: the wake-up fd is written
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for the run
+        while True:
+            ready, _, _ = select.select([*self.channels, wake_r], [], [])
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+                self._reap()
+            for fd in ready:
+                channel = self.channels.get(fd)
+                if channel is None:
+                    continue
+                try:
+                    data, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, MAX_FDS)
+                except OSError:
+                    data, fds = b"", []
+                if not data:
+                    if channel is self.launcher:
+                        return None
+                    self._drop(channel)
+                    continue
+                child = self._fork(channel, data, fds)
+                if child is not None:
+                    signal.set_wakeup_fd(-1)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    return child
+
+    def _fork(
+        self, channel: socket.socket, data: bytes, fds: list[int]
+    ) -> tuple[dict[str, Any], list[int], socket.socket | None] | None:
+        own: socket.socket | None = None
+        theirs: socket.socket | None = None
+        try:
+            request = json.loads(data)
+            if request.get("channel"):
+                own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+        except (ValueError, OSError) as exc:
+            for fd in fds:
+                os.close(fd)
+            for end in (own, theirs):
+                if end is not None:
+                    end.close()
+            _send(channel, {"failed": _id(data), "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        if pid == 0:
+            for other in self.channels.values():
+                other.close()
+            if own is not None:
+                own.close()
+            return request, fds, theirs
+        for fd in fds:
+            os.close(fd)
+        if theirs is not None and own is not None:
+            theirs.close()
+            self.channels[own.fileno()] = own
+        self.owners[pid] = channel
+        _send(channel, {"started": request["id"], "pid": pid})
+        return None
+
+    def _drop(self, channel: socket.socket) -> None:
+        del self.channels[channel.fileno()]
+        channel.close()
+        for pid in [pid for pid, owner in self.owners.items() if owner is channel]:
+            del self.owners[pid]
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            owner = self.owners.pop(pid, None)
+            if owner is not None:
+                _send(owner, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+
+
+def _id(data: bytes) -> Any:
+    try:
+        return json.loads(data).get("id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def become(
+    request: dict[str, Any], fds: list[int], channel: socket.socket | None, zygote: int
+) -> None:
+    """In the forked child: the process ``python -u SCRIPT ARGS`` would have started, up to
+    running the script (a session of its own, death with ``zygote``, the attached descriptors
+    where the request puts them, its environment, directory and arguments)."""
+    os.setsid()
+    _die_with(zygote)
+    for signum in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    targets = list(request.get("fds", []))
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    if 0 not in targets:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    for fd, target in zip(moved, targets, strict=False):
+        os.dup2(fd, target, inheritable=target <= 2)
+    for fd in moved:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if channel is not None:
+        os.environ[CHANNEL_ENV] = f"{channel.detach()}:{zygote}"
+    if "numpy" in sys.modules:  # a fresh process seeds NumPy's global generator from the OS
+        sys.modules["numpy"].random.seed()
+    _show(request["argv"], os.environ)
+
+
+def _show(argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Make ``/proc/self/cmdline`` say ``argv`` and ``/proc/self/environ`` say ``env`` (None: as it
+    is), as they would after an ``exec``: what ``ps``, ``pgrep -f`` and anyone reading those files
+    see. The kernel reads both from the memory the process started with (its arguments and its
+    environment, on its stack), so each is rewritten in place, NUL-padded to its length, as
+    setproctitle(3) does: a command line longer than that is cut, an environment longer than
+    that is left as the zygote's. This process's own ``environ`` no longer points there (the
+    request's environment was put with ``putenv``), so nothing it reads changes."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        # proc(5): fields 48-51 are arg_start, arg_end, env_start, env_end (3 is the first here)
+        arg_start, arg_end, env_start, env_end = (int(field) for field in fields[45:49])
+    except (OSError, ValueError):
+        return
+    _write(arg_start, arg_end, b"".join(os.fsencode(word) + b"\0" for word in argv), cut=True)
+    if env is not None:
+        block = b"".join(os.fsencode(f"{key}={value}") + b"\0" for key, value in env.items())
+        _write(env_start, env_end, block, cut=False)
+
+
+def _write(start: int, end: int, data: bytes, *, cut: bool) -> None:
+    room = end - start
+    if room <= 0 or (len(data) > room and not cut):
+        return
+    data = data[: room - 1] + b"\0" if len(data) > room else data
+    ctypes.memmove(start, data + bytes(room - len(data)), room)
+
+
+def run(request: dict[str, Any]) -> int:
+    """Run the request's script (or module) as ``__main__``; its exit status. An exception it
+    raises is printed as the interpreter would print it: the script's frames, not these."""
+    script, module, args = request["script"], request["module"], request["args"]
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    try:
+        if module is not None:
+            sys.argv = ["-m", *args]  # runpy puts the module's path first, as `python -m` does
+            sys.path.insert(0, os.getcwd())
+            import runpy
+
+            # what `python -m` itself calls: the module runs in the __main__ just made
+            runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            path = os.path.abspath(script)
+            sys.argv = [script, *args]
+            if not request.get("safe_path"):  # `python -P` leaves the script's directory out
+                sys.path.insert(0, os.path.dirname(os.path.realpath(path)))  # as python does
+            with open(path, "rb") as source:
+                code = compile(source.read(), path, "exec")
+            main.__dict__.update(
+                __file__=path,
+                __cached__=None,
+                __builtins__=builtins,
+                __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+            )
+            exec(code, main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the interpreter's own top level
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, _runpy_file()):
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):  # end by the signal, as the interpreter does
+            _flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return 1
+    return 0
+
+
+def _runpy_file() -> str:
+    runpy = sys.modules.get("runpy")
+    return getattr(runpy, "__file__", "") or ""
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+
+
+def main(argv: list[str]) -> NoReturn:
+    fd, parent, modules = int(argv[1]), int(argv[2]), argv[4:]  # argv[3]: the room
+    _die_with(parent)
+    _show([f"epochal run {parent}: importing {', '.join(modules) or 'nothing'} once, forking"])
+    launcher = socket.socket(fileno=fd)
+    for name in modules:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # what the children share stays shared: the collector never writes to it
+    try:
+        launcher.sendall(b'{"ready": true}')
+    except OSError:  # the launcher stopped (or gave up on this process) meanwhile
+        sys.exit(0)
+    me = os.getpid()
+    job = _Server(launcher).serve()
+    if job is None:
+        sys.exit(0)
+    request, fds, channel = job
+    become(request, fds, channel, me)
+    sys.exit(run(request))
+
+
+# The asking side, in a worker forked by the zygote: a process of its own, as subprocess would.
+
+
+def channel_from(environ: Mapping[str, str] | None = None) -> socket.socket | None:
+    """This process's channel to the zygote it was forked from, None where it was not (or the
+    descriptor ``EPOCHAL_ZYGOTE`` names is not a channel to that process: a process the worker
+    started inherits the variable, not the channel)."""
+    environ = os.environ if environ is None else environ
+    fd_text, _, pid_text = environ.get(CHANNEL_ENV, "").partition(":")
+    if not (fd_text.isdigit() and pid_text.isdigit()):
+        return None
+    try:
+        channel = socket.socket(fileno=os.dup(int(fd_text)))
+    except OSError:
+        return None
+    try:
+        creds = channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer, _, _ = struct.unpack("3i", creds)
+        if channel.family == socket.AF_UNIX and peer == int(pid_text):
+            return channel
+    except OSError:
+        pass
+    channel.close()
+    return None
+
+
+_asking = threading.Lock()
+"""One reader of the channels at a time: an answer read for another child is kept for it."""
+_exits: dict[int, int] = {}
+"""Exit statuses read while waiting for something else, by pid."""
+_POLL = 0.1
+"""Seconds between two looks at :data:`_exits` while waiting on a channel."""
+
+
+def _next(channel: socket.socket, timeout: float | None) -> dict[str, Any] | None:
+    """The next message on ``channel`` within ``timeout`` (None: none came; ``{}``: the channel
+    closed); an exit is kept in :data:`_exits` as well."""
+    if not select.select([channel], [], [], timeout)[0]:
+        return None
+    try:
+        data = channel.recv(65536)
+    except OSError:
+        data = b""
+    if not data:
+        return {}
+    message: dict[str, Any] = json.loads(data)
+    if "exited" in message:
+        _exits[int(message["exited"])] = int(message["status"])
+    return message
+
+
+class Child:
+    """A process the zygote forked for this one: ``pid``, ``stdin``/``stdout`` (where asked
+    for), ``wait``, ``poll``, ``kill``, as a ``subprocess.Popen``."""
+
+    def __init__(
+        self,
+        channel: socket.socket,
+        pid: int,
+        stdin: IO[bytes] | None,
+        stdout: IO[bytes] | None,
+    ):
+        self._channel = channel
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._read(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        status = self._read(timeout)
+        if status is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return status
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def _read(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            with _asking:
+                if self.pid in _exits:
+                    self.returncode = _exits.pop(self.pid)
+                    break
+                left = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
+                if _next(self._channel, max(left, 0.0)) == {}:
+                    self.returncode = -signal.SIGKILL  # the zygote is gone, its children too
+                    break
+                if self.pid in _exits:
+                    continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        with contextlib.suppress(OSError):
+            self._channel.close()
+        return self.returncode
+
+
+def popen(
+    channel: socket.socket,
+    script: str,
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    stdin: bool = False,
+    stdout: bool = False,
+    pass_fds: Sequence[int] = (),
+) -> Child:
+    """Have the zygote behind ``channel`` (from :func:`channel_from`; the child closes it) run
+    ``python -u -P script args`` (the script's directory not on the path): with pipes for
+    ``stdin``/``stdout`` where asked, this process's standard error, and ``pass_fds`` at their
+    own numbers."""
+    ends: list[int] = []
+    attached: list[int] = []
+    targets: list[int] = []
+    mine: list[IO[bytes]] = []
+    try:
+        if stdin:
+            r, w = os.pipe()
+            ends.append(r)
+            attached.append(r)
+            targets.append(0)
+            mine.append(os.fdopen(w, "wb", buffering=0))
+        if stdout:
+            r, w = os.pipe()
+            ends.append(w)
+            attached.append(w)
+            targets.append(1)
+            mine.append(os.fdopen(r, "rb", buffering=0))
+        attached += [2, *pass_fds]
+        targets += [2, *pass_fds]
+        request = {
+            "id": 0,
+            "script": script,
+            "module": None,
+            "args": list(args),
+            "env": dict(env),
+            "cwd": os.getcwd(),
+            "argv": [sys.executable, "-u", "-P", script, *args],
+            "fds": targets,
+            "safe_path": True,
+        }
+        with _asking:
+            socket.send_fds(channel, [json.dumps(request).encode()], attached)
+            answer: dict[str, Any] | None = None
+            while not answer or "exited" in answer:
+                answer = _next(channel, None)
+                if answer == {}:
+                    break
+    except BaseException:
+        for pipe in mine:
+            pipe.close()
+        channel.close()
+        raise
+    finally:
+        for fd in ends:
+            os.close(fd)
+    if not answer or "pid" not in answer:
+        for pipe in mine:
+            pipe.close()
+        channel.close()
+        raise OSError(f"the preloaded process could not start {script}: {answer.get('error')}")
+    pipes = iter(mine)
+    return Child(
+        channel,
+        answer["pid"],
+        next(pipes) if stdin else None,
+        next(pipes) if stdout else None,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv)

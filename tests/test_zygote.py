@@ -1,0 +1,293 @@
+"""The preloaded process ``epochal run`` forks its workers from (epochal/zygote.py) and the
+launcher's side of it (epochal/launch/preload.py): a forked worker is the process ``python -u
+SCRIPT ARGS`` would have been, and a worker can have the zygote fork a process of its own.
+
+The zygote here preloads nothing (or the standard library), so these tests cost no torch import;
+the integration tests run every ``epochal run`` through it with torch preloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epochal.errors import ConfigError
+from epochal.launch.preload import (
+    DEFAULT_PRELOAD,
+    Preload,
+    Preloaded,
+    parse_command,
+    preload_modules,
+)
+from epochal.zygote import CHANNEL_ENV, channel_from
+
+REPORT = """\
+import json, os, random, signal, sys
+print(json.dumps({
+    "name": __name__,
+    "file": __file__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "env": {k: v for k, v in os.environ.items() if k != "EPOCHAL_ZYGOTE"},
+    "has_channel": "EPOCHAL_ZYGOTE" in os.environ,
+    "sid": os.getsid(0) == os.getpid(),
+    "stdin": sys.stdin.read(),
+    "comm": open("/proc/self/comm").read().strip(),
+    "cmdline": open("/proc/self/cmdline", "rb").read().decode().rstrip("\\0").split("\\0"),
+    "environ": [e for e in open("/proc/self/environ", "rb").read().decode().split("\\0")
+                if e and not e.startswith("EPOCHAL_ZYGOTE=")],
+    "random": random.random(),
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+}))
+"""
+
+
+async def run_forked(
+    preloaded: Preloaded, command: list[str], env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Fork ``command`` from ``preloaded``; its exit status and everything it printed."""
+    forked = await preloaded.spawn(command, env or {"PATH": os.environ.get("PATH", "")})
+    out = await forked.stdout.read()
+    return await forked.wait(), out.decode()
+
+
+async def started(modules: tuple[str, ...] = ()) -> Preloaded:
+    preloaded = Preloaded.start(modules, dict(os.environ))
+    assert await preloaded.ready()
+    return preloaded
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "report.py"
+    path.parent.mkdir()
+    path.write_text(REPORT)
+    return path
+
+
+async def test_a_forked_worker_is_the_process_python_would_have_started(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    preloaded = await started()
+    try:
+        env = {"PATH": os.environ.get("PATH", ""), "ONLY_THIS": "1"}
+        command = [sys.executable, "-u", str(script), "--lr", "0.1"]
+        status, out = await run_forked(preloaded, command, env)
+        link = tmp_path / "linked"
+        link.symlink_to(script.parent)
+        command2 = [sys.executable, "-u", str(link / "report.py")]
+        second = json.loads((await run_forked(preloaded, command2, env))[1])
+    finally:
+        preloaded.close()
+    assert status == 0, out
+    seen = json.loads(out)
+    assert seen["name"] == "__main__"
+    assert seen["file"] == str(script)
+    assert seen["argv"] == [str(script), "--lr", "0.1"]
+    assert seen["path0"] == str(script.parent)
+    assert seen["cwd"] == str(tmp_path)
+    assert seen["env"] == env  # its own environment, nothing of the zygote's
+    assert seen["has_channel"]  # and a channel to ask for processes of its own
+    assert seen["sid"]  # a session (and a process group to kill) of its own
+    assert seen["stdin"] == ""  # /dev/null
+    assert seen["sigint"]  # Ctrl-C raises KeyboardInterrupt, as in any script
+    assert seen["comm"] == "python"
+    assert seen["cmdline"] == command  # what ps and pgrep -f show
+    assert seen["environ"] == [f"{k}={v}" for k, v in env.items()]  # and /proc/PID/environ
+    assert seen["random"] != second["random"]  # each worker seeds its own random stream
+    # a script reached through a link: its own path as given, its real directory on the path
+    assert (second["file"], second["path0"]) == (str(link / "report.py"), str(script.parent))
+
+
+async def test_exit_statuses_and_tracebacks_are_the_interpreters(tmp_path: Path) -> None:
+    cases: dict[str, tuple[str, int]] = {
+        "exits.py": ("import sys\nsys.exit(3)\n", 3),
+        "says.py": ("import sys\nsys.exit('a message')\n", 1),
+        "raises.py": ("def f():\n    raise ValueError('boom')\nf()\n", 1),
+        "syntax.py": ("def (:\n", 1),
+        "interrupted.py": ("raise KeyboardInterrupt\n", -signal.SIGINT),
+        "killed.py": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", -9),
+    }
+    preloaded = await started()
+    results: dict[str, tuple[int, str]] = {}
+    try:
+        for name, (source, _) in cases.items():
+            (tmp_path / name).write_text(source)
+            results[name] = await run_forked(
+                preloaded, [sys.executable, "-u", str(tmp_path / name)]
+            )
+    finally:
+        preloaded.close()
+    assert {name: status for name, (status, _) in results.items()} == {
+        name: status for name, (_, status) in cases.items()
+    }
+    assert results["says.py"][1] == "a message\n"
+    raised = results["raises.py"][1]
+    assert raised.startswith("Traceback (most recent call last):\n")
+    assert raised.count('File "') == 2  # the script's two frames, none of the zygote's
+    assert "zygote" not in raised and "runpy" not in raised
+    assert raised.rstrip().endswith("ValueError: boom")
+    assert "SyntaxError" in results["syntax.py"][1]
+    assert "zygote" not in results["syntax.py"][1]
+    assert "KeyboardInterrupt" in results["interrupted.py"][1]
+
+
+async def test_a_module_runs_as_python_m_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tool.py").write_text(REPORT)
+    monkeypatch.chdir(tmp_path)
+    preloaded = await started()
+    try:
+        status, out = await run_forked(preloaded, [sys.executable, "-u", "-m", "pkg.tool", "x"])
+    finally:
+        preloaded.close()
+    assert status == 0, out
+    seen = json.loads(out)
+    assert (seen["name"], seen["argv"], seen["path0"]) == (
+        "__main__",
+        [str(package / "tool.py"), "x"],
+        str(tmp_path),
+    )
+
+
+async def test_workers_die_with_the_zygote_however_it_dies(tmp_path: Path) -> None:
+    (tmp_path / "sleeps.py").write_text("import time\ntime.sleep(600)\n")
+    preloaded = await started()
+    forked = await preloaded.spawn(
+        [sys.executable, "-u", str(tmp_path / "sleeps.py")], dict(os.environ)
+    )
+    ended = os.pidfd_open(forked.pid)  # readable once the process has ended
+    try:
+        os.kill(preloaded._process.pid, signal.SIGKILL)  # the zygote dies however it dies
+        status = await asyncio.wait_for(forked.wait(), 60)
+        preloaded.close()
+        gone, _, _ = select.select([ended], [], [], 60)
+    finally:
+        os.close(ended)
+    assert status == -signal.SIGKILL  # what the launcher is told
+    assert gone  # and so it is: its death signal killed it
+
+
+ASKS = """\
+import json, os, sys
+from epochal.zygote import channel_from, popen
+channel = channel_from()
+r, w = os.pipe()
+child = popen(channel, sys.argv[1], ["from-worker", str(w)], env={"X": "1"}, stdin=True,
+              stdout=True, pass_fds=(w,))
+os.close(w)
+line = child.stdout.readline().decode()
+child.stdin.close()
+status = child.wait(60)
+print(json.dumps({"line": line, "status": status, "passed": os.read(r, 100).decode()}))
+"""
+
+ASKED = """\
+import os, sys
+print(os.environ.get("X"), sys.argv[1], flush=True)
+os.write(int(sys.argv[2]), b"through the descriptor passed")
+sys.stdin.read()  # until the worker closes it
+sys.exit(5)
+"""
+
+
+async def test_a_worker_has_the_zygote_fork_a_process_of_its_own(tmp_path: Path) -> None:
+    """As rank 0 does for its data-plane store server: pipes, a descriptor passed, its status."""
+    (tmp_path / "asks.py").write_text(ASKS)
+    (tmp_path / "asked.py").write_text(ASKED)
+    preloaded = await started(("json",))
+    try:
+        status, out = await run_forked(
+            preloaded,
+            [sys.executable, "-u", str(tmp_path / "asks.py"), str(tmp_path / "asked.py")],
+            dict(os.environ),
+        )
+    finally:
+        preloaded.close()
+    assert status == 0, out
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["line"] == "1 from-worker\n"  # its environment and arguments, its output piped
+    assert seen["passed"] == "through the descriptor passed"
+    assert seen["status"] == 5  # once its input closed
+
+
+def test_a_variable_without_its_channel_is_no_channel() -> None:
+    """A process the worker starts inherits ``EPOCHAL_ZYGOTE`` but not the channel: the
+    descriptor it names (if any) is checked to be a socket to that very process."""
+    r, w = os.pipe()
+    try:
+        assert channel_from({CHANNEL_ENV: f"{r}:{os.getppid()}"}) is None
+        assert channel_from({CHANNEL_ENV: f"999:{os.getpid()}"}) is None
+        assert channel_from({CHANNEL_ENV: "junk"}) is None
+        assert channel_from({}) is None
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_zygote_that_cannot_import_its_modules_says_so(capfd: Any) -> None:
+    preloaded = Preloaded.start(("no_such_module_here",), dict(os.environ))
+    try:
+        assert not await preloaded.ready()
+        with pytest.raises(Exception, match="ended"):
+            await preloaded.spawn([sys.executable, "-u", "x.py"], {})
+    finally:
+        preloaded.close()
+    assert "No module named 'no_such_module_here'" in capfd.readouterr().err
+
+
+def test_preload_modules_come_from_the_variable() -> None:
+    assert preload_modules({}) == DEFAULT_PRELOAD
+    assert preload_modules({"EPOCHAL_PRELOAD": "none"}) == ()
+    assert preload_modules({"EPOCHAL_PRELOAD": ""}) == ()
+    assert preload_modules({"EPOCHAL_PRELOAD": "torch, numpy"}) == ("torch", "numpy")
+    with pytest.raises(ConfigError, match=r"EPOCHAL_PRELOAD='torch;numpy'.*module name"):
+        preload_modules({"EPOCHAL_PRELOAD": "torch;numpy"})
+
+
+def test_only_a_python_script_or_module_command_is_forked() -> None:
+    python = sys.executable
+    assert parse_command([python, "-u", "t.py", "-m", "x"]) == ("t.py", None, ["-m", "x"])
+    assert parse_command([python, "-u", "-m", "pkg.mod", "a"]) == (None, "pkg.mod", ["a"])
+    with pytest.raises(ValueError):
+        parse_command([python, "-X", "dev", "t.py"])
+
+
+async def test_a_launch_starts_its_zygote_with_its_first_workers_and_falls_back_once() -> None:
+    command = [sys.executable, "-u", "train.py"]
+    unused = Preload(("json",), command, dict(os.environ))
+    assert unused._zygote is None  # a launch that stops before any worker imports nothing
+    unused.close()
+
+    said: list[str] = []
+    broken = Preload(("no_such_module_here",), command, dict(os.environ))
+    try:
+        assert await broken.get(lambda: said.append("failed")) is None
+        assert await broken.get(lambda: said.append("failed")) is None  # said once, not retried
+    finally:
+        broken.close()
+    assert said == ["failed"]
+
+    off = Preload((), command, dict(os.environ))  # EPOCHAL_PRELOAD=none
+    assert await off.get(lambda: said.append("off")) is None
+    odd = Preload(("json",), [sys.executable, "-X", "dev", "train.py"], dict(os.environ))
+    assert await odd.get(lambda: said.append("odd")) is None
+    assert said == ["failed"]
+
+    working = Preload(("json",), command, dict(os.environ))
+    try:
+        first = await working.get(lambda: said.append("working"))
+        assert first is not None and await working.get(lambda: None) is first  # kept
+    finally:
+        working.close()
