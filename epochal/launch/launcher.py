@@ -40,7 +40,7 @@ from epochal.environment import (
     WORLD_SIZE_ENV,
     env_seconds,
 )
-from epochal.errors import RunAborted
+from epochal.errors import EpochalError, RunAborted
 from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
 from epochal.launch.preload import Forked, Preload, preload_modules
 from epochal.launch.processes import Child, die_with_parent, kill_group
@@ -286,19 +286,27 @@ async def _attempt(
 
     def failed() -> None:
         _say(
-            "the process that imports torch once for every worker ended before it served (its "
-            "error is above): each worker imports it itself",
+            "the process that imports torch once for every worker has ended (its error, if it "
+            "had one, is above): each worker imports torch itself from now on",
             logging.WARNING,
         )
 
     preloaded = None if preload is None else await preload.get(failed)
 
     async def start(index: int, worker_id: str) -> Child:
+        nonlocal preloaded
         env = worker_environment(env_base, index, nproc, worker_id, master_port)
-        proc: asyncio.subprocess.Process | Forked
+        proc: asyncio.subprocess.Process | Forked | None = None
         if preloaded is not None:
-            proc = await preloaded.spawn(command, env)
-        else:
+            try:
+                proc = await preloaded.spawn(command, env)
+            except EpochalError as exc:  # it ended meanwhile (killed, say)
+                _say(
+                    f"{exc}: worker {index} and those after it import torch themselves",
+                    logging.WARNING,
+                )
+                preloaded = None
+        if proc is None:
             proc = await asyncio.create_subprocess_exec(
                 *command,
                 env=env,

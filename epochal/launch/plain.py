@@ -90,16 +90,37 @@ def _sockets(pid: int) -> set[str]:
     return held
 
 
+GLANCE = 0.02
+"""Seconds between two looks at the workers' descriptors while no worker has said hello. A
+script's process group may live a fraction of a second (forked from a process that imported
+torch, a short script is up and done in 0.3 s): a look every 0.2 s missed it."""
+
+
 async def made_its_own_group(
-    port: int, possible: Callable[[], bool], pids: Iterable[int], interval: float = 0.2
+    port: int,
+    possible: Callable[[], bool],
+    pids: Iterable[int],
+    interval: float = 0.2,
+    glance: float = GLANCE,
 ) -> bool:
     """Whether one of ``pids`` (the workers) came to listen on ``port`` (rank 0's process group
-    store) while ``possible()`` held (no worker has said hello yet); checked every ``interval``
-    seconds."""
+    store) while ``possible()`` held (no worker has said hello yet). The workers' descriptors
+    are looked at every ``glance`` seconds; the namespace's socket tables (long on a busy
+    machine) are read when a worker holds a socket not seen before, and every ``interval``
+    seconds while one holds any."""
+    pids = list(pids)
+    loop = asyncio.get_running_loop()
+    seen: set[str] = set()
+    last = -interval
     while possible():
-        if listening(port, pids):
-            return True
-        await asyncio.sleep(interval)
+        held = set().union(*(_sockets(pid) for pid in pids))
+        now = loop.time()
+        if held and (held - seen or now - last >= interval):
+            if listening(port, pids):
+                return True
+            seen |= held
+            last = now
+        await asyncio.sleep(glance)
     return False
 
 

@@ -120,11 +120,12 @@ class Preloaded:
         return self
 
     async def ready(self) -> bool:
-        """Whether the zygote serves (False: it ended first; its error is on stderr)."""
+        """Whether the zygote serves (False: it ended before it served, its error on stderr, or
+        it has ended since)."""
         assert self._ready is not None
         with contextlib.suppress(EpochalError):
             await asyncio.shield(self._ready)
-            return True
+            return not self._gone
         return False
 
     async def spawn(self, command: Sequence[str], env: Mapping[str, str]) -> Forked:
@@ -159,8 +160,14 @@ class Preloaded:
             os.close(write_end)
         reader = asyncio.StreamReader(limit=2**20)
         pipe = os.fdopen(read_end, "rb", buffering=0)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        pid = await asked
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        try:
+            pid = await asked
+        except BaseException:
+            transport.close()
+            raise
         forked = Forked(pid, reader)
         self._forked[pid] = forked
         if pid in self._early:
@@ -265,7 +272,8 @@ class Preload:
 
     async def get(self, failed: Callable[[], None]) -> Preloaded | None:
         """The zygote, serving (started on the first call); None without one. ``failed`` is
-        called once, when the zygote ended before it served (its error is on stderr)."""
+        called once, when the zygote ended before it served (its error is on stderr) or has
+        ended since (killed, say: its workers with it)."""
         if self._off:
             return None
         if self._zygote is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import SCRIPTS, Spawner, marked_pids, wait_for_record
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +171,45 @@ def test_a_custom_loop_with_ddp_passes_the_replica_check(spawn: Spawner, tmp_pat
     assert code == 0, output
     assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
     assert "rank 0: done after 2 epochs" in output and "rank 1: done after 2 epochs" in output
+
+
+def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afresh(
+    spawn: Spawner, tmp_path: Path
+):
+    """The workers are forked from one process that imported torch (epochal/zygote.py); killed,
+    it takes them with it: the run restarts from its checkpoint, each worker importing torch
+    itself, and finishes."""
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "4",
+        "--max-restarts",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--delay",
+        "0.05",
+    )
+    wait_for_record(run_dir, "epoch", alive=proc)
+    title = f"epochal run {proc.pid}:".encode()
+    (zygote,) = [pid for pid in marked_pids(spawn.mark) if _cmdline(pid).startswith(title)]
+    os.kill(zygote, signal.SIGKILL)
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    assert "restart 1 of 1" in output, output
+    assert "each worker imports torch itself from now on" in output, output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
