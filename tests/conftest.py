@@ -45,8 +45,9 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
 
 WORKERS_PER_CPU = 1
 """Test processes per CPU under ``-n auto``. The multi-process tests wait on timeouts they set, so
-one per CPU leaves some CPU idle; but each also starts several processes that import torch (about
-3 s of CPU each), and those are most of the suite's CPU time (about 2,500 s). On CI's two shared
+one per CPU leaves some CPU idle (17 % of an idle run's); but each also starts several processes
+that import torch (about 2.4 s of CPU each, once per launch since `epochal run` forks its workers
+from one process), and those are most of the suite's CPU time (about 1,650 s). On CI's two shared
 cores 6 test processes took 37 minutes with 35 tests failed and 73 errors, every run stretched past
 its test's deadline; 4 took 26 minutes on an otherwise idle machine. The suite must also hold with
 two CPU burners beside it, so one per CPU."""
