@@ -361,13 +361,20 @@ async def _attempt(
                 lost.append(position)  # the others carry on without it
                 if len(replaced) < spares and not interrupted:
                     replaced.append(position)
-                    replacing.append(asyncio.create_task(replace(index, len(replaced))))
+                    replacing.append(asyncio.create_task(replace(index, len(replaced), proc.pid)))
         elif code != 0 and coordinator.was_lost(proc.pid):
             lost.append(position)  # dropped from the run (frozen, say), and it ended after it
         return code
 
-    async def replace(index: int, n: int) -> None:
-        """Start a replacement for lost worker ``index``: it joins at the next boundary."""
+    async def replace(index: int, n: int, gone: int) -> None:
+        """Start a replacement for lost worker ``index`` (process ``gone``): it joins at the next
+        boundary. It is started once the coordinator has taken ``gone``'s rank out of the world
+        (its connection closed with it: at once; at most ``heartbeat_timeout`` seconds): a
+        replacement forked from the preloaded process says hello within milliseconds, and a
+        hello while the world still counts the lost rank is refused as one worker too many."""
+        deadline = loop.time() + config.heartbeat_timeout
+        while coordinator.in_world(gone) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         worker_id = f"{coordinator.run_id}/local-{index}/{n}"
         proc = await start(index, worker_id)
         position = procs.index(proc)  # start() appended it
