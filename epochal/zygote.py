@@ -316,7 +316,15 @@ def main(argv: list[str]) -> NoReturn:
     _show([f"epochal run {parent}: importing {', '.join(modules) or 'nothing'} once, forking"])
     launcher = socket.socket(fileno=fd)
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # said in one line; the launcher then starts workers afresh
+            sys.stderr.write(
+                f"epochal: cannot import {name!r} once for every worker: "
+                f"{type(exc).__name__}: {exc} (EPOCHAL_PRELOAD names what is imported; "
+                "none imports nothing)\n"
+            )
+            sys.exit(1)
     gc.collect()
     gc.freeze()  # what the children share stays shared: the collector never writes to it
     try:

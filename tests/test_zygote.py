@@ -244,7 +244,12 @@ async def test_a_zygote_that_cannot_import_its_modules_says_so(capfd: Any) -> No
             await preloaded.spawn([sys.executable, "-u", "x.py"], {})
     finally:
         preloaded.close()
-    assert "No module named 'no_such_module_here'" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert err == (  # one line, no traceback
+        "epochal: cannot import 'no_such_module_here' once for every worker: "
+        "ModuleNotFoundError: No module named 'no_such_module_here' (EPOCHAL_PRELOAD names what "
+        "is imported; none imports nothing)\n"
+    )
 
 
 def test_preload_modules_come_from_the_variable() -> None:
