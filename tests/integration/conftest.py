@@ -45,6 +45,14 @@ def marked_pids(mark: str) -> list[int]:
     return found
 
 
+def cmdline(pid: int) -> bytes:
+    """Process ``pid``'s command line as /proc has it (b"" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 class Spawner:
     def __init__(self, mark: str, tmp: Path) -> None:
         self.mark = mark

@@ -28,6 +28,7 @@ from tests.integration.conftest import (
     SCRIPTS,
     Spawner,
     StandaloneRun,
+    cmdline,
     marked_pids,
     standalone_run,
     wait_for_record,
@@ -143,13 +144,6 @@ def workers_gone(spawn: Spawner, launcher: int, script: str = "resumable.py") ->
         assert time.monotonic() < end, f"workers running {script} outlived {DEADLINE} s"
         time.sleep(0.05)
     return time.monotonic()
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # gone meanwhile
-        return b""
 
 
 def stop_time(spawn: Spawner, proc, since: float) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SCRIPTS, Spawner, marked_pids, wait_for_record
+from tests.integration.conftest import SCRIPTS, Spawner, cmdline, marked_pids, wait_for_record
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +198,7 @@ def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afre
     )
     wait_for_record(run_dir, "epoch", alive=proc)
     title = f"epochal run {proc.pid}:".encode()
-    (zygote,) = [pid for pid in marked_pids(spawn.mark) if _cmdline(pid).startswith(title)]
+    (zygote,) = [pid for pid in marked_pids(spawn.mark) if cmdline(pid).startswith(title)]
     os.kill(zygote, signal.SIGKILL)
     code, output = spawn.finish(proc, DEADLINE)
     spawn.assert_none_left()
@@ -206,10 +206,3 @@ def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afre
     assert "restart 1 of 1" in output, output
     assert "each worker imports torch itself from now on" in output, output
     assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
