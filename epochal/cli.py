@@ -34,7 +34,7 @@ from epochal.environment import (
     VERBOSE_ENV,
 )
 from epochal.errors import ConfigError
-from epochal.launch import rerun
+from epochal.launch import preload, rerun
 from epochal.launch.service import ServeOptions, serve_or_crash
 from epochal.log import COORDINATOR, LAUNCHER
 from epochal.observe import commands as observe_commands
@@ -337,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     add_keys_command(sub)
     observe_commands.add_commands(sub)
+    preload.add_command(sub)
     return parser
 
 
@@ -421,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "keys":
             return run_keys_command(args)
         handler = getattr(args, "handler", None)
-        if handler is not None:  # plot, status
+        if handler is not None:  # plot, status, preload
             return int(handler(args))
         if args.command == "coordinator":
             security = server_security_from_args(args)

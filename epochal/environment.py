@@ -93,6 +93,12 @@ PRELOAD_ENV = "EPOCHAL_PRELOAD"
 (comma-separated; default ``torch,torch.distributed,torch._dynamo``); ``none`` starts each worker
 as a fresh interpreter that imports them itself (see :mod:`epochal.launch.zygote`)."""
 
+PRELOAD_SOCKET_ENV = "EPOCHAL_PRELOAD_SOCKET"
+"""The Unix socket of a preloaded process shared by launches (``epochal preload SOCKET``): where
+set, ``epochal run`` has that process fork its workers instead of starting one that imports
+torch for this launch alone (one that cannot be used is said, and the launch starts its own); a
+worker started by hand with it has rank 0's data-plane store server forked there."""
+
 LOG_LEVEL_ENV = "EPOCHAL_LOG_LEVEL"
 """``debug``, ``info`` (the default), ``warning`` or ``error``: the least severe message epochal's
 loggers write; ``--log-level`` of ``epochal run`` and ``epochal worker`` sets it for their

@@ -95,11 +95,22 @@ def _send(channel: socket.socket, message: dict[str, Any]) -> None:
 
 
 class _Server:
-    """The zygote's loop: requests from the launcher and from its workers, exits reported."""
+    """The zygote's loop: requests from its launchers and from their workers, exits reported.
 
-    def __init__(self, launcher: socket.socket):
-        self.launcher = launcher
-        self.channels = {launcher.fileno(): launcher}
+    ``first`` is either the one launcher's channel (the zygote of one ``epochal run``: it ends
+    when that channel closes) or a listening socket (one zygote shared by the launches of its
+    user that connect to it, ``epochal preload``): each connection is a launcher's, whose
+    children are killed when it closes."""
+
+    def __init__(self, first: socket.socket, hello: bytes = b""):
+        self.listener = first if _listening(first) else None
+        self.launcher = None if self.listener is not None else first
+        self.hello = hello
+        self.channels: dict[int, socket.socket] = {}
+        self.launchers: set[socket.socket] = set()
+        if self.launcher is not None:
+            self.channels[first.fileno()] = first
+            self.launchers.add(first)
         self.owners: dict[int, socket.socket] = {}  # pid -> the channel that asked for it
 
     def serve(self) -> tuple[dict[str, Any], list[int], socket.socket | None] | None:
@@ -110,11 +121,14 @@ class _Server:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler: the wake-up fd is written
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for the run
+        listening = [] if self.listener is None else [self.listener.fileno()]
         while True:
-            ready, _, _ = select.select([*self.channels, wake_r], [], [])
+            ready, _, _ = select.select([*self.channels, *listening, wake_r], [], [])
             if wake_r in ready:
                 os.read(wake_r, 4096)
                 self._reap()
+            if self.listener is not None and self.listener.fileno() in ready:
+                self._accept(self.listener)
             for fd in ready:
                 channel = self.channels.get(fd)
                 if channel is None:
@@ -134,6 +148,19 @@ class _Server:
                     os.close(wake_r)
                     os.close(wake_w)
                     return child
+
+    def _accept(self, listener: socket.socket) -> None:
+        """A launch connects: served when it runs as this process's user, closed otherwise."""
+        try:
+            channel, _ = listener.accept()
+        except OSError:
+            return
+        if _peer(channel)[1] != os.getuid():
+            channel.close()
+            return
+        self.channels[channel.fileno()] = channel
+        self.launchers.add(channel)
+        _send(channel, json.loads(self.hello))
 
     def _fork(
         self, channel: socket.socket, data: bytes, fds: list[int]
@@ -156,6 +183,8 @@ class _Server:
         if pid == 0:
             for other in self.channels.values():
                 other.close()
+            if self.listener is not None:
+                self.listener.close()
             if own is not None:
                 own.close()
             return request, fds, theirs
@@ -169,10 +198,17 @@ class _Server:
         return None
 
     def _drop(self, channel: socket.socket) -> None:
+        """A channel closed: a launcher's children are killed with it (their sessions), as they
+        would die with a zygote of their own; a worker's (its store server) end by themselves."""
         del self.channels[channel.fileno()]
         channel.close()
+        launcher = channel in self.launchers
+        self.launchers.discard(channel)
         for pid in [pid for pid, owner in self.owners.items() if owner is channel]:
             del self.owners[pid]
+            if launcher:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
 
     def _reap(self) -> None:
         while True:
@@ -185,6 +221,34 @@ class _Server:
             owner = self.owners.pop(pid, None)
             if owner is not None:
                 _send(owner, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+
+
+def _listening(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
+
+
+def _peer(channel: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket."""
+    creds = channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def network_namespace() -> str:
+    """This process's network namespace (``net:[INODE]``; '' where it cannot be read): a child
+    forked here listens and connects in it, whatever the asker's is."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
+IMPORT_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Variables read as the preloaded modules are imported (torch sizes its thread pools from the
+last two): a launch whose values differ does not use a shared zygote imported with others."""
 
 
 def _id(data: bytes) -> Any:
@@ -313,8 +377,10 @@ def _flush() -> None:
 def main(argv: list[str]) -> NoReturn:
     fd, parent, modules = int(argv[1]), int(argv[2]), argv[4:]  # argv[3]: the room
     _die_with(parent)
-    _show([f"epochal run {parent}: importing {', '.join(modules) or 'nothing'} once, forking"])
-    launcher = socket.socket(fileno=fd)
+    first = socket.socket(fileno=fd)
+    listening = _listening(first)
+    who = f"epochal preload {first.getsockname()}" if listening else f"epochal run {parent}"
+    _show([f"{who}: importing {', '.join(modules) or 'nothing'} once, forking"])
     for name in modules:
         try:
             importlib.import_module(name)
@@ -327,12 +393,22 @@ def main(argv: list[str]) -> NoReturn:
             sys.exit(1)
     gc.collect()
     gc.freeze()  # what the children share stays shared: the collector never writes to it
-    try:
-        launcher.sendall(b'{"ready": true}')
-    except OSError:  # the launcher stopped (or gave up on this process) meanwhile
-        sys.exit(0)
+    hello = json.dumps(
+        {
+            "ready": True,
+            "executable": sys.executable,
+            "modules": modules,
+            "env": {name: os.environ.get(name) for name in IMPORT_ENV},
+            "netns": network_namespace(),
+        }
+    ).encode()
+    if not listening:
+        try:
+            first.sendall(hello)
+        except OSError:  # the launcher stopped (or gave up on this process) meanwhile
+            sys.exit(0)
     me = os.getpid()
-    job = _Server(launcher).serve()
+    job = _Server(first, hello).serve()
     if job is None:
         sys.exit(0)
     request, fds, channel = job
@@ -356,9 +432,7 @@ def channel_from(environ: Mapping[str, str] | None = None) -> socket.socket | No
     except OSError:
         return None
     try:
-        creds = channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        peer, _, _ = struct.unpack("3i", creds)
-        if channel.family == socket.AF_UNIX and peer == int(pid_text):
+        if channel.family == socket.AF_UNIX and _peer(channel)[0] == int(pid_text):
             return channel
     except OSError:
         pass
@@ -486,13 +560,7 @@ def popen(
             "fds": targets,
             "safe_path": True,
         }
-        with _asking:
-            socket.send_fds(channel, [json.dumps(request).encode()], attached)
-            answer: dict[str, Any] | None = None
-            while not answer or "exited" in answer:
-                answer = _next(channel, None)
-                if answer == {}:
-                    break
+        pid = ask(channel, request, attached)
     except BaseException:
         for pipe in mine:
             pipe.close()
@@ -501,18 +569,53 @@ def popen(
     finally:
         for fd in ends:
             os.close(fd)
-    if not answer or "pid" not in answer:
-        for pipe in mine:
-            pipe.close()
-        channel.close()
-        raise OSError(f"the preloaded process could not start {script}: {answer.get('error')}")
     pipes = iter(mine)
     return Child(
         channel,
-        answer["pid"],
+        pid,
         next(pipes) if stdin else None,
         next(pipes) if stdout else None,
     )
+
+
+def ask(channel: socket.socket, request: dict[str, Any], fds: Sequence[int]) -> int:
+    """Send ``request`` with ``fds`` attached (the descriptor numbers they become in the child
+    are the request's ``fds``) and wait for the forked child's pid; OSError naming what failed
+    when the zygote could not fork it or has gone."""
+    with _asking:
+        socket.send_fds(channel, [json.dumps(request).encode()], list(fds))
+        answer: dict[str, Any] | None = None
+        while not answer or "exited" in answer:
+            answer = _next(channel, None)
+            if answer == {}:
+                break
+    if not answer or "pid" not in answer:
+        what = request.get("script") or request.get("module")
+        error = (answer or {}).get("error", "it has ended")
+        raise OSError(f"the preloaded process could not start {what}: {error}")
+    return int(answer["pid"])
+
+
+def connect(path: str, timeout: float | None = None) -> tuple[socket.socket, dict[str, Any]]:
+    """A channel to the shared zygote listening at ``path`` (``epochal preload``), and what it said
+    once it had imported its modules (``executable``, ``modules``, ``env``); OSError when none
+    listens there, it runs as another user or in another network namespace (so would its
+    children), or it said nothing within ``timeout`` seconds."""
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        channel.connect(path)
+        _, uid = _peer(channel)
+        if uid != os.getuid():
+            raise OSError(f"it is served by user {uid}, not by this user ({os.getuid()})")
+        hello = _next(channel, timeout)
+        if not hello or "ready" not in hello:
+            raise OSError(f"the process there did not say it was ready within {timeout} s")
+        if hello.get("netns") != network_namespace():
+            raise OSError("it runs in another network namespace")
+    except BaseException:
+        channel.close()
+        raise
+    return channel, hello
 
 
 if __name__ == "__main__":

@@ -12,12 +12,15 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from epochal import zygote
+from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.errors import ConfigError
 from epochal.launch.preload import (
     DEFAULT_PRELOAD,
@@ -25,8 +28,11 @@ from epochal.launch.preload import (
     Preloaded,
     parse_command,
     preload_modules,
+    serve,
 )
 from epochal.zygote import CHANNEL_ENV, channel_from
+from tests.integration.conftest import cmdline
+from tests.security.other_user import OTHER_UID, as_other_user, needs_root, shared_scratch
 
 REPORT = """\
 import json, os, random, signal, sys
@@ -296,3 +302,158 @@ async def test_a_launch_starts_its_zygote_with_its_first_workers_and_falls_back_
         assert first is not None and await working.get(lambda: None) is first  # kept
     finally:
         working.close()
+
+
+SLEEPS = "import sys, time\nprint('up', flush=True)\ntime.sleep(float(sys.argv[1]))\n"
+
+
+async def test_a_shared_zygote_forks_for_every_launch_and_kills_what_a_closed_one_asked_for(
+    tmp_path: Path,
+) -> None:
+    """``epochal preload SOCKET``: one process imports once; each launch that connects has its
+    workers forked there, and a launch's workers end when it closes (or dies), not the others."""
+    (tmp_path / "sleeps.py").write_text(SLEEPS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    path = str(tmp_path / "preload.sock")
+    server = serve(path, ("json",), env)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600  # this user's alone
+        first = await Preloaded.connect(path, ("json",), env)
+        assert cmdline(server.pid).startswith(f"epochal preload {path}: importing json".encode())
+        second = await Preloaded.connect(path, ("json",), env)
+        command = [sys.executable, "-u", str(tmp_path / "sleeps.py")]
+        kept = await first.spawn([*command, "600"], env)
+        dropped = await second.spawn([*command, "600"], env)
+        done = await second.spawn([*command, "0"], env)
+        for forked in (kept, dropped, done):
+            assert await forked.stdout.readline() == b"up\n"
+        assert await asyncio.wait_for(done.wait(), 60) == 0  # its status, through the socket
+        ended = os.pidfd_open(dropped.pid)
+        try:
+            second.close()  # the launch ends (or dies): what it asked for is killed
+            assert select.select([ended], [], [], 60)[0]
+        finally:
+            os.close(ended)
+        assert kept.returncode is None
+        os.kill(kept.pid, 0)  # the other launch's worker lives on
+        first.close()
+        for forked in (kept, dropped, done):
+            assert await asyncio.wait_for(forked.stdout.read(), 60) == b""  # ended, all three
+    finally:
+        server.kill()
+        server.wait()
+
+
+async def test_a_shared_zygote_that_does_not_fit_is_said_and_the_launch_starts_its_own(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    path = str(tmp_path / "preload.sock")
+    server = serve(path, ("json",), env)
+    said: list[str] = []
+    command = [sys.executable, "-u", "train.py"]
+    try:
+        other = {**env, PRELOAD_SOCKET_ENV: path, "OMP_NUM_THREADS": "4"}
+        own = Preload(("json",), command, other)
+        try:
+            assert await own.get(lambda: said.append("failed"), said.append) is not None
+            assert own._zygote is not None and own._zygote._process is not None  # its own
+        finally:
+            own.close()
+        missing = Preload(("json", "csv"), command, {**env, PRELOAD_SOCKET_ENV: path})
+        try:
+            assert await missing.get(lambda: said.append("failed"), said.append) is not None
+        finally:
+            missing.close()
+        shared = Preload(("json",), command, {**env, PRELOAD_SOCKET_ENV: path})
+        try:
+            got = await shared.get(lambda: said.append("failed"), said.append)
+            assert got is not None and got._process is None  # the shared one
+        finally:
+            shared.close()
+    finally:
+        server.kill()
+        server.wait()
+    assert said == [
+        f"{PRELOAD_SOCKET_ENV}={path}: it imported them with other values of OMP_NUM_THREADS "
+        "('1', not '4'); this launch imports json in a process of its own",
+        f"{PRELOAD_SOCKET_ENV}={path}: it has not imported csv; this launch imports json, csv in "
+        "a process of its own",
+    ]
+    nowhere = Preload(("json",), command, {**env, PRELOAD_SOCKET_ENV: path})
+    try:
+        assert await nowhere.get(lambda: said.append("failed"), said.append) is not None
+    finally:
+        nowhere.close()
+    assert said[-1] == (
+        f"{PRELOAD_SOCKET_ENV}={path}: Connection refused; this launch imports json in a "
+        "process of its own"
+    )
+
+
+LISTENS = """\
+import os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777); s.listen()
+print("listening", flush=True)
+conn, _ = s.accept()
+hello = '{"ready": true, "executable": "%s", "modules": ["json"], "env": {}}' % sys.argv[2]
+conn.send(hello.encode())
+time.sleep(30)
+"""
+
+CONNECTS = """\
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1]); s.settimeout(30)
+print(repr(s.recv(65536)))
+"""
+
+
+@needs_root
+def test_another_users_preloaded_process_is_never_used_nor_does_it_serve_another_user(
+    tmp_path: Path,
+) -> None:
+    """A neighbour who listens where a launch looks for its preloaded process would run the
+    launch's workers as themselves: the launch checks the peer is its own user. And a shared
+    zygote whose socket was opened up still serves no one else."""
+    with shared_scratch() as shared:
+        planted = str(shared / "preload.sock")
+        neighbour = subprocess.Popen(
+            [
+                "setpriv",
+                "--reuid",
+                str(OTHER_UID),
+                "--regid",
+                str(OTHER_UID),
+                "--clear-groups",
+                "--",
+                "/usr/bin/python3",
+                "-c",
+                LISTENS,
+                planted,
+                sys.executable,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert neighbour.stdout is not None
+            assert neighbour.stdout.readline() == "listening\n"
+            with pytest.raises(OSError, match=f"served by user {OTHER_UID}, not by this user"):
+                zygote.connect(planted, 30)
+        finally:
+            neighbour.kill()
+            neighbour.communicate()
+
+        path = str(shared / "ours.sock")
+        server = serve(path, ("json",), dict(os.environ))
+        try:
+            channel, _ = zygote.connect(path, 60)  # ready: imported and serving
+            channel.close()
+            os.chmod(path, 0o777)
+            tried = as_other_user(["/usr/bin/python3", "-c", CONNECTS, path])
+            assert tried.stdout == "b''\n", tried  # closed at once, not even a hello
+        finally:
+            server.kill()
+            server.wait()

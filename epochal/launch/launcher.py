@@ -291,7 +291,11 @@ async def _attempt(
             logging.WARNING,
         )
 
-    preloaded = None if preload is None else await preload.get(failed)
+    preloaded = (
+        None
+        if preload is None
+        else await preload.get(failed, said=lambda line: _say(line, logging.INFO))
+    )
 
     async def start(index: int, worker_id: str) -> Child:
         nonlocal preloaded

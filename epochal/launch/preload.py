@@ -15,16 +15,18 @@ import functools
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from epochal.environment import PRELOAD_ENV
+from epochal import zygote
+from epochal.environment import PRELOAD_ENV, PRELOAD_SOCKET_ENV
 from epochal.errors import ConfigError, EpochalError
 from epochal.launch.processes import die_with_parent
-from epochal.zygote import ARGV_ROOM, ENV_ROOM, ROOM_ENV
+from epochal.zygote import ARGV_ROOM, ENV_ROOM, IMPORT_ENV, ROOM_ENV
 from epochal.zygote import __file__ as ZYGOTE_SCRIPT
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
@@ -74,7 +76,7 @@ class Forked:
 class Preloaded:
     """One zygote: :meth:`start`, :meth:`spawn` as often as needed, :meth:`close` at the end."""
 
-    def __init__(self, process: subprocess.Popen[bytes], channel: socket.socket):
+    def __init__(self, process: subprocess.Popen[bytes] | None, channel: socket.socket):
         self._process = process
         self._channel = channel
         self._ids = itertools.count(1)
@@ -90,33 +92,36 @@ class Preloaded:
         when it serves."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-u",
-                    "-P",  # never import from the launcher's directory
-                    ZYGOTE_SCRIPT,
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    " " * ARGV_ROOM,  # room for each worker's command line (zygote._show)
-                    *modules,
-                ],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                env={**env, ROOM_ENV: " " * ENV_ROOM},  # and for its environment
-                start_new_session=True,
-                preexec_fn=functools.partial(die_with_parent, os.getpid()),
-            )
+            process = _zygote(theirs, modules, env)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        ours.setblocking(False)
-        self = cls(process, ours)
+        return cls._serving(process, ours)
+
+    @classmethod
+    async def connect(cls, path: str, modules: Sequence[str], env: Mapping[str, str]) -> Preloaded:
+        """The shared zygote listening at ``path`` (:func:`serve`), ready; OSError naming why
+        this launch cannot use it: none listens there, another user's, or one that imported
+        other modules, in another interpreter or with other values of :data:`IMPORT_ENV`."""
+        channel, hello = await asyncio.to_thread(zygote.connect, path, CONNECT_TIMEOUT)
+        unfit = _unfit(hello, modules, env)
+        if unfit:
+            channel.close()
+            raise OSError(unfit)
+        self = cls._serving(None, channel)
+        assert self._ready is not None
+        self._ready.set_result(None)
+        return self
+
+    @classmethod
+    def _serving(cls, process: subprocess.Popen[bytes] | None, channel: socket.socket) -> Preloaded:
+        channel.setblocking(False)
+        self = cls(process, channel)
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        loop.add_reader(ours.fileno(), self._readable)
+        loop.add_reader(channel.fileno(), self._readable)
         return self
 
     async def ready(self) -> bool:
@@ -242,7 +247,9 @@ class Preloaded:
         if not self._gone:
             self._ended()
         with contextlib.suppress(OSError):
-            self._channel.close()
+            self._channel.close()  # a shared zygote kills what it forked for this launch
+        if self._process is None:
+            return
         if not serving:  # still importing: nothing of it is worth waiting for
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
@@ -270,12 +277,26 @@ class Preload:
         except ValueError:
             self._off = True
 
-    async def get(self, failed: Callable[[], None]) -> Preloaded | None:
-        """The zygote, serving (started on the first call); None without one. ``failed`` is
-        called once, when the zygote ended before it served (its error is on stderr) or has
-        ended since (killed, say: its workers with it)."""
+    async def get(
+        self, failed: Callable[[], None], said: Callable[[str], None] = lambda _: None
+    ) -> Preloaded | None:
+        """The zygote, serving (on the first call: the shared one ``EPOCHAL_PRELOAD_SOCKET``
+        names, else one started for this launch; ``said`` is told why a shared one is not
+        used); None without one. ``failed`` is called once, when the zygote ended before it
+        served (its error is on stderr) or has ended since (killed, say: its workers with
+        it)."""
         if self._off:
             return None
+        if self._zygote is None:
+            path = self._env.get(PRELOAD_SOCKET_ENV)
+            if path:
+                try:
+                    self._zygote = await Preloaded.connect(path, self._modules, self._env)
+                except OSError as exc:
+                    said(
+                        f"{PRELOAD_SOCKET_ENV}={path}: {exc.strerror or exc}; this launch imports "
+                        f"{', '.join(self._modules)} in a process of its own"
+                    )
         if self._zygote is None:
             self._zygote = Preloaded.start(self._modules, self._env)
         if await self._zygote.ready():
@@ -287,6 +308,118 @@ class Preload:
     def close(self) -> None:
         if self._zygote is not None:
             self._zygote.close()
+
+
+CONNECT_TIMEOUT = 300.0
+"""Seconds a launch waits for a shared zygote that is still importing its modules."""
+
+
+def _unfit(hello: Mapping[str, Any], modules: Sequence[str], env: Mapping[str, str]) -> str:
+    """Why a shared zygote that said ``hello`` cannot fork this launch's workers ('' if it can)."""
+    if hello.get("executable") != sys.executable:
+        return f"it runs {hello.get('executable')}, not {sys.executable}"
+    missing = [name for name in modules if name not in hello.get("modules", [])]
+    if missing:
+        return f"it has not imported {', '.join(missing)}"
+    theirs = hello.get("env", {})
+    differ = [name for name in IMPORT_ENV if theirs.get(name) != env.get(name)]
+    if differ:
+        return "it imported them with other values of " + ", ".join(
+            f"{name} ({theirs.get(name)!r}, not {env.get(name)!r})" for name in differ
+        )
+    return ""
+
+
+def _zygote(
+    end: socket.socket, modules: Sequence[str], env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start the zygote on ``end`` (a channel, or a listening socket), dying with this process."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-P",  # never import from the launcher's directory
+            ZYGOTE_SCRIPT,
+            str(end.fileno()),
+            str(os.getpid()),
+            " " * ARGV_ROOM,  # room for each worker's command line (zygote._show)
+            *modules,
+        ],
+        stdin=subprocess.DEVNULL,
+        pass_fds=(end.fileno(),),
+        env={**env, ROOM_ENV: " " * ENV_ROOM},  # and for its environment
+        start_new_session=True,
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
+    )
+
+
+def serve(path: str, modules: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start a zygote that imports ``modules`` in ``env`` once and forks the workers of every
+    launch of this user that connects to the Unix socket it listens on at ``path`` (each
+    launch's ``EPOCHAL_PRELOAD_SOCKET``). The socket is made readable by this user alone and
+    the zygote serves no other user (it checks each peer); it ends with this process, and its
+    children with it. ConfigError where ``path`` cannot be listened on."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        mask = os.umask(0o177)
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(mask)
+        listener.listen(64)
+        return _zygote(listener, modules, env)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {path}: {exc.strerror or exc} (name a path in a directory "
+            "of yours where no socket is yet)"
+        ) from exc
+    finally:
+        listener.close()
+
+
+def add_command(subparsers: Any) -> None:
+    """Add ``epochal preload SOCKET`` to the command line's ``subparsers``."""
+    p = subparsers.add_parser(
+        "preload",
+        help="import torch once and fork the workers of every local launch that names SOCKET",
+        description="Import torch (EPOCHAL_PRELOAD's modules) once and serve the launches of "
+        f"this user that set {PRELOAD_SOCKET_ENV}=SOCKET: each `epochal run` then has this "
+        "process fork its workers rather than start one that imports torch for it alone "
+        "(useful where many short runs start on one machine: a sweep, a notebook, a test "
+        "suite). Runs until interrupted; the workers it forked end with it, and their "
+        "launches then start their workers afresh.",
+    )
+    p.add_argument("socket", metavar="SOCKET", help="path of the Unix socket to listen on")
+    p.set_defaults(handler=run_serve)
+
+
+def run_serve(args: Any) -> int:
+    """``epochal preload SOCKET``: serve until interrupted or terminated (0), or the preloaded
+    process ends (1)."""
+    modules = preload_modules()
+    if not modules:
+        raise ConfigError(f"{PRELOAD_ENV}=none: there is nothing to preload")
+    path = os.path.abspath(args.socket)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # as for the workers of `epochal run`
+    process = serve(path, modules, env)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the socket is removed
+    print(
+        f"epochal: importing {', '.join(modules)} once; launches with "
+        f"{PRELOAD_SOCKET_ENV}={path} fork their workers from it (Ctrl-C ends it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        status = process.wait()
+    except KeyboardInterrupt:
+        process.kill()
+        process.wait()
+        status = 0
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return 0 if status == 0 else 1
 
 
 def parse_command(command: Sequence[str]) -> tuple[str | None, str | None, list[str]]:

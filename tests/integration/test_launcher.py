@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import SCRIPTS, Spawner, cmdline, marked_pids, wait_for_record
+from tests.integration.conftest import (
+    SCRIPTS,
+    Spawner,
+    cmdline,
+    marked_pids,
+    wait_for,
+    wait_for_record,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +202,7 @@ def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afre
         str(tmp_path / "out"),
         "--delay",
         "0.05",
+        EPOCHAL_PRELOAD_SOCKET="",  # a zygote of its own, not the one the session shares
     )
     wait_for_record(run_dir, "epoch", alive=proc)
     title = f"epochal run {proc.pid}:".encode()
@@ -206,3 +214,48 @@ def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afre
     assert "restart 1 of 1" in output, output
     assert "each worker imports torch itself from now on" in output, output
     assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
+
+
+def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
+    spawn: Spawner, tmp_path: Path
+):
+    """``epochal preload SOCKET`` imports torch once; a launch whose EPOCHAL_PRELOAD_SOCKET names
+    it has its workers forked there (their parent), and SIGTERM ends it, its socket removed."""
+    path = tmp_path / "preload.sock"
+    server = spawn.epochal("preload", str(path), EPOCHAL_PRELOAD_SOCKET="")
+    wait_for(lambda: path.exists() or server.poll() is not None, DEADLINE)
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "resumable.py"),
+        "--out",
+        str(tmp_path / "out"),
+        "--delay",
+        "0.05",
+        EPOCHAL_PRELOAD_SOCKET=str(path),
+    )
+    wait_for_record(run_dir, "epoch", alive=proc)
+    argvs = {pid: cmdline(pid).split(b"\0") for pid in marked_pids(spawn.mark)}
+    workers = [pid for pid, argv in argvs.items() if argv[2:3] == [bytes(SCRIPTS / "resumable.py")]]
+    parents = {cmdline(parent_of(pid)).split(b":")[0] for pid in workers}
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    assert len(workers) == 2, argvs
+    assert parents == {f"epochal preload {path}".encode()}, parents
+    server.send_signal(signal.SIGTERM)
+    code, said = spawn.finish(server, DEADLINE)
+    assert code == 0, said
+    assert said.startswith("epochal: importing torch, torch.distributed, torch._dynamo once;"), said
+    assert not path.exists()
+    spawn.assert_none_left()
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[1])

@@ -51,10 +51,11 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.errors import EpochalError
 from epochal.log import WORKER
 from epochal.worker.dataplane import storeserver
-from epochal.zygote import CHANNEL_ENV, Child, channel_from, popen
+from epochal.zygote import CHANNEL_ENV, Child, channel_from, connect, popen
 
 KEY_BYTES = 16
 """Random bytes in a run's store secret (hex-encoded on the wire)."""
@@ -132,7 +133,7 @@ class StoreServer:
         args = [str(listener.fileno()), own, str(port), str(timeout), str(os.getpid())]
         process: subprocess.Popen[bytes] | Child
         try:
-            channel = channel_from()
+            channel = channel_from() or _shared(timeout)
             if channel is not None:  # forked from the process that imported torch for the run
                 process = popen(
                     channel,
@@ -173,6 +174,24 @@ class StoreServer:
     def close(self) -> None:
         """End the server process (idempotent)."""
         self._close()
+
+
+def _shared(timeout: float) -> socket.socket | None:
+    """A channel to the preloaded process ``EPOCHAL_PRELOAD_SOCKET`` names (``epochal preload``),
+    for a process that was not forked by one (a worker started by hand): it forks the store
+    server rather than have a fresh interpreter import torch for it. None where there is none,
+    or it cannot serve this process (another user's, another interpreter, another network)."""
+    path = os.environ.get(PRELOAD_SOCKET_ENV)
+    if not path:
+        return None
+    try:
+        channel, hello = connect(path, timeout)
+    except OSError:
+        return None
+    if hello.get("executable") != sys.executable:
+        channel.close()
+        return None
+    return channel
 
 
 def _ready(process: subprocess.Popen[bytes] | Child, timeout: float) -> int:
