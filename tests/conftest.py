@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
+from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.protocol import Fingerprint, Hello
+from tests.forked import start_server
 
 FINGERPRINT = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 """A model's fingerprint as a hello carries it: a digest of the wire's length, one entry."""
@@ -78,3 +80,27 @@ def private_config_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
             os.environ.pop("XDG_CONFIG_HOME", None)
         else:
             os.environ["XDG_CONFIG_HOME"] = before
+
+
+@pytest.fixture(autouse=True, scope="session")
+def preloaded(
+    private_config_home: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """One ``epochal preload`` per test process, named in ``EPOCHAL_PRELOAD_SOCKET`` for the
+    whole session (:mod:`tests.forked`): every launch forks its workers from it and the tests'
+    own processes are forked from it, so torch is imported once here rather than in each. A test
+    that needs launches to start their own unsets the variable."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # what the tests' processes and the launcher set
+    path, server = start_server(tmp_path_factory.mktemp("preload"), env)
+    before = os.environ.get(PRELOAD_SOCKET_ENV)
+    os.environ[PRELOAD_SOCKET_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PRELOAD_SOCKET_ENV, None)
+        else:
+            os.environ[PRELOAD_SOCKET_ENV] = before
+        server.kill()
+        server.wait()

@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 
+from epochal.environment import PRELOAD_SOCKET_ENV
+from tests.forked import ForkedProcess, forkable
+
 MARK = "EPOCHAL_TEST_MARK"
 LISTENING = "epochal coordinator listening on "
 """The first line ``epochal coordinator`` prints on stdout, before the address it bound."""
@@ -61,24 +64,31 @@ class Spawner:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        for key in [k for k in env if k.startswith("EPOCHAL_")]:
+        for key in [k for k in env if k.startswith("EPOCHAL_") and k != PRELOAD_SOCKET_ENV]:
             del env[key]
         env.update({MARK: self.mark, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         env.update(extra)
         return env
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            env=self.env(**env),
-            cwd=self.tmp,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        """``python -u ARGS`` in a session of its own, its output (and errors) on a text pipe:
+        forked from the session's preloaded process where it can be (:mod:`tests.forked`)."""
+        full = self.env(**env)
+        proc: Any
+        if forkable(args, full):
+            proc = ForkedProcess(args, env=full, cwd=self.tmp)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                env=full,
+                cwd=self.tmp,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
         self.procs.append(proc)
-        return proc
+        return proc  # type: ignore[no-any-return]
 
     def epochal(self, *args: str, **env: str) -> subprocess.Popen[str]:
         return self.start("-m", "epochal", *args, **env)

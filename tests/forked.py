@@ -1,0 +1,143 @@
+"""The suite's preloaded process: torch imported once per test process, its processes forked.
+
+Most of the suite's CPU went into importing torch: every ``epochal run`` started a process that
+imported it for its workers, and every worker or coordinator a test starts by hand (the
+standalone, security and fault tests) imported it again. :func:`start_server` starts one
+``epochal preload`` for the whole session (:mod:`epochal.launch.preload`), named in
+``EPOCHAL_PRELOAD_SOCKET`` so that every launch the tests start forks its workers there, and
+:class:`ForkedProcess` is what a test uses of :class:`subprocess.Popen` for a process that server
+forks: ``python -u SCRIPT ARGS`` or ``python -u -m MODULE ARGS``, with the standard output and
+error on one pipe read as text. ``tests/test_zygote.py`` holds that such a process is the one
+python itself would have started (its ``__main__``, arguments, path, environment, directory,
+session, signals and exit status), so the tests see what a user's process does.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from epochal import zygote
+from epochal.environment import PRELOAD_SOCKET_ENV
+from epochal.launch.preload import CONNECT_TIMEOUT, parse_command, preload_modules, serve
+
+EXIT_REPORT = 1.0
+"""Seconds allowed, beyond a deadline, for the preloaded process to report an exit it has seen."""
+
+
+def start_server(directory: Path, env: Mapping[str, str]) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start the session's preloaded process listening in ``directory`` (a private one), which
+    imports in ``env``; its socket's path and the process."""
+    path = str(directory / "preload.sock")
+    return path, serve(path, preload_modules(env), env)
+
+
+def forkable(args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether ``python -u ARGS`` in ``env`` is forked from the session's process: a script or
+    ``-m MODULE`` (no other interpreter option), and a process to fork it from; not ``epochal
+    coordinator``, which imports no torch: forked, its memory would count torch's pages, and
+    the tests bound what it uses."""
+    if not env.get(PRELOAD_SOCKET_ENV) or list(args[:3]) == ["-m", "epochal", "coordinator"]:
+        return False
+    try:
+        parse_command([sys.executable, *args])
+    except ValueError:
+        return False
+    return True
+
+
+class ForkedProcess:
+    """``python -u *args`` forked by the preloaded process at ``env[EPOCHAL_PRELOAD_SOCKET]``:
+    ``pid`` (its own session), ``args``, ``stdout`` (text, with its standard error),
+    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and
+    ``kill``, as :class:`subprocess.Popen` has them. The process is killed if this one closes
+    its channel before it ended (the test process died, say)."""
+
+    def __init__(self, args: Sequence[str], *, env: Mapping[str, str], cwd: str | Path):
+        self.args = [sys.executable, "-u", *args]
+        script, module, rest = parse_command(self.args)
+        channel, _ = zygote.connect(env[PRELOAD_SOCKET_ENV], CONNECT_TIMEOUT)
+        read_end, write_end = os.pipe()
+        request: dict[str, Any] = {
+            "id": 1,
+            "script": script,
+            "module": module,
+            "args": rest,
+            "env": dict(env),
+            "cwd": str(cwd),
+            "argv": self.args,
+            "fds": [1, 2],
+            "channel": True,  # a rank 0 has its store server forked too
+        }
+        try:
+            self.pid = zygote.ask(channel, request, [write_end, write_end])
+        except BaseException:
+            os.close(read_end)
+            channel.close()
+            raise
+        finally:
+            os.close(write_end)
+        self._child = zygote.Child(channel, self.pid, None, None)
+        self.stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.stderr = None
+        self.returncode: int | None = None
+        self._read: list[bytes] = []
+
+    def poll(self) -> int | None:
+        self.returncode = self._child.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self._child.wait(timeout)
+        return self.returncode
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[str, None]:
+        """Read the output to its end and wait, as Popen does (within ``timeout`` seconds, or
+        TimeoutExpired; what was read is kept for the next call)."""
+        if self.stdout.closed:
+            out = ""
+        elif timeout is None:
+            out = b"".join(self._read).decode("utf-8", "replace") + self.stdout.read()
+            self.stdout.close()
+        else:
+            deadline = time.monotonic() + timeout
+            fd = self.stdout.fileno()
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                self._read.append(data)
+            out = b"".join(self._read).decode("utf-8", "replace")
+            self.stdout.close()
+            # its exit is reported through the preloaded process a moment after its output ends
+            timeout = max(0.0, deadline - time.monotonic()) + EXIT_REPORT
+        self.wait(timeout)
+        return out.replace("\r\n", "\n").replace("\r", "\n"), None
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if not getattr(self, "stdout", None) or self.stdout.closed:
+            return
+        self.stdout.close()
