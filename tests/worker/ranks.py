@@ -26,13 +26,14 @@ from epochal.worker.training.results import LossSum
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # imported by torch's optimizers when the first is built: 1.0-1.2 s a rank
     "epochal.worker",
     "tests.worker.ranks",
     "tests.worker.elastic",
 ]
 """What the ranks' fork server imports once, before it forks any rank: without it every rank is a
 fresh interpreter importing torch and epochal (about 3 s of CPU each; the worker tests start some
-sixty ranks)."""
+ninety ranks)."""
 
 
 def rank_context() -> Any:
