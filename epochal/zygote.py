@@ -422,7 +422,8 @@ def main(argv: list[str]) -> NoReturn:
 def channel_from(environ: Mapping[str, str] | None = None) -> socket.socket | None:
     """This process's channel to the zygote it was forked from, None where it was not (or the
     descriptor ``EPOCHAL_ZYGOTE`` names is not a channel to that process: a process the worker
-    started inherits the variable, not the channel)."""
+    started inherits the variable, not the channel; or this process has entered another network
+    namespace since)."""
     environ = os.environ if environ is None else environ
     fd_text, _, pid_text = environ.get(CHANNEL_ENV, "").partition(":")
     if not (fd_text.isdigit() and pid_text.isdigit()):
@@ -432,7 +433,11 @@ def channel_from(environ: Mapping[str, str] | None = None) -> socket.socket | No
     except OSError:
         return None
     try:
-        if channel.family == socket.AF_UNIX and _peer(channel)[0] == int(pid_text):
+        if (
+            channel.family == socket.AF_UNIX
+            and _peer(channel)[0] == int(pid_text)
+            and os.readlink(f"/proc/{pid_text}/ns/net") == network_namespace()
+        ):  # what that process forks listens and connects in its network, not this one's
             return channel
     except OSError:
         pass

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from epochal import zygote
 from epochal.environment import PRELOAD_SOCKET_ENV
@@ -39,12 +39,11 @@ def start_server(directory: Path, env: Mapping[str, str]) -> tuple[str, subproce
     return path, serve(path, preload_modules(env), env)
 
 
-def forkable(args: Sequence[str], env: Mapping[str, str]) -> bool:
-    """Whether ``python -u ARGS`` in ``env`` is forked from the session's process: a script or
-    ``-m MODULE`` (no other interpreter option), and a process to fork it from; not ``epochal
-    coordinator``, which imports no torch: forked, its memory would count torch's pages, and
-    the tests bound what it uses."""
-    if not env.get(PRELOAD_SOCKET_ENV) or list(args[:3]) == ["-m", "epochal", "coordinator"]:
+def forkable(args: Sequence[str]) -> bool:
+    """Whether ``python -u ARGS`` is forked from the session's process: a script or ``-m
+    MODULE`` (no other interpreter option); not ``epochal coordinator``, which imports no torch:
+    forked, its memory would count torch's pages, and the tests bound what it uses."""
+    if list(args[:3]) == ["-m", "epochal", "coordinator"]:
         return False
     try:
         parse_command([sys.executable, *args])
@@ -54,17 +53,28 @@ def forkable(args: Sequence[str], env: Mapping[str, str]) -> bool:
 
 
 class ForkedProcess:
-    """``python -u *args`` forked by the preloaded process at ``env[EPOCHAL_PRELOAD_SOCKET]``:
-    ``pid`` (its own session), ``args``, ``stdout`` (text, with its standard error),
-    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and
-    ``kill``, as :class:`subprocess.Popen` has them. The process is killed if this one closes
-    its channel before it ended (the test process died, say)."""
+    """``python -u *args`` forked by the preloaded process at ``server`` (default:
+    ``env[EPOCHAL_PRELOAD_SOCKET]``): ``pid`` (its own session), ``args``, ``stdout`` (text, with
+    its standard error; None where they go to the file ``stdout`` given), ``returncode``,
+    ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and ``kill``, as
+    :class:`subprocess.Popen` has them; ``shown`` is the command line ``ps`` shows (default:
+    ``args``). The process is killed if this one closes its channel before it ended (the test
+    process died, say)."""
 
-    def __init__(self, args: Sequence[str], *, env: Mapping[str, str], cwd: str | Path):
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | Path,
+        server: str | None = None,
+        stdout: IO[Any] | None = None,
+        shown: Sequence[str] | None = None,
+    ):
         self.args = [sys.executable, "-u", *args]
         script, module, rest = parse_command(self.args)
-        channel, _ = zygote.connect(env[PRELOAD_SOCKET_ENV], CONNECT_TIMEOUT)
-        read_end, write_end = os.pipe()
+        channel, _ = zygote.connect(server or env[PRELOAD_SOCKET_ENV], CONNECT_TIMEOUT)
+        read_end, write_end = os.pipe() if stdout is None else (-1, stdout.fileno())
         request: dict[str, Any] = {
             "id": 1,
             "script": script,
@@ -72,21 +82,25 @@ class ForkedProcess:
             "args": rest,
             "env": dict(env),
             "cwd": str(cwd),
-            "argv": self.args,
+            "argv": list(shown or self.args),
             "fds": [1, 2],
             "channel": True,  # a rank 0 has its store server forked too
         }
         try:
             self.pid = zygote.ask(channel, request, [write_end, write_end])
         except BaseException:
-            os.close(read_end)
+            if stdout is None:
+                os.close(read_end)
             channel.close()
             raise
         finally:
-            os.close(write_end)
+            if stdout is None:
+                os.close(write_end)
         self._child = zygote.Child(channel, self.pid, None, None)
-        self.stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
-        self.stderr = None
+        self.stdout: IO[str] | None = None
+        if stdout is None:
+            self.stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.stdin = self.stderr = None
         self.returncode: int | None = None
         self._read: list[bytes] = []
 
@@ -101,7 +115,7 @@ class ForkedProcess:
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[str, None]:
         """Read the output to its end and wait, as Popen does (within ``timeout`` seconds, or
         TimeoutExpired; what was read is kept for the next call)."""
-        if self.stdout.closed:
+        if self.stdout is None or self.stdout.closed:
             out = ""
         elif timeout is None:
             out = b"".join(self._read).decode("utf-8", "replace") + self.stdout.read()

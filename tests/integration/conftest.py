@@ -75,7 +75,7 @@ class Spawner:
         forked from the session's preloaded process where it can be (:mod:`tests.forked`)."""
         full = self.env(**env)
         proc: Any
-        if forkable(args, full):
+        if full.get(PRELOAD_SOCKET_ENV) and forkable(args):
             proc = ForkedProcess(args, env=full, cwd=self.tmp)
         else:
             proc = subprocess.Popen(

@@ -55,6 +55,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from epochal.environment import PRELOAD_SOCKET_ENV
+from tests.forked import ForkedProcess, forkable
+
+INNETNS = str(Path(__file__).with_name("innetns.py"))
 PREFIX = "198.18"  # RFC 2544 benchmark range: never routed, never anyone's real network
 _networks = itertools.count()
 SWITCH = str(Path(__file__).with_name("switch.py"))
@@ -108,7 +112,10 @@ class Host:
         """Start ``argv`` on this host (own session, so it and its children can be killed).
 
         ``env`` defaults to this process's environment; ``PYTHONPATH`` is carried either way.
-        A leading ``python`` means this interpreter.
+        A leading ``python`` means this interpreter. A Python script or ``-m`` module whose
+        output goes to a file is forked from the session's preloaded process and enters this
+        host as ``ip netns exec`` would (:mod:`tests.multihost.innetns`); anything else is run
+        through ``ip netns exec``.
         """
         argv = list(argv)
         if argv and argv[0] == "python":
@@ -116,10 +123,29 @@ class Host:
         full = dict(os.environ) if env is None else dict(env)
         if "PYTHONPATH" in os.environ:
             full.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
-        kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(self.exec_argv(argv), env=full, **kwargs)
+        proc: Any
+        server = os.environ.get(PRELOAD_SOCKET_ENV)
+        if (
+            server
+            and argv[0] == sys.executable
+            and forkable(argv[1:])
+            and set(kwargs) <= {"stdout", "stderr", "cwd"}
+            and kwargs.get("stderr") == subprocess.STDOUT
+            and hasattr(kwargs.get("stdout"), "fileno")
+        ):  # a Python program whose output goes to a file: forked, entering this host
+            proc = ForkedProcess(
+                [INNETNS, self.name, *argv[1:]],
+                env=full,
+                cwd=kwargs.get("cwd") or os.getcwd(),
+                server=server,
+                stdout=kwargs["stdout"],
+                shown=argv,
+            )
+        else:
+            kwargs.setdefault("start_new_session", True)
+            proc = subprocess.Popen(self.exec_argv(argv), env=full, **kwargs)
         self.procs.append(proc)
-        return proc
+        return proc  # type: ignore[no-any-return]
 
     def run(self, *argv: str) -> str:
         """Run a short command on this host; its stdout, or RuntimeError with its stderr."""
