@@ -45,14 +45,14 @@ def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **field
     return Hello(worker_id=worker_id, fingerprint=fingerprint, **given)
 
 
-WORKERS_PER_CPU = 1
-"""Test processes per CPU under ``-n auto``. The multi-process tests wait on timeouts they set, so
-one per CPU leaves some CPU idle (17 % of an idle run's); but each also starts several processes
-that import torch (about 2.4 s of CPU each, once per launch since `epochal run` forks its workers
-from one process), and those are most of the suite's CPU time (about 1,650 s). On CI's two shared
-cores 6 test processes took 37 minutes with 35 tests failed and 73 errors, every run stretched past
-its test's deadline; 4 took 26 minutes on an otherwise idle machine. The suite must also hold with
-two CPU burners beside it, so one per CPU."""
+WORKERS_PER_CPU = 2
+"""Test processes per CPU under ``-n auto``. The multi-process tests spend much of their time
+waiting on timeouts they configure (a stall, a heartbeat, a lost worker), so more test processes
+than CPUs keep the CPUs busy. Each test process forks its processes from one that imported torch
+once (:mod:`tests.forked`), so the suite's CPU is about 1,000 core-seconds; on two idle cores
+one process per CPU took 9:24 and two took 8:52, the CPUs then 93 % busy. (Before the processes
+were forked, when the suite took 2,250 core-seconds, 6 test processes on two cores took 37
+minutes with tests failed past their deadlines; 4 took 26 minutes.)"""
 
 MAX_WORKERS = 16
 """At most this many under ``-n auto``: each one imports torch (about 250 MB) before a test."""
