@@ -32,7 +32,13 @@ from epochal.launch.preload import (
 )
 from epochal.zygote import CHANNEL_ENV, channel_from
 from tests.integration.conftest import cmdline
-from tests.security.other_user import OTHER_UID, as_other_user, needs_root, shared_scratch
+from tests.security.other_user import (
+    AS_OTHER_USER,
+    OTHER_UID,
+    as_other_user,
+    needs_root,
+    shared_scratch,
+)
 
 REPORT = """\
 import json, os, random, signal, sys
@@ -421,13 +427,7 @@ def test_another_users_preloaded_process_is_never_used_nor_does_it_serve_another
         planted = str(shared / "preload.sock")
         neighbour = subprocess.Popen(
             [
-                "setpriv",
-                "--reuid",
-                str(OTHER_UID),
-                "--regid",
-                str(OTHER_UID),
-                "--clear-groups",
-                "--",
+                *AS_OTHER_USER,
                 "/usr/bin/python3",
                 "-c",
                 LISTENS,

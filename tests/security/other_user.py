@@ -19,6 +19,17 @@ import pytest
 OTHER_UID = 65534
 """The second user: ``nobody``."""
 
+AS_OTHER_USER = [
+    "setpriv",
+    "--reuid",
+    str(OTHER_UID),
+    "--regid",
+    str(OTHER_UID),
+    "--clear-groups",
+    "--",
+]
+"""The prefix that runs a command as the second user, with no supplementary groups."""
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="acting as a second local user needs root (setpriv), as in CI"
 )
@@ -29,16 +40,7 @@ def as_other_user(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command`` as uid/gid 65534 with no supplementary groups; its output captured."""
     return subprocess.run(
-        [
-            "setpriv",
-            "--reuid",
-            str(OTHER_UID),
-            "--regid",
-            str(OTHER_UID),
-            "--clear-groups",
-            "--",
-            *command,
-        ],
+        [*AS_OTHER_USER, *command],
         capture_output=True,
         text=True,
         timeout=timeout,
