@@ -1,10 +1,14 @@
-"""The launcher's side of :mod:`epochal.launch.zygote`: start it, fork workers, see them end.
+"""The launcher's side of :mod:`epochal.zygote`: start it, fork workers, see them end.
 
 ``epochal run`` starts one zygote per launch (it outlives restarts and starts elastic
 replacements too) and asks it for each worker; a :class:`Forked` worker stands where an
 ``asyncio.subprocess.Process`` would (``pid``, ``returncode``, ``wait()``, ``stdout``). Where the
 zygote cannot start (the modules fail to import, say), the launcher says so once and starts each
-worker as a fresh interpreter, as it does with ``--no-preload`` or ``EPOCHAL_PRELOAD=none``.
+worker as a fresh interpreter, as it does with ``EPOCHAL_PRELOAD=none``.
+
+``epochal preload SOCKET`` (:func:`serve`) starts one zygote shared by the launches of its user:
+a launch whose ``EPOCHAL_PRELOAD_SOCKET`` names it connects (:meth:`Preloaded.connect`) rather
+than start its own, unless that one cannot serve it (:func:`_unfit`), which is said in one line.
 """
 
 from __future__ import annotations
@@ -103,8 +107,9 @@ class Preloaded:
     @classmethod
     async def connect(cls, path: str, modules: Sequence[str], env: Mapping[str, str]) -> Preloaded:
         """The shared zygote listening at ``path`` (:func:`serve`), ready; OSError naming why
-        this launch cannot use it: none listens there, another user's, or one that imported
-        other modules, in another interpreter or with other values of :data:`IMPORT_ENV`."""
+        this launch cannot use it: none listens there, another user's, one in another network
+        namespace, or one that imported other modules, in another interpreter or with other
+        values of :data:`IMPORT_ENV`."""
         channel, hello = await asyncio.to_thread(zygote.connect, path, CONNECT_TIMEOUT)
         unfit = _unfit(hello, modules, env)
         if unfit:
