@@ -29,6 +29,13 @@ a channel of its own to this process, named in ``EPOCHAL_ZYGOTE`` (``FD:PID``), 
 ask the same (:func:`popen`: rank 0's store server). When the launcher's channel closes, this
 process ends, and every child with it (their death signal).
 
+FD may instead be a listening Unix socket (``epochal preload SOCKET``,
+:func:`epochal.launch.preload.serve`): each connection, from a process of this user only, is a
+launcher's channel as above, greeted with what this process imported and where (``{"ready":
+true, "executable", "modules", "env", "netns"}``) so that the launch can tell whether its
+workers may be forked here (:func:`connect`); a launcher's children are killed when its
+connection closes, and this process serves until its parent ends.
+
 Fork safety: nothing here starts a thread, touches CUDA or runs an operator before it forks (torch
 starts its thread pools and CUDA on first use, in each worker); the interpreter reseeds
 ``random`` in each child, and this module reseeds NumPy's global generator, so no two workers
