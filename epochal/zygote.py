@@ -109,7 +109,7 @@ class _Server:
     user that connect to it, ``epochal preload``): each connection is a launcher's, whose
     children are killed when it closes."""
 
-    def __init__(self, first: socket.socket, hello: bytes = b""):
+    def __init__(self, first: socket.socket, hello: dict[str, Any]):
         self.listener = first if _listening(first) else None
         self.launcher = None if self.listener is not None else first
         self.hello = hello
@@ -167,7 +167,7 @@ class _Server:
             return
         self.channels[channel.fileno()] = channel
         self.launchers.add(channel)
-        _send(channel, json.loads(self.hello))
+        _send(channel, self.hello)
 
     def _fork(
         self, channel: socket.socket, data: bytes, fds: list[int]
@@ -400,18 +400,16 @@ def main(argv: list[str]) -> NoReturn:
             sys.exit(1)
     gc.collect()
     gc.freeze()  # what the children share stays shared: the collector never writes to it
-    hello = json.dumps(
-        {
-            "ready": True,
-            "executable": sys.executable,
-            "modules": modules,
-            "env": {name: os.environ.get(name) for name in IMPORT_ENV},
-            "netns": network_namespace(),
-        }
-    ).encode()
+    hello = {
+        "ready": True,
+        "executable": sys.executable,
+        "modules": modules,
+        "env": {name: os.environ.get(name) for name in IMPORT_ENV},
+        "netns": network_namespace(),
+    }
     if not listening:
         try:
-            first.sendall(hello)
+            first.sendall(json.dumps(hello).encode())
         except OSError:  # the launcher stopped (or gave up on this process) meanwhile
             sys.exit(0)
     me = os.getpid()
@@ -611,8 +609,8 @@ def ask(channel: socket.socket, request: dict[str, Any], fds: Sequence[int]) -> 
 def connect(path: str, timeout: float | None = None) -> tuple[socket.socket, dict[str, Any]]:
     """A channel to the shared zygote listening at ``path`` (``epochal preload``), and what it said
     once it had imported its modules (``executable``, ``modules``, ``env``); OSError when none
-    listens there, it runs as another user or in another network namespace (so would its
-    children), or it said nothing within ``timeout`` seconds."""
+    listens there, it runs as another user, in another network namespace or another interpreter
+    (so would its children), or it said nothing within ``timeout`` seconds."""
     channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         channel.connect(path)
@@ -624,6 +622,8 @@ def connect(path: str, timeout: float | None = None) -> tuple[socket.socket, dic
             raise OSError(f"the process there did not say it was ready within {timeout} s")
         if hello.get("netns") != network_namespace():
             raise OSError("it runs in another network namespace")
+        if hello.get("executable") != sys.executable:
+            raise OSError(f"it runs {hello.get('executable')}, not {sys.executable}")
     except BaseException:
         channel.close()
         raise

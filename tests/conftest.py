@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from epochal.environment import PRELOAD_SOCKET_ENV
+from epochal.launch.preload import worker_threads
 from epochal.protocol import Fingerprint, Hello
 from tests.forked import start_server
 
@@ -90,9 +91,7 @@ def preloaded(
     whole session (:mod:`tests.forked`): every launch forks its workers from it and the tests'
     own processes are forked from it, so torch is imported once here rather than in each. A test
     that needs launches to start their own unsets the variable."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # what the tests' processes and the launcher set
-    path, server = start_server(tmp_path_factory.mktemp("preload"), env)
+    path, server = start_server(tmp_path_factory.mktemp("preload"), worker_threads(os.environ))
     before = os.environ.get(PRELOAD_SOCKET_ENV)
     os.environ[PRELOAD_SOCKET_ENV] = path
     try:

@@ -42,7 +42,7 @@ from epochal.environment import (
 )
 from epochal.errors import EpochalError, RunAborted
 from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
-from epochal.launch.preload import Forked, Preload, preload_modules
+from epochal.launch.preload import Forked, Preload, preload_modules, worker_threads
 from epochal.launch.processes import Child, die_with_parent, kill_group
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
@@ -185,10 +185,7 @@ def run_observed(config: CoordinatorConfig, nproc: int, command: list[str], **kw
 def _preload_environment() -> dict[str, str]:
     """The environment the workers' preloaded process imports torch in: the launcher's, the
     workers' log settings, and their ``OMP_NUM_THREADS`` default (read as torch is imported)."""
-    env = dict(os.environ)
-    env.update(child_environment())
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return worker_threads({**os.environ, **child_environment()})
 
 
 def worker_environment(
@@ -270,7 +267,7 @@ async def _attempt(
         env_base[TOKEN_ENV] = config.token
     env_base.update(child_environment())  # the workers log as the launcher does
     env_base.setdefault("PYTHONUNBUFFERED", "1")
-    env_base.setdefault("OMP_NUM_THREADS", "1")  # N workers on one machine: don't oversubscribe
+    env_base = worker_threads(env_base)  # N workers on one machine: don't oversubscribe
     if out.isatty():
         env_base.setdefault(PROGRESS_ENV, "1")
     if verbose:

@@ -40,6 +40,13 @@ optimizers import the first time one is built (1.0-1.2 s of CPU a process, measu
 OFF = ("none", "0", "")
 
 
+def worker_threads(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with ``OMP_NUM_THREADS=1`` unless it sets its own: what epochal's local workers
+    get (N workers on one machine must not each start a thread per core), and so what the process
+    they are forked from imports torch with (torch reads it then)."""
+    return {"OMP_NUM_THREADS": "1", **env}
+
+
 def preload_modules(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The modules ``EPOCHAL_PRELOAD`` names (comma-separated; ``none``: fork nothing, start each
     worker afresh), else :data:`DEFAULT_PRELOAD`."""
@@ -108,8 +115,8 @@ class Preloaded:
     async def connect(cls, path: str, modules: Sequence[str], env: Mapping[str, str]) -> Preloaded:
         """The shared zygote listening at ``path`` (:func:`serve`), ready; OSError naming why
         this launch cannot use it: none listens there, another user's, one in another network
-        namespace, or one that imported other modules, in another interpreter or with other
-        values of :data:`IMPORT_ENV`."""
+        namespace or interpreter (:func:`epochal.zygote.connect`), or one that imported other
+        modules, or with other values of :data:`IMPORT_ENV`."""
         channel, hello = await asyncio.to_thread(zygote.connect, path, CONNECT_TIMEOUT)
         unfit = _unfit(hello, modules, env)
         if unfit:
@@ -321,8 +328,6 @@ CONNECT_TIMEOUT = 300.0
 
 def _unfit(hello: Mapping[str, Any], modules: Sequence[str], env: Mapping[str, str]) -> str:
     """Why a shared zygote that said ``hello`` cannot fork this launch's workers ('' if it can)."""
-    if hello.get("executable") != sys.executable:
-        return f"it runs {hello.get('executable')}, not {sys.executable}"
     missing = [name for name in modules if name not in hello.get("modules", [])]
     if missing:
         return f"it has not imported {', '.join(missing)}"
@@ -405,9 +410,7 @@ def run_serve(args: Any) -> int:
     if not modules:
         raise ConfigError(f"{PRELOAD_ENV}=none: there is nothing to preload")
     path = os.path.abspath(args.socket)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # as for the workers of `epochal run`
-    process = serve(path, modules, env)
+    process = serve(path, modules, worker_threads(os.environ))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the socket is removed
     print(
         f"epochal: importing {', '.join(modules)} once; launches with "

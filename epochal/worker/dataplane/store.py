@@ -185,11 +185,8 @@ def _shared(timeout: float) -> socket.socket | None:
     if not path:
         return None
     try:
-        channel, hello = connect(path, timeout)
+        channel, _ = connect(path, timeout)
     except OSError:
-        return None
-    if hello.get("executable") != sys.executable:
-        channel.close()
         return None
     return channel
 
