@@ -71,8 +71,9 @@ class Spawner:
         return env
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
-        """``python -u ARGS`` in a session of its own, its output (and errors) on a text pipe:
-        forked from the session's preloaded process where it can be (:mod:`tests.forked`)."""
+        """``python ARGS``, unbuffered, in a session of its own, its output (and errors) on a text
+        pipe: forked from the session's preloaded process where it can be (:mod:`tests.forked`),
+        else started afresh."""
         full = self.env(**env)
         proc: Any
         if full.get(PRELOAD_SOCKET_ENV) and forkable(args):
