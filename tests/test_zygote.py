@@ -153,6 +153,65 @@ async def test_exit_statuses_and_tracebacks_are_the_interpreters(tmp_path: Path)
     assert "KeyboardInterrupt" in results["interrupted.py"][1]
 
 
+ENDS = """\
+import atexit, sys, tempfile, threading, time, weakref
+log = open(sys.argv[1] + "/log", "w")  # never closed: flushed and closed as the process ends
+log.write("written at the start\\n")
+temporary = tempfile.NamedTemporaryFile(dir=sys.argv[1], prefix="removed-")  # and removed
+class Held:
+    pass
+held = Held()
+weakref.finalize(held, print, "its finalizer ran")
+def later():
+    time.sleep(0.3)
+    print("the thread ended")
+threading.Thread(target=later).start()  # not a daemon: waited for
+atexit.register(print, "atexit ran")
+if sys.argv[2:] == ["daemon"]:  # a thread still running as the interpreter ends
+    threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(int, 1)], daemon=True).start()
+print("the script ended")
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["threads-ended", "a-daemon-thread-runs"])
+async def test_a_forked_worker_ends_as_the_interpreter_ends(tmp_path: Path, daemon: bool) -> None:
+    """What the interpreter does as it ends (its threads waited for, ``atexit``, the script's
+    finalizers, open files flushed and closed, temporary files removed, the status), the forked
+    worker does, though it leaves the teardown of what it shares with the zygote undone (with a
+    daemon thread still running, it leaves all of it to the interpreter)."""
+    (tmp_path / "ends.py").write_text(ENDS)
+    fresh, forked = tmp_path / "fresh", tmp_path / "forked"
+    fresh.mkdir()
+    forked.mkdir()
+    env = {"PATH": os.environ.get("PATH", "")}
+    command = [sys.executable, "-u", str(tmp_path / "ends.py")]
+    extra = ["daemon"] if daemon else []
+    python = subprocess.run(
+        [*command, str(fresh), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    preloaded = await started()
+    try:
+        status, out = await run_forked(preloaded, [*command, str(forked), *extra], env)
+    finally:
+        preloaded.close()
+    assert python.returncode == 4 and python.stderr == "", python
+    assert (status, out) == (python.returncode, python.stdout)
+    assert out == "the script ended\nthe thread ended\natexit ran\nits finalizer ran\n"
+    # the same files left, with the same in them (a temporary file's name is random: its prefix
+    # is compared); where no thread runs on, the log was flushed and the temporary file removed
+    left = sorted(p.name[:8] for p in forked.iterdir())
+    assert left == sorted(p.name[:8] for p in fresh.iterdir())
+    assert (forked / "log").read_text() == (fresh / "log").read_text()
+    if not daemon:
+        assert left == ["log"] and (forked / "log").read_text() == "written at the start\n"
+
+
 async def test_a_module_runs_as_python_m_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     package = tmp_path / "pkg"
     package.mkdir()
