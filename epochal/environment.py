@@ -90,8 +90,9 @@ and ``epochal worker --verbose`` set it for their workers."""
 
 PRELOAD_ENV = "EPOCHAL_PRELOAD"
 """The modules ``epochal run`` imports once, in a process its workers are forked from
-(comma-separated; default ``torch,torch.distributed,torch._dynamo``); ``none`` starts each worker
-as a fresh interpreter that imports them itself (see :mod:`epochal.launch.zygote`)."""
+(comma-separated; default ``torch,torch.distributed,torch._dynamo,torch.distributed.checkpoint``);
+``none`` starts each worker as a fresh interpreter that imports them itself (see
+:mod:`epochal.launch.zygote`)."""
 
 PRELOAD_SOCKET_ENV = "EPOCHAL_PRELOAD_SOCKET"
 """The Unix socket of a preloaded process shared by launches (``epochal preload SOCKET``): where

@@ -251,7 +251,10 @@ def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
     server.send_signal(signal.SIGTERM)
     code, said = spawn.finish(server, DEADLINE)
     assert code == 0, said
-    assert said.startswith("epochal: importing torch, torch.distributed, torch._dynamo once;"), said
+    assert said.startswith(
+        "epochal: importing torch, torch.distributed, torch._dynamo, torch.distributed.checkpoint "
+        "once;"
+    ), said
     assert not path.exists()
     spawn.assert_none_left()
 
