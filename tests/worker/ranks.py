@@ -27,6 +27,8 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "torch._dynamo",  # imported by torch's optimizers when the first is built: 1.0-1.2 s a rank
+    "torch.distributed.checkpoint",  # by every rank that saves one
+    "torch.distributed.optim",  # by every rank of a sharded mode (ZeRO): 0.2-0.5 s
     "epochal.worker",
     "tests.worker.ranks",
     "tests.worker.elastic",
