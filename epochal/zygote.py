@@ -685,11 +685,14 @@ def ask(channel: socket.socket, request: dict[str, Any], fds: Sequence[int]) -> 
     return int(answer["pid"])
 
 
-def connect(path: str, timeout: float | None = None) -> tuple[socket.socket, dict[str, Any]]:
+def connect(
+    path: str, timeout: float | None = None, *, any_network: bool = False
+) -> tuple[socket.socket, dict[str, Any]]:
     """A channel to the shared zygote listening at ``path`` (``epochal preload``), and what it said
     once it had imported its modules (``executable``, ``modules``, ``env``); OSError when none
-    listens there, it runs as another user, in another network namespace or another interpreter
-    (so would its children), or it said nothing within ``timeout`` seconds."""
+    listens there, it runs as another user, in another network namespace (unless
+    ``any_network``: for processes meant to run in that one's network) or another interpreter (so
+    would its children), or it said nothing within ``timeout`` seconds."""
     channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         channel.connect(path)
@@ -699,7 +702,7 @@ def connect(path: str, timeout: float | None = None) -> tuple[socket.socket, dic
         hello = _next(channel, timeout)
         if not hello or "ready" not in hello:
             raise OSError(f"the process there did not say it was ready within {timeout} s")
-        if hello.get("netns") != network_namespace():
+        if not any_network and hello.get("netns") != network_namespace():
             raise OSError("it runs in another network namespace")
         if hello.get("executable") != sys.executable:
             raise OSError(f"it runs {hello.get('executable')}, not {sys.executable}")

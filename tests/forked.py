@@ -76,9 +76,9 @@ class ForkedProcess:
     ``env[EPOCHAL_PRELOAD_SOCKET]``): ``pid`` (its own session), ``args``, ``stdout`` (text, with
     its standard error; None where they go to the file ``stdout`` given), ``returncode``,
     ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and ``kill``, as
-    :class:`subprocess.Popen` has them; ``shown`` is the command line ``ps`` shows (default:
-    ``args``). The process is killed if this one closes its channel before it ended (the test
-    process died, say)."""
+    :class:`subprocess.Popen` has them. It runs in the server's network, whichever that is (a test
+    host's, :mod:`tests.multihost.netns`). The process is killed if this one closes its channel
+    before it ended (the test process died, say)."""
 
     def __init__(
         self,
@@ -88,11 +88,13 @@ class ForkedProcess:
         cwd: str | Path,
         server: str | None = None,
         stdout: IO[Any] | None = None,
-        shown: Sequence[str] | None = None,
     ):
         self.args = [sys.executable, "-u", *args]
         script, module, rest = parse_command(self.args)
-        channel, _ = zygote.connect(server or env[PRELOAD_SOCKET_ENV], CONNECT_TIMEOUT)
+        # in the server's network, whichever it is (a test host's: tests.multihost)
+        channel, _ = zygote.connect(
+            server or env[PRELOAD_SOCKET_ENV], CONNECT_TIMEOUT, any_network=True
+        )
         read_end, write_end = os.pipe() if stdout is None else (-1, stdout.fileno())
         request: dict[str, Any] = {
             "id": 1,
@@ -101,7 +103,7 @@ class ForkedProcess:
             "args": rest,
             "env": dict(env),
             "cwd": str(cwd),
-            "argv": list(shown or self.args),
+            "argv": self.args,
             "fds": [1, 2],
             "channel": True,  # a rank 0 has its store server forked too
         }

@@ -43,22 +43,30 @@ forwarded and lost (``net.stop_switch()``), so a test can check that it was in t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from epochal import zygote
 from epochal.environment import PRELOAD_SOCKET_ENV
+from epochal.launch.preload import CONNECT_TIMEOUT
 from tests.forked import ForkedProcess, forkable
 
-INNETNS = str(Path(__file__).with_name("innetns.py"))
+HOST_PRELOAD = str(Path(__file__).with_name("hostpreload.py"))
+PRELOAD_START = 60.0
+"""Seconds for a host's preloaded process to listen: it imports nothing (a hang, not a bound)."""
 PREFIX = "198.18"  # RFC 2544 benchmark range: never routed, never anyone's real network
 _networks = itertools.count()
 SWITCH = str(Path(__file__).with_name("switch.py"))
@@ -99,6 +107,8 @@ class Host:
         self.address = address
         self.index = index
         self.procs: list[subprocess.Popen[Any]] = []
+        self.preload: ForkedProcess | None = None
+        self._preload_dir: str | None = None
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.address})"
@@ -113,9 +123,9 @@ class Host:
 
         ``env`` defaults to this process's environment; ``PYTHONPATH`` is carried either way.
         A leading ``python`` means this interpreter. A Python script or ``-m`` module whose
-        output goes to a file is forked from the session's preloaded process and enters this
-        host as ``ip netns exec`` would (:mod:`tests.multihost.innetns`); anything else is run
-        through ``ip netns exec``.
+        output goes to a file is forked from this host's preloaded process (:meth:`preloaded`),
+        and so is in the host as ``ip netns exec`` would put it; anything else is run through
+        ``ip netns exec``.
         """
         argv = list(argv)
         if argv and argv[0] == "python":
@@ -132,20 +142,53 @@ class Host:
             and set(kwargs) <= {"stdout", "stderr", "cwd"}
             and kwargs.get("stderr") == subprocess.STDOUT
             and hasattr(kwargs.get("stdout"), "fileno")
-        ):  # a Python program whose output goes to a file: forked, entering this host
+        ):  # a Python program whose output goes to a file: forked, in this host
             proc = ForkedProcess(
-                [INNETNS, self.name, *argv[1:]],
+                argv[1:],
                 env=full,
                 cwd=kwargs.get("cwd") or os.getcwd(),
-                server=server,
+                server=self.preloaded(server),
                 stdout=kwargs["stdout"],
-                shown=argv,
             )
         else:
             kwargs.setdefault("start_new_session", True)
             proc = subprocess.Popen(self.exec_argv(argv), env=full, **kwargs)
         self.procs.append(proc)
         return proc  # type: ignore[no-any-return]
+
+    def preloaded(self, server: str) -> str:
+        """The socket of this host's preloaded process, forked from the session's (``server``)
+        the first time it is asked for (:mod:`tests.multihost.hostpreload`)."""
+        if self.preload is not None:
+            assert self._preload_dir is not None
+            return os.path.join(self._preload_dir, "p.sock")
+        self._preload_dir = tempfile.mkdtemp(prefix="eph", dir="/tmp")  # short: a socket's path
+        path = os.path.join(self._preload_dir, "p.sock")
+        channel, hello = zygote.connect(server, CONNECT_TIMEOUT)  # what it imported
+        channel.close()
+        with open(os.path.join(self._preload_dir, "log"), "w") as log:
+            self.preload = ForkedProcess(
+                [HOST_PRELOAD, self.name, path, *hello["modules"]],
+                env=dict(os.environ),
+                cwd="/",
+                server=server,
+                stdout=log,
+            )
+        deadline = time.monotonic() + PRELOAD_START
+        while True:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                probe.connect(path)
+                return path
+            except OSError:
+                if self.preload.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"host {self.name}'s preloaded process did not listen on {path} "
+                        f"(status {self.preload.poll()})"
+                    ) from None
+                time.sleep(0.05)
+            finally:
+                probe.close()
 
     def run(self, *argv: str) -> str:
         """Run a short command on this host; its stdout, or RuntimeError with its stderr."""
@@ -198,6 +241,13 @@ class Host:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
+        if self.preload is not None:  # killed above with every process of the host
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.preload.wait(timeout=10)
+            self.preload = None
+        if self._preload_dir is not None:
+            shutil.rmtree(self._preload_dir, ignore_errors=True)
+            self._preload_dir = None
 
 
 class Network:
@@ -338,8 +388,14 @@ class Network:
         self._made.clear()
 
     def leftover(self) -> list[int]:
-        """Processes still alive on any host (a test asserts this is empty before it ends)."""
-        return [pid for host in self.hosts for pid in host.pids()]
+        """Processes still alive on any host (a test asserts this is empty before it ends),
+        but for the hosts' preloaded processes, which serve until the network is removed."""
+        return [
+            pid
+            for host in self.hosts
+            for pid in host.pids()
+            if host.preload is None or pid != host.preload.pid
+        ]
 
 
 @contextmanager
