@@ -299,6 +299,10 @@ def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
     assert [(r["epoch"], r["world_size"]) for r in epochs] == [(0, 4), (1, 3), (2, 3)]
 
 
+REPLACED_EPOCHS = 12
+"""The replaced-worker run's epochs: 11 of them (44 s) for the replacement to join in."""
+
+
 @pytest.mark.parametrize("mode", ["replicated", "sharded", "fully_sharded"])
 def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_stop(
     spawn: Spawner, tmp_path: Path, mode: str
@@ -320,11 +324,11 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
         tmp_path,
         "run",
         "kill@train-step:rank=3:epoch=1:step=2:world=0",
-        epochs=40,
+        epochs=REPLACED_EPOCHS,
         options=("--max-restarts", "1"),
-        # epochs of about a second while the world is short of a worker: tens of seconds for
-        # the replacement to start and join while the run trains; fast once it is whole again
-        script=("--step-delay", "0.25", "--slow-below", "4", *parallel),
+        # epochs of about four seconds while the world is short of a worker: tens of seconds
+        # for the replacement to start and join while the run trains; fast once it is whole
+        script=("--step-delay", "1.0", "--slow-below", "4", *parallel),
         restore_best=best,
     )
     code, output, first = finish_noting_processes(spawn, proc, run_dir)
@@ -347,7 +351,9 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     got = f"joins: 4 workers from epoch {j} (the state sent from rank 0 over the data plane)"
     assert got in output, output
     assert lost["restore"] == ("memory" if mode == "replicated" else "checkpoint"), lost
-    assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [(e, 4) for e in range(j, 40)]
+    assert sizes == [(0, 4)] + [(e, 3) for e in range(1, j)] + [
+        (e, 4) for e in range(j, REPLACED_EPOCHS)
+    ]
     final = weights(out)
     assert sorted(final) == [0, 1, 2, 3]
     assert {final[r]["pid"] for r in (0, 1, 2)} <= first  # the survivors never restarted
@@ -362,7 +368,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     # at 3 the epochs up to the join, a resume at 4 the rest; each resumes from the checkpoint of
     # the epoch before it, and the one at 4 loads a checkpoint that three ranks wrote.
     ref_dir, ref_out = tmp_path / "ref", tmp_path / "ref-out"
-    for size, upto, had in ((4, 1, None), (3, j, 4), (4, 40, 3)):
+    for size, upto, had in ((4, 1, None), (3, j, 4), (4, REPLACED_EPOCHS, 3)):
         code, said = spawn.finish(
             spawn.epochal(
                 "run",
@@ -384,7 +390,7 @@ def test_a_lost_worker_is_replaced_at_the_next_boundary_and_the_others_never_sto
     for rank in range(4):
         for key, tensor in reference[rank]["state"].items():
             assert torch.equal(tensor, final[rank]["state"][key]), (rank, key)
-    assert len(reference[0]["valid_losses"]) == 40
+    assert len(reference[0]["valid_losses"]) == REPLACED_EPOCHS
     assert final[0]["valid_losses"] == reference[0]["valid_losses"]
 
 
