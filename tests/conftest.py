@@ -17,6 +17,7 @@ process has a session, and so a directory and a key, of its own.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,15 @@ minutes with tests failed past their deadlines; 4 took 26 minutes.)"""
 
 MAX_WORKERS = 16
 """At most this many under ``-n auto``: each one imports torch (about 250 MB) before a test."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's processes write Python's bytecode caches, even where
+    ``PYTHONDONTWRITEBYTECODE`` is set: hundreds of them start as fresh interpreters that import
+    epochal (coordinators, the workers of ``epochal worker``, command lines), and without the
+    caches each compiled epochal's modules from source again."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
