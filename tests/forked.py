@@ -46,9 +46,8 @@ start is forked from it too, and draws its learning curve at the end: importing 
 ``torch.distributed.optim`` (0.2-0.5 s: it compiles TorchScript). None of these reads the
 environment as it is imported (checked: only pyzmq's and msgpack's own ``PYZMQ_BACKEND`` and
 ``MSGPACK_PUREPYTHON``), so a process forked with another environment is the one python would
-have started. (``epochal run``'s
-own preloaded process imports nothing of epochal, by design: what a user's modules read as they
-are imported is not for it to fix.)"""
+have started. (``epochal run``'s own preloaded process imports nothing of epochal, by design:
+what a user's modules read as they are imported is not for it to fix.)"""
 
 
 def start_server(directory: Path, env: Mapping[str, str]) -> tuple[str, subprocess.Popen[bytes]]:

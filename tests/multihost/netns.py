@@ -182,9 +182,10 @@ class Host:
                 return path
             except OSError:
                 if self.preload.poll() is not None or time.monotonic() > deadline:
+                    said = Path(self._preload_dir, "log").read_text(errors="replace")
                     raise RuntimeError(
                         f"host {self.name}'s preloaded process did not listen on {path} "
-                        f"(status {self.preload.poll()})"
+                        f"(status {self.preload.poll()}):\n{said[-3000:]}"
                     ) from None
                 time.sleep(0.05)
             finally:
