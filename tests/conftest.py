@@ -51,10 +51,10 @@ WORKERS_PER_CPU = 2
 """Test processes per CPU under ``-n auto``. The multi-process tests spend much of their time
 waiting on timeouts they configure (a stall, a heartbeat, a lost worker), so more test processes
 than CPUs keep the CPUs busy. Each test process forks its processes from one that imported torch
-once (:mod:`tests.forked`), so the suite's CPU is about 1,000 core-seconds; on two idle cores
-one process per CPU took 9:24 and two took 8:52, the CPUs then 93 % busy. (Before the processes
-were forked, when the suite took 2,250 core-seconds, 6 test processes on two cores took 37
-minutes with tests failed past their deadlines; 4 took 26 minutes.)"""
+once (:mod:`tests.forked`), so the suite's CPU was about 1,000 core-seconds (now about 670);
+on two idle cores one process per CPU then took 9:24 and two took 8:52, the CPUs 93 % busy.
+(Before the processes were forked, when the suite took 2,250 core-seconds, 6 test processes on
+two cores took 37 minutes with tests failed past their deadlines; 4 took 26 minutes.)"""
 
 MAX_WORKERS = 16
 """At most this many under ``-n auto``: each one imports torch (about 250 MB) before a test."""

@@ -371,6 +371,22 @@ def serve(path: str, modules: Sequence[str], env: Mapping[str, str]) -> subproce
     launch's ``EPOCHAL_PRELOAD_SOCKET``). The socket is made readable by this user alone and
     the zygote serves no other user (it checks each peer); it ends with this process, and its
     children with it. ConfigError where ``path`` cannot be listened on."""
+    try:
+        listener = listen(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {path}: {exc.strerror or exc} (name a path in a directory "
+            "of yours where no socket is yet)"
+        ) from exc
+    try:
+        return _zygote(listener, modules, env)
+    finally:
+        listener.close()
+
+
+def listen(path: str) -> socket.socket:
+    """A ``SOCK_SEQPACKET`` Unix socket listening at ``path``, made readable by this user alone:
+    what a shared zygote serves launches on."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         mask = os.umask(0o177)
@@ -379,14 +395,10 @@ def serve(path: str, modules: Sequence[str], env: Mapping[str, str]) -> subproce
         finally:
             os.umask(mask)
         listener.listen(64)
-        return _zygote(listener, modules, env)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {path}: {exc.strerror or exc} (name a path in a directory "
-            "of yours where no socket is yet)"
-        ) from exc
-    finally:
+    except BaseException:
         listener.close()
+        raise
+    return listener
 
 
 def add_command(subparsers: Any) -> None:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import sys
 
 from epochal import zygote
+from epochal.launch.preload import listen
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -50,13 +50,7 @@ def enter(name: str) -> None:
 def main() -> None:
     name, path, *modules = sys.argv[1:]
     enter(name)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    mask = os.umask(0o177)  # this user's alone, as epochal preload makes its socket
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(mask)
-    listener.listen(64)
+    listener = listen(path)  # this user's alone, as epochal preload's
     # the room argument is unused: this process's command line has the session process's room
     zygote.main(["zygote", str(listener.detach()), str(os.getppid()), "", *modules])
 
