@@ -1,14 +1,24 @@
-"""What decoding one control frame costs, per message type, against plain ``msgpack.unpackb``.
+"""What decoding one control frame costs, per message type and on hostile frames.
 
     python bench/codec.py [--repeat 2000] [--params 1000]
 
-For one example of every registered message type it times :func:`epochal.protocol.decode`
-and, in the same run on the same bytes, ``msgpack.unpackb`` (which checks nothing and bounds
-nothing): the ratio is what the field-by-field, bounded validation costs. Also times the first
-page of a model of ``--params`` parameters (as many as fit in a frame). Prints microseconds per
-frame, best of 15 rounds. The examples below are typical frames of a run; a message type without
-one here (a new message) is timed on the first example ``tests/protocol/examples.py`` derives
-from its declared fields, so a new message needs nothing in this file.
+Typical frames: for one example of every registered message type it times
+:func:`epochal.protocol.decode` and, in the same run on the same bytes, ``msgpack.unpackb``
+(which checks nothing and bounds nothing): the ratio is what the typed, bounded decoding costs.
+Also times the first page of a model of ``--params`` parameters (as many as fit in a frame). The
+examples below are typical frames of a run; a message type without one here (a new message) is
+timed on the first example ``tests/protocol/examples.py`` derives from its declared fields, so a
+new message needs nothing in this file.
+
+Hostile frames (:func:`hostile`): the frames a peer outside the run can make the coordinator
+decode, each as large as a frame may be: hellos whose unknown trailing field is as dense as
+msgpack allows (an empty list, an empty map or a small int per byte), hellos at their longest
+legal strings, a frame nested as deep as it can be, junk. For each it prints nanoseconds per byte
+(what the strangers' budget must pay for); the worst of them is the decoder's worst case, which
+docs/protocol.md states. Decoding any of them through :func:`epochal.protocol.decode`, whatever
+``epochal`` is importable, so the same file measures another version of the codec (``PYTHONPATH``).
+
+Prints best of 15 rounds (the round least disturbed by other processes).
 """
 
 from __future__ import annotations
@@ -22,8 +32,11 @@ from typing import Any
 
 import msgpack
 
+from epochal.errors import EpochalError
 from epochal.protocol import decode, encode
 from epochal.protocol.messages import (
+    MAX_FRAME_BYTES,
+    MAX_NAME_CHARS,
     MESSAGE_TYPES,
     Abort,
     Checkpointed,
@@ -140,7 +153,57 @@ def examples(n: int) -> dict[str, Any]:
 def per_call(fn: Callable[[], Any], repeat: int) -> float:
     """Microseconds per call, best of 15 rounds of ``repeat`` calls (the best round is the one
     least disturbed by other processes)."""
-    return min(timeit.repeat(fn, number=repeat, repeat=15)) / repeat * 1e6
+    # the garbage collector on, as in the coordinator: a frame that builds many containers pays
+    # for the collections it sets off
+    return min(timeit.repeat(fn, "gc.enable()", number=repeat, repeat=15)) / repeat * 1e6
+
+
+def _hello_frame(**changes: Any) -> dict[str, Any]:
+    hello = examples(3)["hello"]
+    frame = msgpack.unpackb(encode(hello), raw=False)
+    frame.update(changes)
+    return frame
+
+
+def _fill(frame: dict[str, Any], item: bytes) -> bytes:
+    """``frame`` with a last field ``later`` (a field this version does not know) holding as many
+    copies of the msgpack value ``item`` as fit in a frame."""
+    head = msgpack.packb(frame, use_bin_type=True)
+    head = bytes([head[0] + 1]) + head[1:] + msgpack.packb("later")
+    count = min((MAX_FRAME_BYTES - len(head) - 5) // len(item), 0xFFFF)
+    return head + b"\xdc" + count.to_bytes(2, "big") + item * count
+
+
+def hostile() -> dict[str, bytes]:
+    """The frames a peer outside the run can send, each as large as a frame may be."""
+    longest = "\U0001f600" * MAX_NAME_CHARS  # a name at its longest, in four-byte characters
+    strings = _hello_frame(job="a" * MAX_NAME_CHARS, token=longest, worker_id=longest)
+    deep = msgpack.packb(_hello_frame(), use_bin_type=True)
+    deep = bytes([deep[0] + 1]) + deep[1:] + msgpack.packb("later")
+    deep += b"\x91" * (MAX_FRAME_BYTES - len(deep) - 1) + b"\x90"
+    return {
+        "dense empty lists": _fill(_hello_frame(), b"\x90"),
+        "dense empty maps": _fill(_hello_frame(), b"\x80"),
+        "dense small ints": _fill(_hello_frame(), b"\x01"),
+        "dense nil": _fill(_hello_frame(), b"\xc0"),
+        "lists of lists": _fill(_hello_frame(), b"\x9f" + b"\x90" * 15),
+        "nested empty lists": _fill(_hello_frame(), b"\xdc\x10\x00" + b"\x90" * 4096),
+        "short strings": _fill(_hello_frame(), b"\xa1x"),
+        "deep nesting": deep,
+        "longest strings": _fill(strings, b"\x90"),
+        "dense, then bad type": _fill(_hello_frame(pid="x"), b"\x90"),
+        "not msgpack": b"\xc1" * MAX_FRAME_BYTES,
+        "a list, not a map": b"\xdc"
+        + (MAX_FRAME_BYTES - 4).to_bytes(2, "big")
+        + b"\x90" * (MAX_FRAME_BYTES - 4),
+    }
+
+
+def _decode_or_refuse(data: bytes) -> None:
+    try:
+        decode(data)
+    except EpochalError:  # MalformedMessage, ProtocolVersionMismatch: what a refusal is
+        pass
 
 
 def main() -> None:
@@ -162,6 +225,16 @@ def main() -> None:
         print(f"{name:<22}{len(data):>8}{ours:>12.2f}{plain:>12.2f}{ratio:>8.1f}")
     ratios.sort()
     print(f"small frames: ratio median {ratios[len(ratios) // 2]:.1f}, max {ratios[-1]:.1f}")
+    print()
+    print(f"{'hostile frame':<22}{'bytes':>8}{'decode µs':>12}{'ns/byte':>10}")
+    worst = ("", 0.0)
+    for name, data in hostile().items():
+        assert len(data) <= MAX_FRAME_BYTES, name
+        ours = per_call(lambda data=data: _decode_or_refuse(data), 20)  # type: ignore[misc]
+        per_byte = ours * 1000 / len(data)
+        worst = max(worst, (name, per_byte), key=lambda w: w[1])
+        print(f"{name:<22}{len(data):>8}{ours:>12.1f}{per_byte:>10.1f}")
+    print(f"worst case: {worst[1]:.1f} ns a byte ({worst[0]})")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 A field's own check is written on its type, ``epoch: NonNeg`` (that is ``Annotated[int, Ge(0)]``),
 ``train_metrics: Annotated[tuple[Metric, ...], Items(MAX_METRICS)]``: the registry
 (:mod:`epochal.protocol.registry`) reads it into the field's
-:class:`~epochal.protocol.registry.FieldSpec`, a record checks it whenever it is made (by its
-sender as by the codec), and the codec's decoders read the bounds they enforce from it (a list's
-:class:`Items` before any of its items is read). Each constraint is called with the field's name
-and value and returns the value (an enum member for a string, see :class:`OneOf`) or raises
-ValueError saying what is wrong.
+:class:`~epochal.protocol.registry.FieldSpec`, and a record checks it whenever it is made, by its
+sender as by the codec (msgspec calls the record's ``__post_init__`` on every record it builds).
+A list's :class:`Items` is also handed to msgspec as the list's ``max_length``, so that a list
+too long is refused from its header, before any of its items is built. Each constraint is called
+with the field's name and value and returns the value (an enum member for a string, see
+:class:`OneOf`) or raises ValueError saying what is wrong.
 
 This module's imports are private (underscored): ``from epochal.protocol.constraints import *``
 exports exactly the protocol's names.

@@ -1,9 +1,10 @@
 """The protocol's version, the keys every frame has, and every bound a frame is held to.
 
 A frame's size alone bounds little: 64 KiB of nested empty arrays would decode to a few MiB of
-Python objects. So the codec reads a frame against the declared fields of its message and counts
-every value it reads, also those of fields it does not know and skips; these are the bounds it
-enforces, each sized to the largest legitimate message. They belong to the major version: a newer
+Python objects. So the codec builds only what a frame's message declares (msgspec decodes it
+straight into the message's class, and skips the values of fields this version does not know
+without building them), and holds what it builds to these bounds, each sized to the largest
+legitimate message. They belong to the major version: a newer
 minor version may add fields, never raise a bound (a peer would refuse its frames).
 
 Constants only, no imports: every other protocol module reads them, and
@@ -76,31 +77,8 @@ MAX_KEY_CHARS = 64
 
 MAX_FIELDS = 24
 """Most fields one map may hold, known and unknown together (Welcome declares 17): a frame besides
-its own keys (:data:`FRAME_KEYS`), a nested record, a map inside a skipped value."""
+its own keys (:data:`FRAME_KEYS`), a nested record. (A map inside a skipped value is not read.)"""
 
 MAX_LIST_ITEMS = MAX_PAGE_PARAMS
 """Longest list any frame may hold: a list field declares its own bound
-(:class:`~epochal.protocol.constraints.Items`), at most this; a list inside a skipped value is
-held to this."""
-
-MAX_DEPTH = 3
-"""Deepest a skipped value may nest containers (a page's ``params`` is as deep: a list of entry
-maps, each holding its shape's list); a declared field's depth is its type's."""
-
-MAX_SKIPPED_VALUES = 64
-"""Most values the fields one map holds that this version does not know may hold together (each
-value counts, a container as one more), in the frame and in each record inside it: a newer
-minor's fields are a few numbers, names or short lists. Skipping costs a step of Python per
-value, so this bounds what a stranger's frame, read within the strangers' byte budget, can cost
-the coordinator (a hello holds two maps); a new field that may hold more is a new major
-version."""
-
-MAX_FRAME_OBJECTS = MAX_FRAME_BYTES
-"""Most values (maps, lists, strings, numbers) one frame may hold: a value takes at least a byte,
-so no frame within the size limit holds more; the value-by-value reader still counts them."""
-
-WHOLE_FRAME_BYTES = MAX_FRAME_BYTES
-"""Frames up to this size are unpacked whole, then checked against their message; a frame that
-fails there is read again value by value, to name what is wrong. A whole frame of this size holds
-at most this many values (the worst, an empty map per byte, is about 72 bytes of objects per
-byte), so unpacking it costs under 5 MiB of transient objects whatever the bytes."""
+(:class:`~epochal.protocol.constraints.Items`), at most this."""

@@ -4,9 +4,11 @@ A message is a frozen dataclass deriving from :class:`WorkerMessage` or :class:`
 and decorated with :func:`message`, which registers it under its wire name
 (:data:`MESSAGE_TYPES`, :data:`TYPE_NAMES`). :func:`fields_of` reads each field's declared type
 into a :class:`FieldSpec`: its kind, whether None is allowed, its constraints
-(:mod:`epochal.protocol.constraints`), a list's bound and its default. The codec compiles its
-decoders from these, and a field the codec could not carry, or a list without a declared bound,
-is a TypeError where its message is declared.
+(:mod:`epochal.protocol.constraints`), a list's bound and its default. The codec decodes a frame
+straight into the class with msgspec, which reads the class's annotations: :func:`fields_of`
+sets each one to :func:`wire_type`, the declared type with the constraints msgspec can enforce as
+its ``msgspec.Meta``. A field the codec could not carry, or a list without a declared bound, is a
+TypeError where its message is declared.
 
 This module's imports are private (underscored): ``from epochal.protocol.registry import *``
 exports exactly the protocol's names.
@@ -19,6 +21,8 @@ import types as _types
 import typing as _typing
 from typing import Annotated as _Annotated
 from typing import Any as _Any
+
+import msgspec as _msgspec
 
 from epochal.protocol import constraints as _constraints
 from epochal.protocol import limits as _limits
@@ -55,7 +59,8 @@ def _spec(owner: str, name: str, tp: _Any) -> FieldSpec:
     constraints: list[_constraints.Constraint] = []
     if _typing.get_origin(tp) is _Annotated:
         tp, *metadata = _typing.get_args(tp)
-        constraints.extend(metadata)
+        # the msgspec.Meta that wire_type added is derived from the rest, not declared
+        constraints.extend(m for m in metadata if not isinstance(m, _msgspec.Meta))
     bounds = [c for c in constraints if isinstance(c, _constraints.Items)]
     if _typing.get_origin(tp) is tuple:
         if len(bounds) != 1:
@@ -68,7 +73,8 @@ def _spec(owner: str, name: str, tp: _Any) -> FieldSpec:
     if bounds:
         raise TypeError(f"{where}: Items bounds a list, not {tp!r}")
     if isinstance(tp, type) and issubclass(tp, _enum.StrEnum):
-        constraints.insert(0, _constraints.OneOf(tp))
+        if _constraints.OneOf(tp) not in constraints:  # wire_type's annotation holds it already
+            constraints.insert(0, _constraints.OneOf(tp))
         return FieldSpec(name, tp, nilable, tuple(constraints))
     if isinstance(tp, type) and issubclass(tp, Record):
         fields_of(tp)  # a nested record's own fields fail here, where its user is declared
@@ -78,14 +84,37 @@ def _spec(owner: str, name: str, tp: _Any) -> FieldSpec:
     raise TypeError(f"{where}: a message field cannot be of type {tp!r}")
 
 
+def wire_type(spec: FieldSpec) -> _Any:
+    """The type msgspec decodes a field as: its declared type and constraints, a list's with its
+    bound once more as msgspec's ``max_length``, so that a longer list is refused from its header
+    (naming its path) before any item is built. The other constraints run in the record's
+    ``__post_init__``, which msgspec calls on every record it builds; a StrEnum field is read as
+    its string, which :class:`~epochal.protocol.constraints.OneOf` then checks and turns into its
+    member, saying which values it may take."""
+    extra: list[_Any] = []
+    if spec.kind is tuple:
+        assert spec.item is not None
+        tp: _Any = tuple[wire_type(spec.item), ...]  # type: ignore[misc]
+        extra.append(_msgspec.Meta(max_length=spec.max_items))
+    elif isinstance(spec.kind, type) and issubclass(spec.kind, _enum.StrEnum):
+        tp = str
+    else:
+        tp = spec.kind
+    if spec.constraints or extra:
+        tp = _Annotated[(tp, *spec.constraints, *extra)]
+    return tp | None if spec.nilable else tp
+
+
 _FIELDS: dict[type, tuple[FieldSpec, ...]] = {}
+_DECLARED: dict[type, dict[str, _Any]] = {}
+# each record's annotations as declared, before fields_of set them to their wire types
 
 
 def fields_of(cls: type) -> tuple[FieldSpec, ...]:
     """The declared fields of a record (message or part), in order."""
     found = _FIELDS.get(cls)
     if found is None:
-        hints = _typing.get_type_hints(cls, include_extras=True)
+        hints = _DECLARED.setdefault(cls, _typing.get_type_hints(cls, include_extras=True))
         specs = []
         for f in _dataclasses.fields(cls):
             if f.default_factory is not _dataclasses.MISSING:
@@ -100,6 +129,8 @@ def fields_of(cls: type) -> tuple[FieldSpec, ...]:
         if len(specs) > _limits.MAX_FIELDS:
             raise TypeError(f"{cls.__name__}: a record has at most {_limits.MAX_FIELDS} fields")
         found = _FIELDS[cls] = tuple(specs)
+        for spec in found:  # what msgspec reads when it builds a decoder of the class
+            cls.__annotations__[spec.name] = wire_type(spec)
     return found
 
 

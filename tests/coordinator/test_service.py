@@ -42,7 +42,6 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from epochal.protocol.decoders import Decoder
 from epochal.protocol.paging import model_page
 from tests.conftest import hello
 from tests.coordinator.conftest import serve
@@ -152,15 +151,14 @@ async def test_a_retried_hello_is_known_by_its_bytes_and_its_fingerprint_is_not_
 ):
     """A hello re-sent unchanged gets the answer the decoded one gets, without decoding; a hello
     that differs in any byte, or the same bytes from another peer, are decoded and judged."""
-    decoded: list[str] = []
-    build = Decoder.build
+    decoded: list[Fingerprint] = []
+    check = Fingerprint._validate
 
-    def counting(self: Decoder, raw: object, where: str, skipped: list[str]) -> object:
-        if self.cls is Fingerprint:
-            decoded.append(where)
-        return build(self, raw, where, skipped)
+    def counting(self: Fingerprint) -> None:  # every record built runs its checks
+        decoded.append(self)
+        check(self)
 
-    monkeypatch.setattr(Decoder, "build", counting)
+    monkeypatch.setattr(Fingerprint, "_validate", counting)
     coordinator, task = await serve(ctx, token="s3cret")
     first = FakeWorker(ctx, coordinator.endpoint, "first")
     await first.send(hello("first", token="s3cret"))
@@ -286,15 +284,14 @@ async def test_differing_models_abort_the_run_naming_the_parameter(ctx):
 async def test_a_hello_with_a_huge_fingerprint_and_no_token_builds_no_parameter(ctx, monkeypatch):
     """A stranger's hello with a wrong token and as many fingerprint entries as fit in a frame is
     refused without an entry being built, and without costing the run its clock."""
-    built: list[str] = []
-    build = Decoder.build
+    built: list[ParamSpec] = []
+    check = ParamSpec._validate
 
-    def counting(self: Decoder, raw: object, where: str, skipped: list[str]) -> object:
-        if self.cls is ParamSpec:
-            built.append(where)
-        return build(self, raw, where, skipped)
+    def counting(self: ParamSpec) -> None:  # every record built runs its checks
+        built.append(self)
+        check(self)
 
-    monkeypatch.setattr(Decoder, "build", counting)
+    monkeypatch.setattr(ParamSpec, "_validate", counting)
     lines: list[str] = []
     cfg = CoordinatorConfig(world_size=2, epochs=2, token="s3cret")
     coordinator = Coordinator(cfg, context=ctx, log=lines.append)
