@@ -2,14 +2,16 @@
 
 :class:`Intake` takes one ROUTER message (routing id, frame) and the clock, and returns what the
 :class:`~epochal.coordinator.machine.RunMachine` makes of it. A stranger past its budget is not
-read at all; of a stranger only a hello is decoded; a member's retried hello is known by its
-bytes (:class:`~.retries.HelloRetries`) and never decoded again; fields of a newer minor version
-are skipped and logged once each. It also tells the connection guard which connections carry a
-member's frames, so those are never dropped.
+read at all, and what a stranger's frame that is read takes is measured and counted against the
+strangers' share of the coordinator's time; of a stranger only a hello is decoded; a member's
+retried hello is known by its bytes (:class:`~.retries.HelloRetries`) and never decoded again;
+fields of a newer minor version are skipped and logged once each. It also tells the connection
+guard which connections carry a member's frames, so those are never dropped.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +44,19 @@ class Intake:
     """Reads received frames for one coordinator; see the module docstring. ``machine`` and
     ``guard`` are set once the service has them."""
 
-    def __init__(self, secured: bool, log: Callable[[str], None], *, world_size: int) -> None:
+    def __init__(
+        self,
+        secured: bool,
+        log: Callable[[str], None],
+        *,
+        world_size: int,
+        cost_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
         self._secured = secured
+        self._cost_clock = cost_clock
+        # what a stranger's frame took is measured on it: this thread's CPU time
+        self._stranger_since: float | None = None
+        # when the stranger's frame being read and answered was taken up (cost_clock)
         self._log = log
         self._world_size = world_size
         self._skipped = SkippedFields("coordinator")
@@ -65,16 +78,32 @@ class Intake:
             self._guard = guard
 
     def receive(self, frames: list[Any], now: float) -> list[Action]:
-        """What the machine makes of one received message (``frames``: routing id, frame)."""
+        """What the machine makes of one received message (``frames``: routing id, frame); the
+        caller carries it out and then calls :meth:`answered`."""
         machine = self.machine
         if len(frames) != 2:
             machine.gate.dropped_frames += 1
             return []
         peer = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        if peer in machine.gate.sessions:
+            return self._read(frames, peer, now)
+        if not machine.reads(now, peer):
+            return []  # a stranger past its own or the strangers' budget: not even read
+        self._stranger_since = self._cost_clock()
+        return self._read(frames, peer, now)
+
+    def answered(self, now: float) -> None:
+        """The frame :meth:`receive` returned the actions of was carried out: if it was a
+        stranger's, what it took, from its reading to its answer, is counted against the
+        strangers' share of the coordinator's time (:meth:`~.strangers.Gate.took`)."""
+        if self._stranger_since is not None:
+            self.machine.gate.took(now, self._cost_clock() - self._stranger_since)
+            self._stranger_since = None
+
+    def _read(self, frames: list[Any], peer: bytes, now: float) -> list[Action]:
+        machine = self.machine
         data = frames[1] if isinstance(frames[1], bytes) else frames[1].buffer  # not copied
         size = len(data) if isinstance(data, bytes) else data.nbytes
-        if not machine.reads(now, peer, size):
-            return []  # a stranger past its own or the strangers' budget: not even read
         user_id = _user_id(frames[1], self._secured)
         members = machine.rendezvous.members
         retried = self._retries.match(peer, data, size) if peer in members else None

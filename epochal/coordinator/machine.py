@@ -174,11 +174,11 @@ class RunMachine(Finishing):
 
     # ------------------------------------------------------------------ entry points
 
-    def reads(self, now: float, peer: bytes, size: int) -> bool:
-        """Whether a frame of ``size`` bytes from ``peer`` is worth decoding: a member's and a
-        parameter page asked for always are, a stranger's only within its own and the strangers'
-        budget (:class:`~.strangers.Gate`)."""
-        return self.models.asks(peer) or self.gate.reads(now, peer, size)
+    def reads(self, now: float, peer: bytes) -> bool:
+        """Whether a frame from ``peer`` is worth decoding: a member's and a parameter page asked
+        for always are, a stranger's only within its own and the strangers' budget
+        (:class:`~.strangers.Gate`)."""
+        return self.models.asks(peer) or self.gate.reads(now, peer)
 
     def knows(self, peer: bytes) -> bool:
         """Whether every frame of ``peer`` is decoded: a member's, or a peer's asked for its

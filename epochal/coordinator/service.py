@@ -427,9 +427,11 @@ class Coordinator(Recording):
                             frames = io.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:  # read all that was queued
                             break
-                        actions = self._intake.receive(frames, time.monotonic())
+                        now = time.monotonic()
+                        actions = self._intake.receive(frames, now)
                         if actions:  # most frames (heartbeats) change nothing to carry out or tell
                             await self._apply(actions)
+                        self._intake.answered(now)
                         if time.monotonic() > batch_end:
                             break
                 now = await self._read_clock(BATCH_SECONDS)

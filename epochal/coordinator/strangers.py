@@ -1,12 +1,12 @@
 """Who may speak to the run: sessions, peers outside it, and how many refusals reach the log.
 
 The rules bound what a stranger (a peer that is not a member of the run) can make the coordinator
-do. :class:`Strangers` answers a misconfigured worker a few times and then drops its frames
-unread, holding a bounded count; :class:`Budget` bounds the bytes the coordinator reads from all
-strangers together each second, however many identities they use, so that a flood costs a bounded
-share of its time and the clock rules keep running; :class:`RefusalLog` logs at most
-:data:`REFUSALS_LOGGED` refusals a minute and counts the rest; :class:`Gate` puts them together
-with the members' sessions, in front of the run's
+do. :class:`Strangers` answers a misconfigured worker a few times and then drops its frames unread,
+holding a bounded count; :class:`Budget` bounds the time the coordinator spends on the frames of
+all strangers together each second (:data:`STRANGER_SHARE`, measured, not guessed from their size),
+however many identities they use, so that a flood costs a bounded share of its time and the clock
+rules keep running; :class:`RefusalLog` logs at most :data:`REFUSALS_LOGGED` refusals a minute and
+counts the rest; :class:`Gate` puts them together with the members' sessions, in front of the run's
 :class:`~epochal.coordinator.machine.RunMachine`. Members are never throttled. The clock is an
 argument, so the rules are tested without sockets or sleeps.
 """
@@ -31,38 +31,46 @@ STRANGER_REPLIES = 8
 MAX_STRANGERS = 4096
 """Peers outside the run whose rejections are counted; the least recent are forgotten."""
 
-STRANGER_BYTES_PER_SECOND = 4 * 1024 * 1024
-"""Bytes of strangers' frames the coordinator reads per second, all strangers together (and as
-many at once, after a quiet second); past that their frames are dropped unread until the budget
-refills. Reading a frame costs at most about 25 ns a byte (a 64 KiB frame of junk about 1.5 ms, a
-hello about 40 µs), so a flood of any shape takes at most about a third of a core. The hellos of
-a rendezvous of 4,096 workers, retries included, fit in it."""
+STRANGER_SHARE = 0.1
+"""Seconds of the coordinator's time per second that the frames of all strangers together may
+take: a tenth of a core, however many identities they use and whatever their frames hold. What a
+frame took is measured (the thread's CPU time from its arrival to the answer), not assumed from
+its size: 64 KiB frames can cost 0.3 ms or 24 ms to read, as the bytes an attacker picks
+decide. Past the share their frames are dropped unread until it refills. The hellos of a
+rendezvous of 4,096 workers, retries included, fit in it (a hello takes about 30 µs)."""
 
-STRANGER_FRAME_BYTES = 256
-"""Bytes each stranger's frame is charged beyond its size: the fixed cost of reading and judging
-even an empty one."""
+STRANGER_BURST = 0.1
+"""Seconds the strangers may take at once after a quiet spell, and the most time their frames can
+be owed (one frame read on the last of the share may cost more than was left): a flood that
+ended leaves the strangers' next hellos, a joining worker's among them, read within a second."""
 
 
 class Budget:
-    """A token bucket: at most ``rate`` units a second on average and ``burst`` at once."""
+    """A budget of time: on average at most ``rate`` seconds of work a second, ``burst`` at once.
 
-    def __init__(
-        self, rate: float = STRANGER_BYTES_PER_SECOND, burst: float = STRANGER_BYTES_PER_SECOND
-    ) -> None:
+    Work is spent after it is done, since only then is its cost known, so the level may fall
+    below zero, at most to ``-burst``; no more work is begun until it is above zero again."""
+
+    def __init__(self, rate: float = STRANGER_SHARE, burst: float = STRANGER_BURST) -> None:
         self.rate = rate
         self.burst = burst
         self._level = burst
         self._at: float | None = None
 
-    def take(self, now: float, amount: float) -> bool:
-        """Spend ``amount`` at ``now`` if the budget holds it; whether it did."""
+    def _refill(self, now: float) -> None:
         if self._at is not None and now > self._at:
             self._level = min(self.burst, self._level + (now - self._at) * self.rate)
         self._at = now if self._at is None else max(self._at, now)
-        if amount > self._level:
-            return False
-        self._level -= amount
-        return True
+
+    def open(self, now: float) -> bool:
+        """Whether work may begin at ``now``: the budget is not spent."""
+        self._refill(now)
+        return self._level > 0
+
+    def spend(self, now: float, seconds: float) -> None:
+        """Count ``seconds`` of work done at ``now``."""
+        self._refill(now)
+        self._level = max(-self.burst, self._level - seconds)
 
 
 class Strangers:
@@ -140,16 +148,20 @@ class Gate:
             f"{self.ignored_frames} more from peers outside the run{forged}"
         )
 
-    def reads(self, now: float, peer: bytes, size: int) -> bool:
-        """Whether a frame of ``size`` bytes from ``peer`` is worth reading at ``now``: a
-        member's always; a stranger's while it has answers left and the strangers' budget holds
-        the frame."""
+    def reads(self, now: float, peer: bytes) -> bool:
+        """Whether a frame from ``peer`` is worth reading at ``now``: a member's always; a
+        stranger's while it has answers left and the strangers' share of time is not spent (what
+        reading it took is then counted with :meth:`took`)."""
         if peer in self.sessions:
             return True
-        if self.strangers.spent(peer) or not self.budget.take(now, size + STRANGER_FRAME_BYTES):
+        if self.strangers.spent(peer) or not self.budget.open(now):
             self.ignored_frames += 1
             return False
         return True
+
+    def took(self, now: float, seconds: float) -> None:
+        """A stranger's frame, read at ``now``, took ``seconds`` of the coordinator's time."""
+        self.budget.spend(now, seconds)
 
     def reject(self, peer: bytes, reason: str, code: str) -> list[Action]:
         """Answer a peer that is not in the run, a few times; after that, drop it silently.

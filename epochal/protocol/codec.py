@@ -61,7 +61,18 @@ from epochal.protocol.registry import (
 
 # ------------------------------------------------------------------------ encoding
 
-_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _plain(value: Any) -> Any:
+    """A value msgspec does not encode itself: an instance of a subclass of str, int or float
+    (torch's version string, a numpy float) travels as its plain value, as msgpack packs it."""
+    for kind in (str, float, int):
+        if isinstance(value, kind):
+            return kind(value)
+    raise TypeError(f"a message cannot carry {type(value).__name__} {value!r}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
 def _map_header(entries: int) -> bytes:

@@ -623,7 +623,7 @@ def test_a_stranger_gets_a_few_answers_then_silence():
     budget = run.machine.gate.strangers.replies
     answers = 0
     for _ in range(budget + 5):
-        if not run.machine.reads(1.0, b"noisy", 5):
+        if not run.machine.reads(1.0, b"noisy"):
             continue
         actions = run.machine.on_unreadable(1.0, b"noisy", "junk", version=False)
         answers += len([a for a in actions if isinstance(a, Send)])

@@ -1240,3 +1240,22 @@ def test_version_and_type_must_lead_the_frame():
     frame = {"reason": "x", "v": PROTOCOL_VERSION, "t": "failed"}
     with pytest.raises(ProtocolVersionMismatch):
         decode(pack(frame))
+
+
+def test_subclasses_of_plain_values_travel_as_the_plain_values():
+    # torch.__version__ is a str subclass, a numpy float a float subclass: a worker sends both
+    class Version(str):
+        pass
+
+    class Float(float):
+        pass
+
+    fingerprint = Fingerprint(digest="d" * 64, torch_version=Version("2.13.0"), entries=3)
+    sent = dataclasses.replace(HAND_BUILT[Hello], fingerprint=fingerprint)
+    assert decode(encode(sent)) == sent
+    report = dataclasses.replace(HAND_BUILT[EpochReport], train_loss_sum=Float(1.5))
+    assert frame_of(report)["train_loss_sum"] == 1.5
+    broken = dataclasses.replace(HAND_BUILT[Failed])
+    object.__setattr__(broken, "reason", object())  # past the constructor's checks
+    with pytest.raises(TypeError, match="a message cannot carry object"):
+        encode(broken)
