@@ -62,7 +62,6 @@ from epochal.protocol.registry import (
 # ------------------------------------------------------------------------ encoding
 
 
-
 def _plain(value: Any) -> Any:
     """A value msgspec does not encode itself: an instance of a subclass of str, int or float
     (torch's version string, a numpy float) travels as its plain value, as msgpack packs it."""
