@@ -48,6 +48,7 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
     clip,
+    understood,
 )
 from epochal.text import REASON_CHARS, printable
 
@@ -304,6 +305,7 @@ class Joining:
             generation=self.generation,
             restore=self._restore_for(peer),
             elastic=self.config.elastic,
+            understands=understood(),
         )
 
     def _restored_checkpoint(self) -> int | None:

@@ -180,6 +180,14 @@ class RunMachine(Finishing):
         (:class:`~.strangers.Gate`)."""
         return self.models.asks(peer) or self.gate.reads(now, peer)
 
+    def understands(self, peer: bytes, message: Message) -> bool:
+        """Whether ``peer`` may be sent ``message``: a type every peer of the major version
+        knows, or an optional one its hello said it understands."""
+        if not message.optional:
+            return True
+        member = self.rendezvous.members.get(peer)
+        return member is not None and TYPE_NAMES[type(message)] in member.hello.understands
+
     def knows(self, peer: bytes) -> bool:
         """Whether every frame of ``peer`` is decoded: a member's, or a peer's asked for its
         parameter list. Of a stranger only a hello is (:meth:`on_stranger` answers the rest)."""

@@ -56,6 +56,7 @@ from epochal.nofile import raise_nofile_limit
 from epochal.observe import Observers, RunObserver, RunStart
 from epochal.protocol import (
     MAX_FRAME_BYTES,
+    TYPE_NAMES,
     CoordinatorMessage,
     Heartbeat,
     encode,
@@ -155,6 +156,8 @@ class Coordinator(Recording):
         self._clock_read = time.monotonic()
         # the last reading of the service's clock (see clock.lost_time)
         self._intake = Intake(security is not None, self._log, world_size=config.world_size)
+        self._held_back: set[str] = set()
+        # the optional message types held back from a worker that does not understand them
         # frames read, decoded (a member's retried hello known by its bytes) and handed on
 
     # ------------------------------------------------------------------ what others read
@@ -484,8 +487,11 @@ class Coordinator(Recording):
     async def _do(self, action: Action) -> None:
         match action:
             case Send(peer=peer, message=message):
-                await self._send(peer, message)
+                if self._understood(peer, message):
+                    await self._send(peer, message)
             case Broadcast(peers=peers, message=message):
+                if message.optional:
+                    peers = tuple(peer for peer in peers if self._understood(peer, message))
                 data = encode(message)
                 cut = faults.cut(message)  # a test's kill between two sends of a decision
                 for peer in peers if cut is None else peers[:1]:
@@ -507,6 +513,20 @@ class Coordinator(Recording):
                 self._outcome = summary
             case Aborted(reason=reason):
                 self._outcome = RunAborted(reason)
+
+    def _understood(self, peer: bytes, message: CoordinatorMessage) -> bool:
+        """Whether ``peer`` may be sent ``message`` (an optional type only if its hello said it
+        understands it); the first message of a type held back is said once."""
+        if self.machine.understands(peer, message):
+            return True
+        name = TYPE_NAMES[type(message)]
+        if name not in self._held_back:
+            self._held_back.add(name)
+            self._log(
+                f"a worker of an older version does not understand {name} messages: none is "
+                "sent to it (said once)"
+            )
+        return False
 
     async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
         await self._send_frame(peer, encode(message))

@@ -36,6 +36,7 @@ from epochal.protocol import (
     Hello,
     Message,
     Welcome,
+    understood,
 )
 from epochal.text import REASON_CHARS, printable
 
@@ -171,6 +172,7 @@ class TakingBack(Regrouping):
             generation=carry.generation,
             elastic=self.config.elastic,
             carry_on=True,
+            understands=understood(),
         )
 
     def _carry_backend(self, member: Member) -> str:

@@ -13,13 +13,15 @@ Constants only, no imports: every other protocol module reads them, and
 
 PROTOCOL_VERSION = 6
 """The major version, a frame's ``v``. A peer refuses a frame of any other major version
-(:class:`~epochal.errors.ProtocolVersionMismatch`). Bumped for a new message type, a field
-without a default, a field removed, or a changed meaning."""
+(:class:`~epochal.errors.ProtocolVersionMismatch`). Bumped for a field without a default, a field
+removed, a message type removed or made required, or a changed meaning; a new message type is
+optional instead (:attr:`~epochal.protocol.registry.Message.optional`)."""
 
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 """The minor version, a frame's ``m`` (left out when 0). Bumped for a new field, which must have a
-default: peers of one major version interoperate whatever their minor versions, each skipping
-the fields it does not know (within these bounds) and taking the default of those it misses."""
+default, or a new optional message type: peers of one major version interoperate whatever their
+minor versions, each skipping the fields it does not know and taking the default of those it
+misses, and sending an optional message type only to a peer that said it understands it."""
 
 VERSION_KEY = "v"
 TYPE_KEY = "t"
@@ -62,6 +64,12 @@ by the frame size: the shortest entry takes about 20 bytes)."""
 
 MAX_SESSION_CHARS = 64
 """Longest session secret a Joined or Welcome may carry (the coordinator issues 43 characters)."""
+
+MAX_OPTIONAL_TYPES = 32
+"""Most optional message types a hello or a welcome may say it understands."""
+
+MAX_TYPE_NAME_CHARS = 64
+"""Longest message type name a hello or a welcome may list (every wire name is far shorter)."""
 
 MAX_SHAPE_DIMS = 64
 """Most dimensions one parameter's shape may have."""

@@ -34,6 +34,7 @@ from typing import Any as _Any
 # the parts, re-exported with the messages: ``from epochal.protocol import X`` finds them all
 from epochal.protocol.constraints import *  # noqa: F403
 from epochal.protocol.constraints import (
+    Chars,
     Finite,
     Items,
     MaybeName,
@@ -48,7 +49,14 @@ from epochal.protocol.constraints import (
     Within,
 )
 from epochal.protocol.limits import *  # noqa: F403
-from epochal.protocol.limits import MAX_METRICS, MAX_PAGE_PARAMS, MAX_PARAMS, MAX_SHAPE_DIMS
+from epochal.protocol.limits import (
+    MAX_METRICS,
+    MAX_OPTIONAL_TYPES,
+    MAX_PAGE_PARAMS,
+    MAX_PARAMS,
+    MAX_SHAPE_DIMS,
+    MAX_TYPE_NAME_CHARS,
+)
 from epochal.protocol.registry import *  # noqa: F403
 from epochal.protocol.registry import CoordinatorMessage, Record, WorkerMessage, message
 from epochal.protocol.strings import *  # noqa: F403
@@ -104,6 +112,9 @@ class Metric(Record):
     total: float
     count: NonNeg
 
+
+TypeName = _Annotated[str, Chars(most=MAX_TYPE_NAME_CHARS)]
+"""A message type's wire name, as a hello or a welcome lists the optional ones it understands."""
 
 Metrics = _Annotated[tuple[Metric, ...], Items(MAX_METRICS)]
 """The named metrics of one split of an epoch, each name once."""
@@ -190,6 +201,8 @@ class Hello(WorkerMessage):
     # the run this worker is in, when it says hello again to a restarted coordinator (6.3): one
     # whose journal holds the run's last decision takes it back where it is (Welcome.carry_on);
     # "": a worker that is in no run yet
+    understands: _Annotated[tuple[TypeName, ...], Items(MAX_OPTIONAL_TYPES)] = ()
+    # the optional message types this worker understands (6.5): the coordinator sends it no other
 
     def _validate(self) -> None:
         for index, name in enumerate(self.metrics or ()):
@@ -383,6 +396,8 @@ class Welcome(CoordinatorMessage):
     # worker is: it keeps its process group and store (the store fields are not used), adopts the
     # session and sends again the message it awaits an answer to (and rank 0 its last
     # checkpointed); the coordinator answers from its journal, and no epoch is redone
+    understands: _Annotated[tuple[TypeName, ...], Items(MAX_OPTIONAL_TYPES)] = ()
+    # the optional message types the coordinator understands (6.5): the worker sends it no other
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":

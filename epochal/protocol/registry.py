@@ -171,9 +171,15 @@ class Record:
 
 
 class Message(Record):
-    """Any control message."""
+    """Any control message.
+
+    A message type added within a major version is ``optional``: a peer sends it only to a peer
+    that listed it among the optional types it understands (``Hello.understands``,
+    ``Welcome.understands``), so that peers of the major version's other minor versions never
+    receive a type they do not know."""
 
     __slots__ = ()
+    optional: _typing.ClassVar[bool] = False
 
 
 class WorkerMessage(Message):
@@ -186,6 +192,16 @@ class CoordinatorMessage(Message):
     """A message the coordinator sends to a worker."""
 
     __slots__ = ()
+
+
+OPTIONAL_TYPES: set[str] = set()
+"""Wire names of the optional message types (:attr:`Message.optional`), filled by
+:func:`message`."""
+
+
+def understood() -> tuple[str, ...]:
+    """The optional message types this process understands, as its hello or welcome lists them."""
+    return tuple(sorted(OPTIONAL_TYPES))
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
@@ -218,6 +234,8 @@ def message(cls: type[_M]) -> type[_M]:
         raise TypeError(f"two messages are named {name!r}")
     MESSAGE_TYPES[name] = made
     TYPE_NAMES[made] = name
+    if made.optional:
+        OPTIONAL_TYPES.add(name)
     return made
 
 

@@ -34,6 +34,7 @@ from epochal.protocol import (
     Phase,
     Welcome,
     clip,
+    understood,
 )
 from epochal.security.curve import ClientSecurity
 from epochal.worker import faults, launchenv
@@ -192,6 +193,7 @@ def admit(
             fingerprint=fingerprint,
             data_address=plane.address,
             metrics=options.metrics,
+            understands=understood(),
         )
         welcome, store = rendezvous(client, hello, endpoint, deadline_s, options.collective_timeout)
         mismatch = launchenv.check_world_size(where, welcome.world_size, elastic=welcome.elastic)

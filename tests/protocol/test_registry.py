@@ -17,6 +17,7 @@ from epochal.protocol.messages import (
     MAX_LIST_ITEMS,
     MAX_METRICS,
     MESSAGE_TYPES,
+    OPTIONAL_TYPES,
     TYPE_NAMES,
     CoordinatorMessage,
     Heartbeat,
@@ -31,6 +32,7 @@ from epochal.protocol.messages import (
     fields_of,
     message,
     names_sent_by,
+    understood,
     wire_name,
 )
 from tests.protocol.examples import CannotDerive, examples
@@ -39,12 +41,14 @@ from tests.protocol.examples import CannotDerive, examples
 @pytest.fixture
 def registry() -> Iterator[None]:
     """Messages defined by a test are forgotten after it."""
-    saved = dict(MESSAGE_TYPES), dict(TYPE_NAMES)
+    saved = dict(MESSAGE_TYPES), dict(TYPE_NAMES), set(OPTIONAL_TYPES)
     yield
     MESSAGE_TYPES.clear()
     MESSAGE_TYPES.update(saved[0])
     TYPE_NAMES.clear()
     TYPE_NAMES.update(saved[1])
+    OPTIONAL_TYPES.clear()
+    OPTIONAL_TYPES.update(saved[2])
 
 
 @pytest.mark.parametrize(
@@ -201,3 +205,14 @@ def test_two_messages_cannot_share_a_name(registry: None):
         @message
         class Heartbeat(CoordinatorMessage):
             pass
+
+
+def test_an_optional_message_is_one_its_peers_say_they_understand(registry: None):
+    @message
+    class Whisper(WorkerMessage):
+        optional = True
+        note: Text
+
+    assert "whisper" in OPTIONAL_TYPES and "whisper" in understood()
+    assert not MESSAGE_TYPES["hello"].optional and "hello" not in understood()
+    assert decode(encode(Whisper(note="hi"))) == Whisper(note="hi")  # a message like any other

@@ -134,6 +134,10 @@ class ControlClient(Heartbeats):
         self._security = security
         self._session = ""
         # the secret the coordinator issued in Joined/Welcome; sent with every frame but a hello
+        self.understands: frozenset[str] = frozenset()
+        self._held_back: set[str] = set()
+        # the optional message types the coordinator's welcome said it understands: no other
+        # optional type is sent to it (:meth:`send` drops it, and says so once)
         self._skipped = SkippedFields("worker")
         # the fields a newer coordinator's frames carried that this version skips, logged once
         self._disconnected: float | None = None
@@ -232,9 +236,20 @@ class ControlClient(Heartbeats):
             self._fail(reason)
 
     def send(self, message: WorkerMessage) -> None:
+        """Queue ``message`` for the coordinator; an optional type the coordinator did not say it
+        understands is not sent (said once): check :attr:`understands` to send another instead."""
         loop, outbox = self._loop, self._outbox
         if loop is None or outbox is None or loop.is_closed():
             raise EpochalError("the control client is closed")
+        name = TYPE_NAMES[type(message)]
+        if message.optional and name not in self.understands:
+            if name not in self._held_back:
+                self._held_back.add(name)
+                WORKER.info(
+                    f"the coordinator, of an older version, does not understand {name} messages: "
+                    "none is sent to it (said once)"
+                )
+            return
         loop.call_soon_threadsafe(outbox.put_nowait, message)
 
     def receive(self, timeout: float | None = None) -> CoordinatorMessage:
@@ -435,6 +450,8 @@ class ControlClient(Heartbeats):
             if isinstance(message, Joined | Welcome):
                 self._session = message.session
                 self.liveness = message.liveness  # the run's heartbeats, from now on
+            if isinstance(message, Welcome):
+                self.understands = frozenset(message.understands)
             if isinstance(message, Abort):
                 # printed by every rank and raised into the training code: one line, bounded,
                 # whatever the coordinator sent (it may name several ranks' failures)
