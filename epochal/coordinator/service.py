@@ -34,14 +34,10 @@ from epochal.coordinator.actions import (
     Send,
 )
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.connections import (
-    ConnectionGuard,
-    Connections,
-    connection_limits,
-    open_files,
-)
+from epochal.coordinator.connections import Connections, connection_limits
 from epochal.coordinator.directories import check_directories
 from epochal.coordinator.feed import ObserverFeed
+from epochal.coordinator.guard import ConnectionGuard, open_files
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError

@@ -17,11 +17,9 @@ from epochal.coordinator.connections import (
     UNADMITTED_BYTES,
     Connections,
     Drop,
-    Scratch,
     connection_limits,
-    inode_of,
-    shut,
 )
+from epochal.coordinator.guard import Scratch, inode_of, shut
 from epochal.coordinator.oslimits import AcceptFailures, files_needed
 
 TIMEOUT = 15.0
