@@ -14,7 +14,9 @@ take every descriptor or any amount of memory. The rules here bound them:
   out;
 - when an accept fails for want of descriptors, the oldest such connection is dropped to make room,
   one at a time (the next only once the last one is closed);
-- a member's connection is never dropped.
+- a member's connection is never dropped for its age or their number;
+- any connection, a member's too, that holds more of a message it has not finished than a legal
+  peer ever sends is dropped (:mod:`.holding`: libzmq bounds a frame, not a message).
 
 "Shown itself a member's" means a frame came on it that the run acted on as a member's (an
 admitted hello, or a frame carrying the member's session). The socket monitor names each
@@ -43,9 +45,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from epochal.coordinator.holding import Held
 from epochal.coordinator.oslimits import AcceptFailures, files_needed, files_shortage_message
 
 UNADMITTED_BYTES = 128 * 1024 * 1024
@@ -60,7 +64,7 @@ HANDSHAKE_MARGIN_MS = 2
 """Milliseconds ``ZMQ_HANDSHAKE_IVL`` adds to the timeout: libzmq's timers read a clock truncated
 to the millisecond and cached, so one set to the timeout alone may fire up to 1 ms before it."""
 
-Why = Literal["timeout", "cap", "files"]
+Why = Literal["timeout", "cap", "files", "holding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,8 @@ class Connections:
         self._short_said = False
         self._held_short = 0
         # connections of peers that had not joined when descriptors last ran out
-        self.dropped: dict[Why, int] = {"timeout": 0, "cap": 0, "files": 0}
+        self._holding_said = False
+        self.dropped: dict[Why, int] = {"timeout": 0, "cap": 0, "files": 0, "holding": 0}
 
     @property
     def pending(self) -> int:
@@ -191,6 +196,14 @@ class Connections:
     def knows(self, fd: int) -> bool:
         """Whether a member's frame came on ``fd`` already."""
         return fd in self._members
+
+    def strangers(self) -> list[int]:
+        """The descriptors of the connections open that have not shown themselves a member's."""
+        return list(self._pending)
+
+    def everyone(self) -> list[int]:
+        """The descriptors of every connection open and not being dropped."""
+        return [*self._pending, *self._members]
 
     # ------------------------------------------------------------------ the monitor's events
 
@@ -217,9 +230,11 @@ class Connections:
             )
         return Verdict(tuple(drops), lines)
 
-    def closed(self, fd: int) -> None:
-        """libzmq closed the connection on ``fd``."""
+    def closed(self, fd: int) -> bool:
+        """libzmq closed the connection on ``fd``; True if it was one dropped here."""
+        dropped = fd in self._dropping
         self._forget(fd)
+        return dropped
 
     def accept_failed(self, now: float, errno_value: int) -> Verdict:
         """An accept failed with ``errno_value``. Out of descriptors: say so once, naming who
@@ -263,6 +278,35 @@ class Connections:
             del self._dropping[fd]
         return Verdict(tuple(drops)) if drops else NOTHING
 
+    def holding(self, now: float, held: Iterable[Held], limit: int) -> Verdict:
+        """Connections that hold more than ``limit`` bytes of a message they have not finished:
+        drop them, a member's too (no worker sends such a message), and say so the first time."""
+        drops: list[Drop] = []
+        most = 0
+        for entry in held:
+            fd = entry.fd
+            inode = self._members.pop(fd, None)
+            if inode is None:
+                pending = self._pending.pop(fd, None)
+                if pending is None:  # being dropped already, or not known yet
+                    continue
+                inode = pending.inode
+            self._dropping[fd] = now
+            self.dropped["holding"] += 1
+            drops.append(Drop(fd, inode, "holding"))
+            most = max(most, entry.held)
+        if not drops:
+            return NOTHING
+        lines: tuple[str, ...] = ()
+        if not self._holding_said:
+            self._holding_said = True
+            lines = (
+                f"a connection held {_size(most)} of a message it had not finished, more than a "
+                f"worker ever sends (one frame of at most {_size(self.limits.frame_bytes)}): it "
+                f"is dropped, as is every connection that holds more than {_size(limit)}",
+            )
+        return Verdict(tuple(drops), lines)
+
     def forgive(self, lost: float) -> None:
         """The service was not running for ``lost`` seconds: nobody's time ran meanwhile."""
         for entry in self._pending.values():
@@ -303,6 +347,7 @@ class Connections:
             return None
         return (
             f"dropped {counts['timeout']} connections that did not join within "
-            f"{self.limits.timeout:g} s, {counts['cap']} past the cap of {self.limits.cap} and "
-            f"{counts['files']} to free descriptors"
+            f"{self.limits.timeout:g} s, {counts['cap']} past the cap of {self.limits.cap}, "
+            f"{counts['files']} to free descriptors and {counts['holding']} that held an "
+            "unfinished message"
         )

@@ -14,13 +14,22 @@ import os
 import resource
 import socket
 import stat
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from epochal.coordinator import kernel
 from epochal.coordinator.connections import HANDSHAKE_MARGIN_MS, Connections, Drop, Verdict
+from epochal.coordinator.holding import (
+    GiveBack,
+    Holdings,
+    HoldLimits,
+    MemoryWatch,
+    wire_bytes,
+)
 
 
 def inode_of(fd: int) -> int | None:
@@ -46,6 +55,10 @@ class Scratch:
         os.close(self.null)
 
 
+NO_LINGER = struct.pack("ii", 1, 0)
+"""``struct linger`` on, for 0 seconds: a close resets the connection."""
+
+
 def shut(drop: Drop, port: int | None, scratch: Scratch) -> bool:
     """Shut down the connection of ``drop``; False when its descriptor is no longer that socket.
 
@@ -54,6 +67,11 @@ def shut(drop: Drop, port: int | None, scratch: Scratch) -> bool:
     shutdown onto another socket; ``port`` (the ROUTER's, None for other transports) is checked
     too. libzmq's own descriptor is left to libzmq, which reads end of file and closes the
     connection.
+
+    The connection lingers not (``SO_LINGER`` 0, an option of the socket, so libzmq's descriptor
+    has it too): libzmq's close then resets it. Else a peer that was sending when it was shut
+    down waits on a closed window until the orphan the kernel keeps in FIN-WAIT-2 times out (60 s,
+    seen with a peer sending a message that never ends), and those buffers stay held meanwhile.
     """
     try:
         os.dup2(drop.fd, scratch.slot, inheritable=False)
@@ -67,6 +85,8 @@ def shut(drop: Drop, port: int | None, scratch: Scratch) -> bool:
             inet = sock.family in (socket.AF_INET, socket.AF_INET6)
             if port is not None and inet and sock.getsockname()[1] != port:
                 return False
+            if inet:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, NO_LINGER)
             sock.shutdown(socket.SHUT_RDWR)
             return True
         finally:
@@ -103,8 +123,13 @@ class ConnectionGuard:
     :meth:`configure` the ROUTER before it binds (libzmq itself then closes a connection whose
     ZMTP handshake is not done within the timeout) and :meth:`bound` after; :meth:`on_event` for
     every event of a monitor watching :data:`EVENTS`; :meth:`unknown` for every frame, and
-    :meth:`admit` when that frame, from a connection not yet known, was a member's; :meth:`tick`
-    every turn of the service; :meth:`close` after the socket.
+    :meth:`admit` when that frame, from a connection not yet known, was a member's; :meth:`handed`
+    for every message received; :meth:`tick` every turn of the service; :meth:`close` after the
+    socket.
+
+    Each turn it looks at what libzmq holds of the strangers' connections, and of every connection
+    once this process's memory grew by :data:`~.holding.MEMORY_STEP` since it last did; it hands
+    freed memory back to the system after the connections it dropped have closed.
     """
 
     def __init__(
@@ -112,6 +137,9 @@ class ConnectionGuard:
         connections: Connections,
         log: Callable[[str], None],
         on_member_closed: Callable[[bytes], None] = lambda peer: None,
+        *,
+        holding: HoldLimits,
+        secured: bool = False,
     ) -> None:
         self.connections = connections
         self._log = log
@@ -120,12 +148,21 @@ class ConnectionGuard:
         # a member's connection's descriptor -> its routing id, to tell when it closes
         self._port: int | None = None
         self._scratch: Scratch | None = None
+        self._secured = secured
+        # CURVE on every connection: each frame took CURVE_BYTES more on the wire
+        self.holdings = Holdings(holding)
+        self._watch = MemoryWatch()
+        self._give_back = GiveBack()
+        self._resident: kernel.Resident | None = None
 
     def close(self) -> None:
         """Close the guard's own descriptors (once the socket is closed)."""
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
+        if self._resident is not None:
+            self._resident.close()
+            self._resident = None
 
     def configure(self, sock: zmq.Socket[Any]) -> None:
         # never before the timeout: libzmq truncates its clock to the millisecond
@@ -137,11 +174,14 @@ class ConnectionGuard:
         From now on the guard holds two descriptors of its own, until :meth:`close`."""
         self._port = _port(endpoint)
         self._scratch = Scratch()
+        self._resident = kernel.Resident()
 
     def on_event(self, event: int, value: int) -> None:
         connections, now = self.connections, time.monotonic()
         if event & zmq.EVENT_DISCONNECTED:
-            connections.closed(value)
+            if connections.closed(value):
+                self._give_back.freed()
+            self.holdings.closed(value)
             peer = self._members.pop(value, None)
             if peer is not None:
                 self._on_member_closed(peer)
@@ -166,8 +206,29 @@ class ConnectionGuard:
         if inode is not None:
             self.connections.admitted(fd, inode)
 
-    def tick(self, now: float) -> None:
-        self._carry_out(self.connections.expired(now))
+    def handed(self, frames: list[Any]) -> None:
+        """The service was handed ``frames`` (a zmq.Frame each: routing id, then what the peer
+        sent): count their bytes against the connection they came on."""
+        holdings, secured = self.holdings, self._secured
+        for frame in frames[1:]:  # the routing id is the ROUTER's, not the peer's
+            if isinstance(frame, zmq.Frame):
+                holdings.handed(frame.get(zmq.SRCFD), wire_bytes(len(frame), secured))
+
+    def tick(self, now: float, drained: bool = True) -> None:
+        """A turn of the service at ``now``; ``drained``: it had just read every message queued."""
+        connections = self.connections
+        self._carry_out(connections.expired(now))
+        resident = None if self._resident is None else self._resident.bytes()
+        fds = connections.everyone() if self._watch.due(resident) else connections.strangers()
+        if fds:
+            readings = [(fd, read) for fd in fds if (read := kernel.bytes_read(fd)) is not None]
+            over = self.holdings.over(readings, drained=drained)
+            if over:
+                limits = self.holdings.limits
+                limit = limits.drained if drained else limits.queued
+                self._carry_out(connections.holding(now, over, limit))
+        if self._give_back.due(now):
+            kernel.give_back_memory()
 
     def forgive(self, lost: float) -> None:
         self.connections.forgive(lost)

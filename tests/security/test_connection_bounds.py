@@ -1,4 +1,5 @@
-"""Strangers' connections against a real run: idle, past the open-files limit, holding frames.
+"""Strangers' connections against a real run: idle, past the open-files limit, holding frames,
+sending a message that never ends.
 
 Each test starts ``epochal coordinator`` and two workers (``resumable.py``), waits for the first
 epoch, and then opens raw connections that finish ZeroMQ's handshake and never say hello
@@ -9,15 +10,18 @@ within its bounds: after ``--heartbeat-timeout`` for each, and past its cap at o
 from __future__ import annotations
 
 import re
+import struct
 import time
 from pathlib import Path
 
 import pytest
 
 from epochal.coordinator.connections import connection_limits
+from epochal.coordinator.holding import hold_limits
+from epochal.coordinator.router import RECEIVE_HWM
 from epochal.protocol import MAX_FRAME_BYTES
 from tests.integration.conftest import Spawner, StandaloneRun
-from tests.security.crowd import Crowd, own_files
+from tests.security.crowd import Crowd, own_files, zmtp_dealer
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +35,10 @@ SLACK = 5.0
 """Seconds from a drop's due time to the peer seeing its connection closed, on a loaded 2-core
 machine: the turn that notices it, the shutdown, libzmq's close."""
 DEADLINE = 180.0
+MIB = 1024 * 1024
+ALLOWANCE_MIB = 32
+"""The coordinator's own growth while a test runs beside its run (its epochs, its journal) and the
+allocator's rounding: the bound the hostile tests of frames that never end allow."""
 LIMITED_COORDINATOR = (
     "import os, resource, sys; n = int(sys.argv[1]); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
@@ -175,3 +183,48 @@ def _open_files(run: StandaloneRun) -> int | None:
             soft = line.split()[3]
             return None if soft == "unlimited" else int(soft)
     raise AssertionError("no open-files limit in /proc/PID/limits")
+
+
+def test_a_message_that_never_ends_is_cut_off_and_the_run_finishes(spawn):
+    """Mid-run, a connection without the token sends 64 KiB frames flagged "more" without end,
+    and connects again each time it is dropped. libzmq would hold all of it (one such connection
+    took the coordinator to 1,024 MiB in 4 s before this bound); the coordinator drops each one
+    at its next look, within a turn of its clock, so what it holds at once is what one or two
+    connections sent before their drop, however long the attack goes on."""
+    attack, timeout = 3.0, 15.0
+    epochs = 2 + int((attack + TICK + SLACK) / EPOCH)
+    run = _run(spawn, epochs=epochs, heartbeat_timeout=timeout)
+    before = _peak_rss_mib(run.coordinator.pid)
+    burst = (b"\x03" + struct.pack(">Q", MAX_FRAME_BYTES) + bytes(MAX_FRAME_BYTES)) * 16
+    poured: list[int] = []  # the bytes each connection sent before its drop
+    end = time.monotonic() + attack
+    while time.monotonic() < end:
+        conn = zmtp_dealer(run.endpoint)
+        conn.settimeout(TICK + SLACK)  # a coordinator that stopped reading fails the test too
+        began, sent = time.monotonic(), 0
+        try:
+            while True:
+                sent += conn.send(burst)
+                held = time.monotonic() - began
+                assert held < TICK + SLACK, f"not dropped after {held:.1f} s and {sent} bytes"
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # dropped
+        finally:
+            conn.close()
+        poured.append(sent)
+    peak = _peak_rss_mib(run.coordinator.pid)
+    assert _going(run), "the run ended before the attack did: make it longer"
+    assert len(poured) >= 2, "the first connection was never dropped"
+    limit = hold_limits(RECEIVE_HWM, secured=False).queued
+    assert min(poured) > limit, poured  # dropped only past the limit
+    # the connection being poured into and the one dropped before it, at most
+    bound = before + (2 * max(poured) + limit) / MIB + ALLOWANCE_MIB
+    assert peak < bound, f"peak RSS {peak:.0f} MiB, before {before:.0f}: {poured}"
+    output = _finished(run, epochs)
+    assert "of a message it had not finished" in output, output
+    assert f"{len(poured)} that held an unfinished message" in output, output
+    print(
+        f"{len(poured)} connections dropped, each after at most {max(poured) / MIB:.0f} MiB, "
+        f"{sum(poured) / MIB:.0f} MiB in all; peak RSS {before:.0f} -> {peak:.0f} MiB"
+    )
+    spawn.assert_none_left()
