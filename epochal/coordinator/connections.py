@@ -230,11 +230,9 @@ class Connections:
             )
         return Verdict(tuple(drops), lines)
 
-    def closed(self, fd: int) -> bool:
-        """libzmq closed the connection on ``fd``; True if it was one dropped here."""
-        dropped = fd in self._dropping
+    def closed(self, fd: int) -> None:
+        """libzmq closed the connection on ``fd``."""
         self._forget(fd)
-        return dropped
 
     def accept_failed(self, now: float, errno_value: int) -> Verdict:
         """An accept failed with ``errno_value``. Out of descriptors: say so once, naming who

@@ -129,7 +129,7 @@ class ConnectionGuard:
 
     Each turn it looks at what libzmq holds of the strangers' connections, and of every connection
     once this process's memory grew by :data:`~.holding.MEMORY_STEP` since it last did; it hands
-    freed memory back to the system after the connections it dropped have closed.
+    freed memory back to the system after connections have closed.
     """
 
     def __init__(
@@ -179,9 +179,9 @@ class ConnectionGuard:
     def on_event(self, event: int, value: int) -> None:
         connections, now = self.connections, time.monotonic()
         if event & zmq.EVENT_DISCONNECTED:
-            if connections.closed(value):
-                self._give_back.freed()
+            connections.closed(value)
             self.holdings.closed(value)
+            self._give_back.freed()
             peer = self._members.pop(value, None)
             if peer is not None:
                 self._on_member_closed(peer)

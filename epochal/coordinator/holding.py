@@ -163,8 +163,8 @@ class MemoryWatch:
 
 
 class GiveBack:
-    """When to hand freed memory back to the system: after a connection the guard dropped has
-    closed (libzmq freed what it held), at most once every ``interval`` seconds."""
+    """When to hand freed memory back to the system: after a connection has closed (libzmq freed
+    what it held), at most once every ``interval`` seconds."""
 
     def __init__(self, interval: float = GIVE_BACK_INTERVAL) -> None:
         self.interval = interval
@@ -172,7 +172,7 @@ class GiveBack:
         self._last: float | None = None
 
     def freed(self) -> None:
-        """A dropped connection closed."""
+        """A connection closed."""
         self._owed = True
 
     def due(self, now: float) -> bool:
