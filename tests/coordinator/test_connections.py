@@ -38,7 +38,7 @@ def table(*, cap_files: int | None = None, workers: int = 2, frame: int = 64 * 1
 @pytest.mark.parametrize(
     ("workers", "frame", "files", "cap"),
     [
-        # memory: 128 MiB at (frame + 32 KiB) each
+        # memory: 128 MiB at (frame + CONNECTION_BYTES) each
         (2, 64 * 1024, None, UNADMITTED_BYTES // (64 * 1024 + CONNECTION_BYTES)),
         (2, 16 * 1024 * 1024, None, UNADMITTED_BYTES // (16 * 1024 * 1024 + CONNECTION_BYTES)),
         # descriptors: what the workers and the coordinator leave of the limit
