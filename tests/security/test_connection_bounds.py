@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from epochal.coordinator.connections import CONNECTION_BYTES, connection_limits
-from epochal.coordinator.holding import hold_limits
+from epochal.coordinator.holding import GIVE_BACK_INTERVAL, hold_limits
 from epochal.coordinator.router import RECEIVE_HWM
 from epochal.protocol import MAX_FRAME_BYTES
 from tests.integration.conftest import Spawner, StandaloneRun
@@ -91,11 +91,15 @@ def _going(run: StandaloneRun) -> bool:
     return run.coordinator.poll() is None and not (run.run_dir / "result.json").exists()
 
 
-def _peak_rss_mib(pid: int) -> float:
+def _peak_rss_mib(pid: int, field: str = "VmHWM") -> float:
     status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
     assert match is not None, status
     return int(match.group(1)) / 1024
+
+
+def _rss_mib(pid: int) -> float:
+    return _peak_rss_mib(pid, "VmRSS")
 
 
 def test_connections_that_never_say_hello_are_dropped_after_the_heartbeat_timeout(spawn):
@@ -146,8 +150,10 @@ def test_more_idle_connections_than_the_open_files_limit_mid_run(spawn):
 
 def test_connections_holding_partial_frames_are_bounded_in_number_and_memory(spawn):
     """Strangers fill the coordinator with frames they never finish before the workers come;
-    the workers still join (the oldest strangers make room), and the run finishes."""
-    strangers, wave, epochs = 2000, 200, 3
+    the workers still join (the oldest strangers make room); once the strangers leave, the
+    memory they held is given back while the run goes on, and the run finishes."""
+    strangers, wave = 2000, 200
+    epochs = 3 + int((GIVE_BACK_INTERVAL + SLACK) / EPOCH)  # outlasts the hand-back
     timeout = 60.0  # beyond the attack: every drop it sees is for the cap
     run = StandaloneRun(spawn, 2, "--epochs", str(epochs), "--heartbeat-timeout", str(timeout))
     limits = connection_limits(
@@ -169,6 +175,16 @@ def test_connections_holding_partial_frames_are_bounded_in_number_and_memory(spa
             capped = crowd.closed
             assert len(capped) >= strangers - limits.cap, (len(capped), limits)
             run.start_workers(delay=DELAY)  # while the rest of the crowd holds its frames
+            run.wait_for_first_epoch()
+            crowd.close()
+            deadline = time.monotonic() + GIVE_BACK_INTERVAL + SLACK
+            while _rss_mib(run.coordinator.pid) > before + ALLOWANCE_MIB:
+                assert time.monotonic() < deadline, (
+                    f"RSS {_rss_mib(run.coordinator.pid):.0f} MiB after the strangers left, "
+                    f"{before:.0f} before they came"
+                )
+                time.sleep(TICK)
+            assert _going(run), "the run ended before the memory was given back: make it longer"
             output = _finished(run, epochs)
     finally:
         crowd.close()
