@@ -2,9 +2,9 @@
 
 libzmq's ROUTER accepts every TCP connection and keeps it until the peer leaves; it has no limit on
 connections that never speak and no way to drop one peer. Each costs a file descriptor, libzmq's
-buffers (about 24 KiB), and the frame it is still receiving (up to ``ZMQ_MAXMSGSIZE``), so
-strangers who connect and say nothing, or send all of a frame but its last byte, could otherwise
-take every descriptor or any amount of memory. The rules here bound them:
+buffers, and the frame it is still receiving (up to ``ZMQ_MAXMSGSIZE``; :data:`CONNECTION_BYTES`
+has the measured cost), so strangers who connect and say nothing, or send all of a frame but its
+last byte, could otherwise take every descriptor or any amount of memory. The rules here bound them:
 
 - a connection that has not shown itself a member's within ``timeout`` (the heartbeat timeout: the
   silence after which a member is lost) is dropped;
@@ -14,19 +14,21 @@ take every descriptor or any amount of memory. The rules here bound them:
   out;
 - when an accept fails for want of descriptors, the oldest such connection is dropped to make room,
   one at a time (the next only once the last one is closed);
-- a member's connection is never dropped.
+- a member's connection is never dropped for its age or their number;
+- any connection, a member's too, that holds more of a message it has not finished than a legal
+  peer ever sends is dropped (:mod:`.holding`: libzmq bounds a frame, not a message).
 
 "Shown itself a member's" means a frame came on it that the run acted on as a member's (an
 admitted hello, or a frame carrying the member's session). The socket monitor names each
 connection's descriptor as it is accepted and closed (``EVENT_ACCEPTED``, ``EVENT_DISCONNECTED``),
 and every frame names the descriptor it came on (``ZMQ_SRCFD``): :class:`Connections` keeps the
-table and decides, with the clock as an argument; the service feeds it and carries out its drops
-with :func:`shut`, which shuts a connection down through a duplicate of its descriptor once the
-duplicate is checked to be the same socket (made in a slot kept for it: out of descriptors is
-when a drop is needed most). libzmq's I/O thread then reads end of file, closes the
-connection as if the peer had left, and says so (``EVENT_DISCONNECTED``); nothing here closes a
-descriptor libzmq owns. The monitor loses no event (libzmq's I/O thread waits for room in the
-monitor's pipe), so the table follows libzmq's own.
+table and decides, with the clock as an argument; :class:`~.guard.ConnectionGuard` feeds it and
+carries out its drops with :func:`~.guard.shut`, which shuts a connection down through a duplicate
+of its descriptor once the duplicate is checked to be the same socket (made in a slot kept for it:
+out of descriptors is when a drop is needed most). libzmq's I/O thread then reads end of file,
+closes the connection as if the peer had left, and says so (``EVENT_DISCONNECTED``); nothing there
+closes a descriptor libzmq owns. The monitor loses no event (libzmq's I/O thread waits for room
+in the monitor's pipe), so the table follows libzmq's own.
 
 What libzmq offers and why it is not enough alone: ``ZMQ_HANDSHAKE_IVL`` (set to the same
 timeout, 2 ms more: libzmq's timers count whole milliseconds from a cached clock, so one may
@@ -42,33 +44,30 @@ connection whenever its process is stopped, which is the watchdog's to judge;
 from __future__ import annotations
 
 import math
-import os
-import resource
-import socket
-import stat
-import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-import zmq
-
+from epochal.coordinator.holding import Held
 from epochal.coordinator.oslimits import AcceptFailures, files_needed, files_shortage_message
 
 UNADMITTED_BYTES = 128 * 1024 * 1024
 """Memory the connections that have not joined may hold in all (when the run is small enough that
 its own workers' connections do not need more)."""
 
-CONNECTION_BYTES = 32 * 1024
-"""libzmq's own memory per connection besides the frame it receives (about 24 KiB measured:
-decoder and encoder buffers, the session, the pipes)."""
+CONNECTION_BYTES = 64 * 1024
+"""Memory per connection held besides the frame it receives: libzmq's own (decoder and encoder
+buffers, the session, the pipes; 22-32 KiB measured with 1,000-1,365 connections held) and, as
+the oldest are dropped for new ones, the connections shut down but not yet closed and the heap
+their frames leave scattered. Measured: 2,000 connections each holding all but a byte of a
+64 KiB frame, reopened as soon as closed, peaked at 108-125 KiB per connection of the cap."""
 
 HANDSHAKE_MARGIN_MS = 2
 """Milliseconds ``ZMQ_HANDSHAKE_IVL`` adds to the timeout: libzmq's timers read a clock truncated
 to the millisecond and cached, so one set to the timeout alone may fire up to 1 ms before it."""
 
-Why = Literal["timeout", "cap", "files"]
+Why = Literal["timeout", "cap", "files", "holding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +183,8 @@ class Connections:
         self._short_said = False
         self._held_short = 0
         # connections of peers that had not joined when descriptors last ran out
-        self.dropped: dict[Why, int] = {"timeout": 0, "cap": 0, "files": 0}
+        self._holding_said = False
+        self.dropped: dict[Why, int] = {"timeout": 0, "cap": 0, "files": 0, "holding": 0}
 
     @property
     def pending(self) -> int:
@@ -199,6 +199,14 @@ class Connections:
     def knows(self, fd: int) -> bool:
         """Whether a member's frame came on ``fd`` already."""
         return fd in self._members
+
+    def strangers(self) -> list[int]:
+        """The descriptors of the connections open that have not shown themselves a member's."""
+        return list(self._pending)
+
+    def everyone(self) -> list[int]:
+        """The descriptors of every connection open and not being dropped."""
+        return [*self._pending, *self._members]
 
     # ------------------------------------------------------------------ the monitor's events
 
@@ -271,6 +279,35 @@ class Connections:
             del self._dropping[fd]
         return Verdict(tuple(drops)) if drops else NOTHING
 
+    def holding(self, now: float, held: Iterable[Held], limit: int) -> Verdict:
+        """Connections that hold more than ``limit`` bytes of a message they have not finished:
+        drop them, a member's too (no worker sends such a message), and say so the first time."""
+        drops: list[Drop] = []
+        most = 0
+        for entry in held:
+            fd = entry.fd
+            inode = self._members.pop(fd, None)
+            if inode is None:
+                pending = self._pending.pop(fd, None)
+                if pending is None:  # being dropped already, or not known yet
+                    continue
+                inode = pending.inode
+            self._dropping[fd] = now
+            self.dropped["holding"] += 1
+            drops.append(Drop(fd, inode, "holding"))
+            most = max(most, entry.held)
+        if not drops:
+            return NOTHING
+        lines: tuple[str, ...] = ()
+        if not self._holding_said:
+            self._holding_said = True
+            lines = (
+                f"a connection held {_size(most)} of a message it had not finished, more than a "
+                f"worker ever sends (one frame of at most {_size(self.limits.frame_bytes)}): it "
+                f"is dropped, as is every connection that holds more than {_size(limit)}",
+            )
+        return Verdict(tuple(drops), lines)
+
     def forgive(self, lost: float) -> None:
         """The service was not running for ``lost`` seconds: nobody's time ran meanwhile."""
         for entry in self._pending.values():
@@ -311,174 +348,7 @@ class Connections:
             return None
         return (
             f"dropped {counts['timeout']} connections that did not join within "
-            f"{self.limits.timeout:g} s, {counts['cap']} past the cap of {self.limits.cap} and "
-            f"{counts['files']} to free descriptors"
+            f"{self.limits.timeout:g} s, {counts['cap']} past the cap of {self.limits.cap}, "
+            f"{counts['files']} to free descriptors and {counts['holding']} that held an "
+            "unfinished message"
         )
-
-
-# ---------------------------------------------------------------------- the socket work
-
-
-def inode_of(fd: int) -> int | None:
-    """The inode of the socket open on ``fd`` (unique while it is open), or None: not a socket."""
-    try:
-        info = os.fstat(fd)
-    except OSError:
-        return None
-    return info.st_ino if stat.S_ISSOCK(info.st_mode) else None
-
-
-class Scratch:
-    """Two descriptors of this process's own, so that a connection can be shut down when no
-    descriptor is left to open (which is when it matters most): ``slot`` takes a duplicate of the
-    connection's descriptor in place (``dup2``), ``null`` (``/dev/null``) takes it back."""
-
-    def __init__(self) -> None:
-        self.null = os.open(os.devnull, os.O_RDONLY)  # not inherited (PEP 446)
-        self.slot = os.dup(self.null)
-
-    def close(self) -> None:
-        os.close(self.slot)
-        os.close(self.null)
-
-
-def shut(drop: Drop, port: int | None, scratch: Scratch) -> bool:
-    """Shut down the connection of ``drop``; False when its descriptor is no longer that socket.
-
-    The check and the shutdown act on a duplicate of the descriptor (in ``scratch``'s slot: no new
-    descriptor is needed), so a descriptor libzmq closes and reuses meanwhile cannot turn the
-    shutdown onto another socket; ``port`` (the ROUTER's, None for other transports) is checked
-    too. libzmq's own descriptor is left to libzmq, which reads end of file and closes the
-    connection.
-    """
-    try:
-        os.dup2(drop.fd, scratch.slot, inheritable=False)
-    except OSError:  # closed already
-        return False
-    try:
-        if inode_of(scratch.slot) != drop.inode:
-            return False
-        sock = socket.socket(fileno=scratch.slot)
-        try:
-            inet = sock.family in (socket.AF_INET, socket.AF_INET6)
-            if port is not None and inet and sock.getsockname()[1] != port:
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        finally:
-            sock.detach()  # the slot stays open: it is given back to /dev/null below
-    except OSError:  # ENOTCONN: the peer is gone already
-        return False
-    finally:
-        os.dup2(scratch.null, scratch.slot, inheritable=False)
-
-
-EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_DISCONNECTED
-"""The monitor events :class:`ConnectionGuard` reads."""
-
-
-def open_files() -> int | None:
-    """The soft open-files limit of this process; None: unlimited."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
-def _port(endpoint: str) -> int | None:
-    if not endpoint.startswith("tcp://"):
-        return None
-    try:
-        return int(endpoint.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
-        return None
-
-
-class ConnectionGuard:
-    """The socket work around :class:`Connections`: the monitor's events and the members' frames
-    in, the drops carried out, the lines logged.
-
-    :meth:`configure` the ROUTER before it binds (libzmq itself then closes a connection whose
-    ZMTP handshake is not done within the timeout) and :meth:`bound` after; :meth:`on_event` for
-    every event of a monitor watching :data:`EVENTS`; :meth:`unknown` for every frame, and
-    :meth:`admit` when that frame, from a connection not yet known, was a member's; :meth:`tick`
-    every turn of the service; :meth:`close` after the socket.
-    """
-
-    def __init__(
-        self,
-        connections: Connections,
-        log: Callable[[str], None],
-        on_member_closed: Callable[[bytes], None] = lambda peer: None,
-    ) -> None:
-        self.connections = connections
-        self._log = log
-        self._on_member_closed = on_member_closed
-        self._members: dict[int, bytes] = {}
-        # a member's connection's descriptor -> its routing id, to tell when it closes
-        self._port: int | None = None
-        self._scratch: Scratch | None = None
-
-    def close(self) -> None:
-        """Close the guard's own descriptors (once the socket is closed)."""
-        if self._scratch is not None:
-            self._scratch.close()
-            self._scratch = None
-
-    def configure(self, sock: zmq.Socket[Any]) -> None:
-        # never before the timeout: libzmq truncates its clock to the millisecond
-        ivl = math.ceil(self.connections.limits.timeout * 1000) + HANDSHAKE_MARGIN_MS
-        sock.setsockopt(zmq.HANDSHAKE_IVL, ivl)
-
-    def bound(self, endpoint: str) -> None:
-        """The ROUTER listens on ``endpoint``: a drop checks its descriptor is on that port.
-        From now on the guard holds two descriptors of its own, until :meth:`close`."""
-        self._port = _port(endpoint)
-        self._scratch = Scratch()
-
-    def on_event(self, event: int, value: int) -> None:
-        connections, now = self.connections, time.monotonic()
-        if event & zmq.EVENT_DISCONNECTED:
-            connections.closed(value)
-            peer = self._members.pop(value, None)
-            if peer is not None:
-                self._on_member_closed(peer)
-        elif event & zmq.EVENT_ACCEPTED:
-            self._carry_out(connections.accepted(now, value, inode_of(value)))
-        elif event & zmq.EVENT_ACCEPT_FAILED:
-            self._carry_out(connections.accept_failed(now, value))
-
-    def unknown(self, frame: Any) -> int | None:
-        """The descriptor ``frame`` (a zmq.Frame) came on, if no member's frame came on it yet;
-        else None. Costs a lookup: the caller checks the frame is a member's only when new."""
-        if not isinstance(frame, zmq.Frame):
-            return None
-        fd = frame.get(zmq.SRCFD)
-        return None if fd < 0 or self.connections.knows(fd) else fd
-
-    def admit(self, fd: int, peer: bytes) -> None:
-        """A frame of member ``peer`` came on ``fd``: its connection is never dropped, and its
-        closing is told (``on_member_closed``)."""
-        self._members[fd] = peer
-        inode = inode_of(fd)
-        if inode is not None:
-            self.connections.admitted(fd, inode)
-
-    def tick(self, now: float) -> None:
-        self._carry_out(self.connections.expired(now))
-
-    def forgive(self, lost: float) -> None:
-        self.connections.forgive(lost)
-
-    def summary(self) -> str | None:
-        return self.connections.summary()
-
-    def rendezvous_note(self) -> str:
-        return self.connections.rendezvous_note()
-
-    def _carry_out(self, verdict: Verdict) -> None:
-        for line in verdict.lines:
-            self._log(line)
-        scratch = self._scratch
-        assert scratch is not None or not verdict.drops, "bound() first"
-        for drop in verdict.drops:
-            if scratch is None or not shut(drop, self._port, scratch):
-                self.connections.gone(drop.fd)

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from epochal.coordinator.actions import Action
-from epochal.coordinator.connections import ConnectionGuard
+from epochal.coordinator.guard import ConnectionGuard
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.retries import HelloRetries
 from epochal.errors import MalformedMessage, ProtocolVersionMismatch

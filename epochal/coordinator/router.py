@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from epochal.coordinator import oslimits
-from epochal.coordinator.connections import EVENTS, ConnectionGuard
+from epochal.coordinator.guard import EVENTS, ConnectionGuard
 from epochal.protocol import MAX_FRAME_BYTES
 from epochal.security.curve import ServerSecurity, secure_server
 

@@ -34,20 +34,17 @@ from epochal.coordinator.actions import (
     Send,
 )
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.connections import (
-    ConnectionGuard,
-    Connections,
-    connection_limits,
-    open_files,
-)
+from epochal.coordinator.connections import Connections, connection_limits
 from epochal.coordinator.directories import check_directories
 from epochal.coordinator.feed import ObserverFeed
+from epochal.coordinator.guard import ConnectionGuard, open_files
+from epochal.coordinator.holding import hold_limits
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
 from epochal.coordinator.recording import Recording
-from epochal.coordinator.router import LINGER_MS, open_router
+from epochal.coordinator.router import LINGER_MS, RECEIVE_HWM, open_router
 from epochal.coordinator.runstate import RunState
 from epochal.errors import RunAborted
 from epochal.log import COORDINATOR, ensure_configured
@@ -252,8 +249,13 @@ class Coordinator(Recording):
             frame_bytes=MAX_FRAME_BYTES,
             files=open_files(),
         )
+        secured = self._security is not None
         guard = self._guard = ConnectionGuard(
-            Connections(limits, self._accept_failures), self._log, self._member_closed
+            Connections(limits, self._accept_failures),
+            self._log,
+            self._member_closed,
+            holding=hold_limits(RECEIVE_HWM, secured),
+            secured=secured,
         )
         self._intake.attach(machine, guard)
         sock, self._auth = open_router(
@@ -420,6 +422,7 @@ class Coordinator(Recording):
             while self._outcome is None:
                 polled = await sock.poll(timeout=int(tick * 1000))
                 await self._read_clock(tick)  # before any frame: a stopped process blames nobody
+                drained = not polled  # every finished message read: the guard's tighter bound
                 if polled:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
                     batch_end = time.monotonic() + BATCH_SECONDS
@@ -429,7 +432,9 @@ class Coordinator(Recording):
                         try:
                             frames = io.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:  # read all that was queued
+                            drained = True
                             break
+                        guard.handed(frames)
                         now = time.monotonic()
                         actions = self._intake.receive(frames, now)
                         if actions:  # most frames (heartbeats) change nothing to carry out or tell
@@ -438,7 +443,7 @@ class Coordinator(Recording):
                         if time.monotonic() > batch_end:
                             break
                 now = await self._read_clock(BATCH_SECONDS)
-                guard.tick(now)  # after the queued frames: a hello read in time is in time
+                guard.tick(now, drained)  # after the queued frames: a hello read in time is in time
                 if self._outcome is not None:
                     break
                 if self._requested_abort is not None:

@@ -35,6 +35,7 @@ from epochal.protocol import (
     encode,
 )
 from tests.integration.conftest import SCRIPTS, Spawner, standalone_run, wait_for_record
+from tests.security.crowd import zmtp_dealer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -247,29 +248,6 @@ def test_a_flood_of_hostile_hellos_without_the_token_keeps_the_epochs_pace(
         f"the next after it {settled[-1] - ended:.2f} s after its end"
     )
     spawn.assert_none_left()
-
-
-def zmtp_dealer(endpoint: str) -> socket.socket:
-    """A raw TCP connection that completes the ZMTP 3.0 handshake as a DEALER (NULL mechanism),
-    so that what it sends next is read as a message frame."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    conn = socket.create_connection((host, int(port)), timeout=10)
-    conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
-
-    def read(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = conn.recv(n - len(data))
-            assert chunk, "the coordinator closed the connection during the handshake"
-            data += chunk
-        return data
-
-    read(64)  # its greeting
-    body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    conn.sendall(b"\x04" + bytes([len(body)]) + body)
-    flags = read(1)[0]  # its READY
-    read(int.from_bytes(read(8 if flags & 0x02 else 1), "big"))
-    return conn
 
 
 def closed_by_peer(conn: socket.socket, within: float) -> bool:

@@ -1,4 +1,5 @@
-"""Strangers' connections against a real run: idle, past the open-files limit, holding frames.
+"""Strangers' connections against a real run: idle, past the open-files limit, holding frames,
+sending a message that never ends.
 
 Each test starts ``epochal coordinator`` and two workers (``resumable.py``), waits for the first
 epoch, and then opens raw connections that finish ZeroMQ's handshake and never say hello
@@ -9,15 +10,18 @@ within its bounds: after ``--heartbeat-timeout`` for each, and past its cap at o
 from __future__ import annotations
 
 import re
+import struct
 import time
 from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.connections import connection_limits
+from epochal.coordinator.connections import CONNECTION_BYTES, connection_limits
+from epochal.coordinator.holding import GIVE_BACK_INTERVAL, hold_limits
+from epochal.coordinator.router import RECEIVE_HWM
 from epochal.protocol import MAX_FRAME_BYTES
 from tests.integration.conftest import Spawner, StandaloneRun
-from tests.security.crowd import Crowd, own_files
+from tests.security.crowd import Crowd, own_files, zmtp_dealer
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +35,10 @@ SLACK = 5.0
 """Seconds from a drop's due time to the peer seeing its connection closed, on a loaded 2-core
 machine: the turn that notices it, the shutdown, libzmq's close."""
 DEADLINE = 180.0
+MIB = 1024 * 1024
+ALLOWANCE_MIB = 32
+"""The coordinator's own growth while a test runs beside its run (its epochs, its journal) and the
+allocator's rounding: the bound the hostile tests of frames that never end allow."""
 LIMITED_COORDINATOR = (
     "import os, resource, sys; n = int(sys.argv[1]); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
@@ -83,11 +91,15 @@ def _going(run: StandaloneRun) -> bool:
     return run.coordinator.poll() is None and not (run.run_dir / "result.json").exists()
 
 
-def _peak_rss_mib(pid: int) -> float:
+def _peak_rss_mib(pid: int, field: str = "VmHWM") -> float:
     status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
     assert match is not None, status
     return int(match.group(1)) / 1024
+
+
+def _rss_mib(pid: int) -> float:
+    return _peak_rss_mib(pid, "VmRSS")
 
 
 def test_connections_that_never_say_hello_are_dropped_after_the_heartbeat_timeout(spawn):
@@ -138,13 +150,16 @@ def test_more_idle_connections_than_the_open_files_limit_mid_run(spawn):
 
 def test_connections_holding_partial_frames_are_bounded_in_number_and_memory(spawn):
     """Strangers fill the coordinator with frames they never finish before the workers come;
-    the workers still join (the oldest strangers make room), and the run finishes."""
-    strangers, wave, epochs = 2000, 200, 3
+    the workers still join (the oldest strangers make room); once the strangers leave, the
+    memory they held is given back while the run goes on, and the run finishes."""
+    strangers, wave = 2000, 200
+    epochs = 3 + int((GIVE_BACK_INTERVAL + SLACK) / EPOCH)  # outlasts the hand-back
     timeout = 60.0  # beyond the attack: every drop it sees is for the cap
     run = StandaloneRun(spawn, 2, "--epochs", str(epochs), "--heartbeat-timeout", str(timeout))
     limits = connection_limits(
         workers=2, timeout=timeout, frame_bytes=MAX_FRAME_BYTES, files=_open_files(run)
     )
+    before = _peak_rss_mib(run.coordinator.pid)
     crowd = Crowd(run.endpoint)
     try:
         with own_files(strangers + 256):
@@ -160,10 +175,21 @@ def test_connections_holding_partial_frames_are_bounded_in_number_and_memory(spa
             capped = crowd.closed
             assert len(capped) >= strangers - limits.cap, (len(capped), limits)
             run.start_workers(delay=DELAY)  # while the rest of the crowd holds its frames
+            run.wait_for_first_epoch()
+            crowd.close()
+            deadline = time.monotonic() + GIVE_BACK_INTERVAL + SLACK
+            while _rss_mib(run.coordinator.pid) > before + ALLOWANCE_MIB:
+                assert time.monotonic() < deadline, (
+                    f"RSS {_rss_mib(run.coordinator.pid):.0f} MiB after the strangers left, "
+                    f"{before:.0f} before they came"
+                )
+                time.sleep(TICK)
+            assert _going(run), "the run ended before the memory was given back: make it longer"
             output = _finished(run, epochs)
     finally:
         crowd.close()
-    assert peak < 300, f"the coordinator's peak RSS was {peak:.0f} MiB"
+    held = limits.cap * (MAX_FRAME_BYTES + CONNECTION_BYTES) / MIB  # what the cap assumes
+    assert peak < before + held + ALLOWANCE_MIB, f"peak RSS {peak:.0f} MiB, before {before:.0f}"
     assert f"more than {limits.cap} connections are open" in output, output
     spawn.assert_none_left()
 
@@ -175,3 +201,48 @@ def _open_files(run: StandaloneRun) -> int | None:
             soft = line.split()[3]
             return None if soft == "unlimited" else int(soft)
     raise AssertionError("no open-files limit in /proc/PID/limits")
+
+
+def test_a_message_that_never_ends_is_cut_off_and_the_run_finishes(spawn):
+    """Mid-run, a connection without the token sends 64 KiB frames flagged "more" without end,
+    and connects again each time it is dropped. libzmq would hold all of it (one such connection
+    took the coordinator to 1,024 MiB in 4 s before this bound); the coordinator drops each one
+    at its next look, within a turn of its clock, so what it holds at once is what one or two
+    connections sent before their drop, however long the attack goes on."""
+    attack, timeout = 3.0, 15.0
+    epochs = 2 + int((attack + TICK + SLACK) / EPOCH)
+    run = _run(spawn, epochs=epochs, heartbeat_timeout=timeout)
+    before = _peak_rss_mib(run.coordinator.pid)
+    burst = (b"\x03" + struct.pack(">Q", MAX_FRAME_BYTES) + bytes(MAX_FRAME_BYTES)) * 16
+    poured: list[int] = []  # the bytes each connection sent before its drop
+    end = time.monotonic() + attack
+    while time.monotonic() < end:
+        conn = zmtp_dealer(run.endpoint)
+        conn.settimeout(TICK + SLACK)  # a coordinator that stopped reading fails the test too
+        began, sent = time.monotonic(), 0
+        try:
+            while True:
+                sent += conn.send(burst)
+                held = time.monotonic() - began
+                assert held < TICK + SLACK, f"not dropped after {held:.1f} s and {sent} bytes"
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # dropped
+        finally:
+            conn.close()
+        poured.append(sent)
+    peak = _peak_rss_mib(run.coordinator.pid)
+    assert _going(run), "the run ended before the attack did: make it longer"
+    assert len(poured) >= 2, "the first connection was never dropped"
+    limit = hold_limits(RECEIVE_HWM, secured=False).queued
+    assert min(poured) > limit, poured  # dropped only past the limit
+    # the connection being poured into and the one dropped before it, at most
+    bound = before + (2 * max(poured) + limit) / MIB + ALLOWANCE_MIB
+    assert peak < bound, f"peak RSS {peak:.0f} MiB, before {before:.0f}: {poured}"
+    output = _finished(run, epochs)
+    assert "of a message it had not finished" in output, output
+    assert f"{len(poured)} that held an unfinished message" in output, output
+    print(
+        f"{len(poured)} connections dropped, each after at most {max(poured) / MIB:.0f} MiB, "
+        f"{sum(poured) / MIB:.0f} MiB in all; peak RSS {before:.0f} -> {peak:.0f} MiB"
+    )
+    spawn.assert_none_left()
