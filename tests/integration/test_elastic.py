@@ -50,6 +50,7 @@ def start_elastic(
     options: tuple[str, ...] = (),
     script: tuple[str, ...] = (),
     restore_best: bool = False,
+    program: str = "linear.py",
 ) -> tuple[subprocess.Popen[str], Path, Path]:
     """``epochal run --nproc 4 --min-workers LEAST`` of linear.py with ``fault`` set: the
     process, the run directory and where each rank saves its weights (the last epoch's, unless
@@ -67,7 +68,7 @@ def start_elastic(
         "--run-dir",
         str(run_dir),
         *options,
-        str(SCRIPTS / "linear.py"),
+        str(SCRIPTS / program),
         "--out",
         str(out),
         *script,
@@ -152,6 +153,29 @@ def world_changes(run_dir: Path) -> list[dict[str, Any]]:
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished", result
     return list(result["world_changes"])
+
+
+def test_workers_one_minor_version_older_than_the_coordinator_change_world_and_finish(
+    spawn: Spawner, tmp_path: Path, reference: dict[int, dict[str, Any]]
+):
+    """Four workers of the previous minor protocol version (their frames carry its ``m`` and lack
+    the fields this one added) and this version's coordinator: one is killed mid-epoch, the
+    others form a new world and finish, bit-identical to the reference, and the coordinator
+    never calls a frame malformed."""
+    proc, run_dir, out = start_elastic(
+        spawn,
+        tmp_path,
+        "run",
+        "kill@train-step:rank=3:epoch=1:step=2:world=0",
+        program="older_minor.py",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    (change,) = world_changes(run_dir)
+    assert (change["epoch"], change["from"], change["to"]) == (1, 4, 3)
+    assert "malformed" not in output and "skipped field" not in output, output
+    assert_bit_identical(weights(out), reference)
 
 
 @pytest.mark.parametrize(
