@@ -759,6 +759,17 @@ def run_once(mode: str, n: int, args: argparse.Namespace, scratch: Path, tag: st
     result.rss_listening = rss_kib(server.pid) or 0
     sampler = Sampler(server.pid)
     sampler.start()
+    spy = None
+    if args.py_spy is not None and mode == "epochal":  # a profile of the coordinator's run
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(
+            [
+                *("py-spy", "record", "--pid", str(server.pid), "--rate", "250"),
+                *("--format", "raw", "--output", str(args.py_spy / f"{tag}-{n}.txt")),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     ctx = mp.get_context("spawn")
     ready, go, out, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -809,6 +820,8 @@ def run_once(mode: str, n: int, args: argparse.Namespace, scratch: Path, tag: st
         rc = server.wait()
     sampler.stopped.set()
     sampler.join()
+    if spy is not None:
+        spy.wait(timeout=60)  # it writes its profile when the coordinator has exited
     result.rss_peak = sampler.peak_rss
     if sampler.samples:
         result.cpu_total = sampler.samples[-1][1]
@@ -943,6 +956,14 @@ def main(argv: list[str] | None = None) -> int:
         default="shadow",
         help="how the floor reads and sends: through the socket's synchronous shadow, as the "
         "coordinator does (default), or pyzmq's awaitable calls, a future per frame",
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="profile each coordinator with py-spy (pip install py-spy) into DIR/TAG-N.txt, as "
+        "collapsed stacks",
     )
     parser.add_argument("--serve-floor", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
