@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ from epochal.protocol import (
     Hello,
     Joined,
     Liveness,
+    Metric,
+    ModelPage,
     OpenStore,
     ParamSpec,
     Phase,
@@ -88,15 +91,31 @@ from epochal.protocol.paging import model_page
 
 HERE = Path(__file__).resolve().parent
 WHERE = "train.py:120 in train_epoch"  # a heartbeat's "where", as long as a real one
-PARAMS = (
-    ParamSpec("0.weight", (512, 256), "torch.float32"),
-    ParamSpec("0.bias", (512,), "torch.float32"),
-    ParamSpec("2.weight", (512, 512), "torch.float32"),
-    ParamSpec("2.bias", (512,), "torch.float32"),
-    ParamSpec("4.weight", (10, 512), "torch.float32"),
-    ParamSpec("4.bias", (10,), "torch.float32"),
+PARAMS = (  # the dtypes as a worker names them (epochal.worker.fingerprint): "float32"
+    ParamSpec("0.weight", (512, 256), "float32"),
+    ParamSpec("0.bias", (512,), "float32"),
+    ParamSpec("2.weight", (512, 512), "float32"),
+    ParamSpec("2.bias", (512,), "float32"),
+    ParamSpec("4.weight", (10, 512), "float32"),
+    ParamSpec("4.bias", (10,), "float32"),
 )
 FINGERPRINT = Fingerprint(digest="0" * 64, torch_version="2.5.1+cpu", entries=len(PARAMS))
+METRIC = "accuracy"
+"""The one named metric the simulated training code reports (``epochal.train``'s metrics=)."""
+METRICS = (Metric(METRIC, 91.0, 100),)
+LEARNING_RATE = 0.1
+"""The rate the simulated optimizer holds (``epochal.train`` reports its optimizer's)."""
+
+
+def replica_checksum(epoch: int) -> int:
+    """The CRC-32 of the weights after ``epoch``: the same on every rank, as replicas agree."""
+    return zlib.crc32(f"weights after epoch {epoch}".encode())
+
+
+def model_answer(message: DescribeModel) -> ModelPage:
+    """The page of the model's entries a ``describe_model`` asks for (the control client answers
+    from its own thread, whatever the training code is doing)."""
+    return model_page(PARAMS, min(message.first, len(PARAMS)))
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -152,6 +171,10 @@ class SimWorker:
             phase=self.phase, epoch=self.epoch, step=self.step, where=WHERE, awaiting=self.awaiting
         )
 
+    def frame(self, message: Any) -> bytes:
+        """``message`` as this worker sends it: every frame but a hello carries its session."""
+        return encode(message, session="" if isinstance(message, Hello) else self.session)
+
     def at(
         self, phase: Phase, epoch: int, awaiting: Awaiting | None = None, announce: bool = True
     ) -> Iterator[Action]:
@@ -177,6 +200,11 @@ def expect(*kinds: type) -> Generator[Action, Any, Any]:
 def worker_script(w: SimWorker, train_seconds: float) -> Script:
     """The message sequence of one worker, as ``epochal.worker.session`` speaks it.
 
+    What each message holds is what ``epochal.train``'s workers send
+    (``tests/integration/test_bench_frames.py`` compares them): a rank hint, the names of the
+    metrics reported, the next epoch's counts with ``gathers`` (its state can be gathered for
+    newcomers), each epoch's loss sums with a metric, the learning rate and the replicas' checksum.
+
     Rendezvous (``_rendezvous``): hello, re-sent with backoff 0.1 s doubling to 2 s until an
     answer; ``joined``; rank 0 gets ``open_store`` and answers ``store_ready``; ``welcome``.
     Then per epoch (``_epoch``): for the first one ``epoch_ready`` -> ``go``; training (a sleep);
@@ -192,10 +220,11 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
         worker_id=w.worker_id,
         host=socket.gethostname(),
         pid=os.getpid(),
-        rank_hint=None,
+        rank_hint=w.index,  # a launcher passes each worker its index
         device="cpu",
         fingerprint=FINGERPRINT,
         data_address="127.0.0.1",
+        metrics=(METRIC,),
     )
     backoff, joined = 0.1, False
     yield Send(hello)
@@ -212,6 +241,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
         elif isinstance(message, Welcome):
             w.mark("welcome")
             epoch, epochs = message.start_epoch, message.epochs
+            replica_check = message.replica_check
             break
         elif isinstance(message, Reject | Abort):
             raise RuntimeError(f"{type(message).__name__}: {message.reason}")
@@ -220,7 +250,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
     while True:
         if go is None:
             yield from w.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)
-            yield Send(EpochReady(epoch=epoch, train_batches=100, valid_batches=10))
+            yield Send(EpochReady(epoch=epoch, train_batches=100, valid_batches=10, gathers=True))
             answer = yield from expect(Go, Finish)
             if isinstance(answer, Finish):
                 break
@@ -232,7 +262,7 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
         yield from w.at(Phase.VALIDATE, epoch)
         yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
         ready = (
-            EpochReady(epoch=epoch + 1, train_batches=100, valid_batches=10)
+            EpochReady(epoch=epoch + 1, train_batches=100, valid_batches=10, gathers=True)
             if epoch + 1 < epochs
             else None
         )
@@ -243,7 +273,11 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
                 train_count=100,
                 valid_loss_sum=23.0,
                 valid_count=10,
+                train_metrics=METRICS,
+                valid_metrics=METRICS,
                 ready=ready,
+                checksum=replica_checksum(epoch) if replica_check else None,
+                lr=LEARNING_RATE,
             )
         )
         w.mark(f"report.{epoch}")
@@ -311,9 +345,7 @@ class Driver:
             self._advance(k, None)
 
     def _send(self, k: int, message: Any) -> None:
-        w = self.workers[k]
-        session = "" if isinstance(message, Hello) else w.session
-        self.sockets[k].send(encode(message, session=session))
+        self.sockets[k].send(self.workers[k].frame(message))
 
     def _advance(self, k: int, value: Any) -> None:
         """Resume worker k's script with ``value`` until it waits (Recv, Sleep) or ends."""
@@ -360,7 +392,7 @@ class Driver:
         if isinstance(message, Heartbeat):
             return
         if isinstance(message, DescribeModel):  # the client answers these on its own thread
-            self._send(k, model_page(PARAMS, message.first))
+            self._send(k, model_answer(message))
             return
         if isinstance(message, Joined | Welcome):
             self.workers[k].session = message.session
@@ -433,6 +465,72 @@ def helper_main(
 # ---------------------------------------------------------------------- the floor
 
 
+@dataclass(frozen=True, slots=True)
+class FloorFrames:
+    """The coordinator's answers to the worker sequence, encoded in advance for the floor (and
+    for ``tests/integration/test_bench_frames.py``, which drives :func:`worker_script` with
+    them)."""
+
+    joined: bytes
+    welcomes: list[bytes]  # per rank
+    first_go: bytes
+    decisions: list[bytes]  # per epoch: each carries the next epoch's go, the last one stops
+    finish: bytes
+    open_store: bytes
+    heartbeat: bytes
+
+
+def floor_frames(world_size: int, epochs: int, heartbeat_interval: float) -> FloorFrames:
+    session = "f" * 43
+    liveness = Liveness(interval=heartbeat_interval, timeout=max(15.0, 2 * heartbeat_interval))
+    gos = [Go(epoch=e, train_batches=100, valid_batches=10, lr_factor=1.0) for e in range(epochs)]
+    return FloorFrames(
+        joined=encode(Joined(joined=1, world_size=world_size, session=session, liveness=liveness)),
+        welcomes=[
+            encode(
+                Welcome(
+                    rank=r,
+                    world_size=world_size,
+                    run_id="0" * 12,
+                    backend="gloo",
+                    store_host="127.0.0.1",
+                    store_port=29500,
+                    start_epoch=0,
+                    epochs=epochs,
+                    resume_epoch=None,
+                    checkpoint_dir="",
+                    session=session,
+                    liveness=liveness,
+                    store_key="0" * 32,
+                )
+            )
+            for r in range(world_size)
+        ],
+        first_go=encode(gos[0]),
+        decisions=[
+            encode(
+                Decision(
+                    epoch=e,
+                    train_loss=2.3,
+                    valid_loss=2.3,
+                    smoothed_loss=2.3,
+                    best_epoch=0,
+                    is_best=e == 0,
+                    checkpoint=False,
+                    stop=e == epochs - 1,
+                    train_metrics=METRICS,
+                    valid_metrics=METRICS,
+                    go=gos[e + 1] if e + 1 < epochs else None,
+                )
+            )
+            for e in range(epochs)
+        ],
+        finish=encode(Finish(best_epoch=0, best_loss=2.3, epochs_run=epochs, restore_best=True)),
+        open_store=encode(OpenStore(run_id="0" * 12)),
+        heartbeat=encode(Heartbeat()),
+    )
+
+
 def serve_floor(
     world_size: int, epochs: int, heartbeat_interval: float, backlog: int, awaited: bool = False
 ) -> None:
@@ -444,49 +542,10 @@ def serve_floor(
     import zmq.asyncio
 
     raise_nofile()
-    session = "f" * 43
-    joined = encode(Joined(joined=1, world_size=world_size, session=session, liveness=Liveness()))
-    welcomes = [
-        encode(
-            Welcome(
-                rank=r,
-                world_size=world_size,
-                run_id="0" * 12,
-                backend="gloo",
-                store_host="127.0.0.1",
-                store_port=29500,
-                start_epoch=0,
-                epochs=epochs,
-                resume_epoch=None,
-                checkpoint_dir="",
-                session=session,
-                liveness=Liveness(),
-                store_key="0" * 32,
-            )
-        )
-        for r in range(world_size)
-    ]
-    gos = [Go(epoch=e, train_batches=100, valid_batches=10, lr_factor=1.0) for e in range(epochs)]
-    first_go = encode(gos[0])
-    decisions = [  # each carries the next epoch's go, the last one stops
-        encode(
-            Decision(
-                epoch=e,
-                train_loss=2.3,
-                valid_loss=2.3,
-                smoothed_loss=2.3,
-                best_epoch=0,
-                is_best=e == 0,
-                checkpoint=False,
-                stop=e == epochs - 1,
-                go=gos[e + 1] if e + 1 < epochs else None,
-            )
-        )
-        for e in range(epochs)
-    ]
-    finish = encode(Finish(best_epoch=0, best_loss=2.3, epochs_run=epochs, restore_best=True))
-    open_store = encode(OpenStore(run_id="0" * 12))
-    heartbeat = encode(Heartbeat())
+    frames = floor_frames(world_size, epochs, heartbeat_interval)
+    joined, welcomes, first_go = frames.joined, frames.welcomes, frames.first_go
+    decisions, finish, open_store = frames.decisions, frames.finish, frames.open_store
+    heartbeat = frames.heartbeat
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
@@ -700,6 +759,17 @@ def run_once(mode: str, n: int, args: argparse.Namespace, scratch: Path, tag: st
     result.rss_listening = rss_kib(server.pid) or 0
     sampler = Sampler(server.pid)
     sampler.start()
+    spy = None
+    if args.py_spy is not None and mode == "epochal":  # a profile of the coordinator's run
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(
+            [
+                *("py-spy", "record", "--pid", str(server.pid), "--rate", "250"),
+                *("--format", "raw", "--output", str(args.py_spy / f"{tag}-{n}.txt")),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     ctx = mp.get_context("spawn")
     ready, go, out, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -750,6 +820,8 @@ def run_once(mode: str, n: int, args: argparse.Namespace, scratch: Path, tag: st
         rc = server.wait()
     sampler.stopped.set()
     sampler.join()
+    if spy is not None:
+        spy.wait(timeout=60)  # it writes its profile when the coordinator has exited
     result.rss_peak = sampler.peak_rss
     if sampler.samples:
         result.cpu_total = sampler.samples[-1][1]
@@ -884,6 +956,14 @@ def main(argv: list[str] | None = None) -> int:
         default="shadow",
         help="how the floor reads and sends: through the socket's synchronous shadow, as the "
         "coordinator does (default), or pyzmq's awaitable calls, a future per frame",
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="profile each coordinator with py-spy (pip install py-spy) into DIR/TAG-N.txt, as "
+        "collapsed stacks",
     )
     parser.add_argument("--serve-floor", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

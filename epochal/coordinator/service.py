@@ -39,6 +39,7 @@ from epochal.coordinator.directories import check_directories
 from epochal.coordinator.feed import ObserverFeed
 from epochal.coordinator.guard import ConnectionGuard, open_files
 from epochal.coordinator.holding import hold_limits
+from epochal.coordinator.inbox import Inbox
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
@@ -64,6 +65,17 @@ __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
 
 BATCH = 256
 """Frames handled before the service looks at its clock again."""
+
+DRAIN_EVERY = 32
+"""Frames handed on between two reads of every frame libzmq holds (:mod:`.inbox`)."""
+
+INBOX_FRAMES = 1024
+INBOX_FRAMES_PER_WORKER = 4
+"""The inbox holds at most this many frames per worker (and at least INBOX_FRAMES): an epoch's
+burst is a Status or two and a loss report from every rank."""
+
+INBOX_BYTES = 32 * 1024 * 1024
+"""The most bytes of frames the inbox holds: past that, frames wait in libzmq."""
 
 BATCH_SECONDS = 0.05
 """Longest a batch of frames may keep the service from its clock (one frame may overrun it)."""
@@ -412,6 +424,13 @@ class Coordinator(Recording):
         sock, io, guard = self._socket, self._io, self._guard
         assert sock is not None and io is not None and guard is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
+        inbox = Inbox(
+            io,
+            read=guard.handed,  # out of libzmq: what the guard counts as no longer held there
+            secured=self._security is not None,
+            most_frames=max(INBOX_FRAMES, INBOX_FRAMES_PER_WORKER * self.config.world_size),
+            most_bytes=INBOX_BYTES,
+        )
         self._clock_read = time.monotonic()
         monitor = (
             asyncio.create_task(self._monitor.read(guard.on_event))
@@ -420,21 +439,24 @@ class Coordinator(Recording):
         )
         try:
             while self._outcome is None:
-                polled = await sock.poll(timeout=int(tick * 1000))
+                if inbox:  # frames read out already are handed on without waiting for more,
+                    # after the loop's other tasks had their turn (the monitor's reader: libzmq's
+                    # I/O thread stops while the monitor's pipe is full)
+                    await asyncio.sleep(0)
+                polled = await sock.poll(timeout=0 if inbox else int(tick * 1000))
                 await self._read_clock(tick)  # before any frame: a stopped process blames nobody
                 drained = not polled  # every finished message read: the guard's tighter bound
-                if polled:
+                if polled or inbox:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
                     batch_end = time.monotonic() + BATCH_SECONDS
-                    for _ in range(BATCH):
+                    for handed in range(BATCH):
                         if self._outcome is not None:
                             break
-                        try:
-                            frames = io.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:  # read all that was queued
-                            drained = True
+                        if handed % DRAIN_EVERY == 0:  # out of libzmq's buffers (see .inbox)
+                            drained = inbox.drain()
+                        frames = inbox.pop()
+                        if frames is None:  # all that was queued
                             break
-                        guard.handed(frames)
                         now = time.monotonic()
                         actions = self._intake.receive(frames, now)
                         if actions:  # most frames (heartbeats) change nothing to carry out or tell
