@@ -55,8 +55,8 @@ class Intake:
         self._secured = secured
         self._cost_clock = cost_clock
         # what a stranger's frame took is measured on it: this thread's CPU time
-        self._stranger_since: float | None = None
-        # when the stranger's frame being read and answered was taken up (cost_clock)
+        self._stranger: tuple[bytes, float] | None = None
+        # the stranger whose frame is being read and answered, and when it was taken up
         self._log = log
         self._world_size = world_size
         self._skipped = SkippedFields("coordinator")
@@ -89,16 +89,19 @@ class Intake:
             return self._read(frames, peer, now)
         if not machine.reads(now, peer):
             return []  # a stranger past its own or the strangers' budget: not even read
-        self._stranger_since = self._cost_clock()
+        self._stranger = (peer, self._cost_clock())
         return self._read(frames, peer, now)
 
     def answered(self, now: float) -> None:
         """The frame :meth:`receive` returned the actions of was carried out: if it was a
-        stranger's, what it took, from its reading to its answer, is counted against the
-        strangers' share of the coordinator's time (:meth:`~.strangers.Gate.took`)."""
-        if self._stranger_since is not None:
-            self.machine.gate.took(now, self._cost_clock() - self._stranger_since)
-            self._stranger_since = None
+        stranger's that did not make it a member (a joining worker's hello does), what it took,
+        from its reading to its answer, is counted against the strangers' share of the
+        coordinator's time (:meth:`~.strangers.Gate.took`)."""
+        if self._stranger is not None:
+            peer, since = self._stranger
+            self._stranger = None
+            if peer not in self.machine.gate.sessions:
+                self.machine.gate.took(now, self._cost_clock() - since)
 
     def _read(self, frames: list[Any], peer: bytes, now: float) -> list[Action]:
         machine = self.machine
