@@ -100,3 +100,14 @@ def test_compose_schema_refuses_a_misspelt_key(tmp_path: Path) -> None:
     bad.write_text(text.replace("  shm_size: 1gb\n", "  shm_sise: 1gb\n"))
     done = lint(check, "--builtin-schema", "vendor.compose-spec", str(bad))
     assert done.returncode != 0 and "shm_sise" in done.stdout + done.stderr, done.stdout
+
+
+def test_the_quick_starts_virtual_environment_is_not_the_projects_to_lint() -> None:
+    # the README's first command makes .venv inside the clone; its packages ship shell scripts
+    # (tqdm's completion.sh) that are not the project's, and the test command then runs here
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", ".venv/lib/python3.11/site-packages/tqdm/completion.sh"],
+        cwd=REPO,
+        check=False,
+    )
+    assert ignored.returncode == 0, ".venv/ is not in .gitignore: its scripts would be linted"
