@@ -88,6 +88,8 @@ def config_record(config: CoordinatorConfig) -> dict[str, Any]:
 
 
 def _shown(key: str, value: Any) -> str:
+    if value is None:  # an option left out: no Python None in what a person reads
+        return "not set"
     if key == "command" and isinstance(value, list):
         return repr(shlex.join(str(a) for a in value))
     return repr(value)

@@ -454,7 +454,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
         "exponential:gamma=0.5",
         f"--lr-schedule is 'exponential:gamma=0.5' now but {SCHEDULE!r} in the run",
     ),
-    "patience": (None, "--patience is None now but 3 in the run"),
+    "patience": (None, "--patience is not set now but 3 in the run"),
     "min_delta": (0.5, "--min-delta is 0.5 now but 0.0 in the run"),
     "best_from": (0, "--best-from is 0 now but 1 in the run"),
     "monitor": ("accuracy", "--monitor is 'accuracy' now but 'loss' in the run"),
@@ -463,7 +463,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "checkpoint_every": (2, "--checkpoint-every is 2 now but 1 in the run"),
     "checkpoint_dir": (
         "elsewhere",
-        "--checkpoint-dir is '{tmp}/elsewhere' now but None in the run",
+        "--checkpoint-dir is '{tmp}/elsewhere' now but not set in the run",
     ),
 }
 MAY_CHANGE: dict[str, Any] = {
@@ -515,7 +515,7 @@ def test_several_changed_settings_are_all_named(tmp_path: Path):
     message = refusal(make_config(tmp_path, epochs=9, smoothing=1.0, patience=None))
     assert "--epochs is 9 now but 10 in the run" in message
     assert "--smoothing is 1.0 now but 0.5 in the run" in message
-    assert "--patience is None now but 3 in the run" in message
+    assert "--patience is not set now but 3 in the run" in message
 
 
 # The message names the flag that exists on the command line (--no-restore-best).
@@ -552,8 +552,9 @@ def test_a_setting_a_resume_may_change_is_let_change(tmp_path: Path, name: str):
         ),
         ({"smoothing": 1}, {"smoothing": 1.0}, []),  # JSON may hand back an int for a float
         ({"token": "a", "backend": "nccl"}, {"token": "b", "backend": "gloo"}, []),
-        ({}, {"best_from": 2}, ["--best-from is 2 now but None in the run"]),
-        ({"old_setting": 1}, {}, ["--old-setting is None now but 1 in the run"]),
+        ({}, {"best_from": 2}, ["--best-from is 2 now but not set in the run"]),
+        ({"old_setting": 1}, {}, ["--old-setting is not set now but 1 in the run"]),
+        ({"patience": None}, {"patience": 5}, ["--patience is 5 now but not set in the run"]),
         ({"world_size": 2}, {"world_size": 4}, []),  # a resume at another size
         (
             {"smoothing": 0.5, "epochs": 6},
