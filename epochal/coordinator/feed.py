@@ -3,9 +3,10 @@
 :class:`ObserverFeed` sits between the service and an :class:`~epochal.observe.RunObserver`: the
 service notes what its actions did (a journal record written, a heartbeat sent, the result) and
 calls :meth:`ObserverFeed.tell` once every action of a turn is carried out, so a decision is
-never held up for an observer. After ``on_end`` the observers hear nothing more from this
-coordinator. :func:`snapshot` is the run as they see it: one epoch for the run and its ranks
-(:func:`rank_at`), so status.json's header and its rows never tell two stories.
+never held up for an observer (and the service's observer hands each call to a thread:
+:class:`~epochal.coordinator.diskwork.OffLoop`). After ``on_end`` the observers hear nothing
+more from this coordinator. :func:`snapshot` is the run as they see it: one epoch for the run
+and its ranks (:func:`rank_at`), so status.json's header and its rows never tell two stories.
 """
 
 from __future__ import annotations

@@ -3,15 +3,16 @@
 It reads a frame and the clock, decodes the frame, hands both to the pure
 :class:`~epochal.coordinator.machine.RunMachine` and applies the actions it returns: sends, journal
 records, log lines, deleted checkpoints, the end of the run. Every decision all ranks must share is
-taken there, once; here are only the socket, the files and the clock. The service never imports
-torch.
+taken there, once; here are only the socket, the files and the clock. Deleting old checkpoints and
+telling the observers (status.json, TensorBoard) go to threads (:mod:`.diskwork`): the loop that
+sends heartbeats never waits on a disk. The service never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import clock, faults, oslimits, resume
+from epochal.coordinator import clock, diskwork, faults, oslimits, resume
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -100,8 +101,10 @@ class Coordinator(Recording):
 
     ``observers`` (status.json, TensorBoard, metrics: :mod:`epochal.observe`) are told of the start,
     the joins, every journal record with a snapshot, a snapshot every heartbeat interval, and the
-    end, and of nothing after it. Their owner builds one set for every attempt of a run (``attempt``
-    counts the coordinators started again after a failure) and closes it outside the event loop.
+    end, and of nothing after it, in that order, on a thread of their own (never the event loop's;
+    :meth:`run` returns once they have heard the end). Their owner builds one set for every
+    attempt of a run (``attempt`` counts the coordinators started again after a failure) and
+    closes it outside the event loop.
 
     ``workers_here``: the workers run on this machine, so the checkpoint directory they write is
     made and tried at the start like the run directory (see :mod:`.directories`).
@@ -125,7 +128,13 @@ class Coordinator(Recording):
         self._workers_here = workers_here
         # the workers run on this machine (epochal run): their checkpoint directory is made and
         # tried here before they start, as the run directory is
-        self._observers: RunObserver = observers if observers is not None else Observers()
+        self._pruning = diskwork.DiskWork("epochal-prune")
+        # old checkpoints deleted, off the event loop
+        self._observing = diskwork.DiskWork("epochal-observers")
+        # the observers told (status.json, TensorBoard, metrics), in order, off the event loop
+        self._observers: RunObserver = diskwork.OffLoop(
+            observers if observers is not None else Observers(), self._observing
+        )
         self._feed = ObserverFeed(self._observers)
         self._attempt = attempt
         self._accept_failures = oslimits.AcceptFailures(config.world_size)
@@ -476,6 +485,7 @@ class Coordinator(Recording):
                     self._outcome = RunSummary(self.run_id, None, None, 0)
                     break
                 await self._apply(machine.on_tick(now))
+                self._say_disk_failures()
         finally:
             if monitor is not None:
                 monitor.cancel()  # no await before the monitor is disabled: it drains till then
@@ -489,6 +499,7 @@ class Coordinator(Recording):
             if monitor is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await monitor
+        await self._finish_disk_work()
         if isinstance(self._outcome, RunAborted):
             raise self._outcome
         assert self._outcome is not None
@@ -535,11 +546,38 @@ class Coordinator(Recording):
                 checkpoint_dir = self.config.checkpoint_path
                 assert checkpoint_dir is not None
                 for old in epochs:
-                    shutil.rmtree(checkpoint_path(checkpoint_dir, old), ignore_errors=True)
+                    path = checkpoint_path(checkpoint_dir, old)
+                    self._pruning.submit(
+                        f"deleting the checkpoint of epoch {old} ({path})",
+                        functools.partial(diskwork.delete_tree, path),
+                    )
             case Finished(summary=summary):
                 self._outcome = summary
             case Aborted(reason=reason):
                 self._outcome = RunAborted(reason)
+
+    def _say_disk_failures(self) -> None:
+        """Log what the disk work could not do, each failure once (see :mod:`.diskwork`)."""
+        for work in (self._pruning, self._observing):
+            for line in work.take_failures():
+                self._log(f"{line} (the run goes on)")
+
+    async def _finish_disk_work(self) -> None:
+        """Before the run is reported done: wait for the old checkpoints being deleted and the
+        observers being told, at most :data:`~.diskwork.DRAIN_TIMEOUT` seconds, and say what
+        failed and what is still going."""
+        timeout = diskwork.DRAIN_TIMEOUT
+        left = await asyncio.gather(*(w.drain(timeout) for w in (self._pruning, self._observing)))
+        self._say_disk_failures()
+        for work in (self._pruning, self._observing):
+            for line in work.repeats():
+                self._log(line)
+        undone = [what for whats in left for what in whats]
+        if undone:
+            self._log(
+                f"not done {timeout:g} s after the run ended: {'; '.join(undone)}; the run ends "
+                "without waiting longer (a checkpoint not deleted is left for you to delete)"
+            )
 
     def _understood(self, peer: bytes, message: CoordinatorMessage) -> bool:
         """Whether ``peer`` may be sent ``message`` (an optional type only if its hello said it

@@ -11,9 +11,10 @@ class Curve(RunObserver):
     """Writes the learning curve when the observers are closed, after the run's last attempt;
     never fails the run.
 
-    Not at ``on_end``: that is called inside the coordinator's event loop, and importing
-    matplotlib and drawing take a second or two, which the coordinator would (rightly) report as
-    time it was not running.
+    Not at ``on_end``: the coordinator tells its observers on a thread of their own (never its
+    event loop) but waits for them before it reports the run done, and importing matplotlib and
+    drawing take a second or two; a run restarted after a failure would also draw it once per
+    attempt. Its owner closes the observers after the event loop is gone.
     """
 
     def __init__(self, run_dir: Path | None = None) -> None:

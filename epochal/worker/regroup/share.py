@@ -34,7 +34,7 @@ from epochal.errors import ConfigError
 from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import ShardedState
 from epochal.worker.regroup.snapshot import host_copy, tensor_bytes
-from epochal.worker.regroup.wire import broadcast_tree
+from epochal.worker.regroup.wire import Expects, broadcast_tree
 from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.strategies.sharded import Sharded
 from epochal.worker.training.initialization import is_dtensor
@@ -96,6 +96,29 @@ def consolidate(strategy: Strategy) -> FullState | None:
     return FullState(mode=strategy.mode, state=full, nbytes=tensor_bytes(full))
 
 
+def _model_entries(strategy: Strategy) -> dict[str, torch.Tensor]:
+    """This rank's model entries by every name a peer's state may give them: its state dict's
+    (``module.``-prefixed under DDP, as a snapshot names them) and DCP's (as the optimizer state
+    and ``share`` name them)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    entries = dict(strategy.model.state_dict())
+    entries.update(get_model_state_dict(strategy.model))
+    return {name: t for name, t in entries.items() if isinstance(t, torch.Tensor)}
+
+
+def _expects_state(strategy: Strategy) -> Expects:
+    """What a rank accepts of a state :func:`share` sends: this model's entries under
+    ``model``, an optimizer state for its parameters under ``optim``, single values in the
+    parameter groups and the loss scaler's state."""
+    return Expects.of_model(
+        _model_entries(strategy),
+        entries=(("model",),),
+        optim=(("optim", "state"),),
+        scalars=(("optim", "param_groups"), (SCALER_KEY,)),
+    )
+
+
 def _to_host(path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
@@ -113,6 +136,7 @@ def _consolidate_zero(strategy: Sharded) -> dict[str, Any] | None:
     assert zero is not None
     layout = strategy.layout
     own = ShardedState(strategy.model, zero).state_dict()  # this rank's shard, by name
+    expects = Expects.of_model(_model_entries(strategy), optim=((),))
     gathered: dict[str, Any] = {}
     for rank in range(layout.world_size):
         src = rank if layout.group is None else dist.get_global_rank(layout.group, rank)
@@ -121,6 +145,7 @@ def _consolidate_zero(strategy: Sharded) -> dict[str, Any] | None:
             src=src,
             group=layout.group,
             device=layout.device,
+            expects=expects,
             keep=_to_host if layout.is_root else _nothing,
         )
         if layout.is_root:
@@ -195,9 +220,14 @@ def share(strategy: Strategy, src: int = 0, full: FullState | None = None) -> Tr
     group, device = layout.group, layout.device
     root = src if group is None else dist.get_global_rank(group, src)
     sending = layout.rank == src
+    expects = _expects_state(strategy)
     if scope is not SnapshotScope.SHARD:
         state, nbytes = broadcast_tree(
-            _live_state(strategy) if sending else None, src=root, group=group, device=device
+            _live_state(strategy) if sending else None,
+            src=root,
+            group=group,
+            device=device,
+            expects=expects,
         )
         if not sending:
             _load_live(strategy, state)
@@ -214,12 +244,14 @@ def share(strategy: Strategy, src: int = 0, full: FullState | None = None) -> Tr
             other = path[:2] == ("optim", "state") and path[2] not in owned
             return None if other else tensor  # another rank's shard of the optimizer state
 
-        state, nbytes = broadcast_tree(tree, src=root, group=group, device=device, keep=keep)
+        state, nbytes = broadcast_tree(
+            tree, src=root, group=group, device=device, expects=expects, keep=keep
+        )
         if state is None:  # this rank is src and has nothing: the others raised
             raise ConfigError(_NOTHING)
         sharded.load_state_dict(state)
     else:
-        state, nbytes = _share_fully_sharded(strategy, tree, root)
+        state, nbytes = _share_fully_sharded(strategy, tree, root, expects)
     _load_scaler(strategy, state)
     return Transfer(nbytes=nbytes, seconds=time.perf_counter() - start)
 
@@ -231,7 +263,7 @@ _NOTHING = (
 
 
 def _share_fully_sharded(
-    strategy: Strategy, tree: dict[str, Any] | None, root: int
+    strategy: Strategy, tree: dict[str, Any] | None, root: int, expects: Expects
 ) -> tuple[dict[str, Any], int]:
     """FSDP2: each whole tensor, as it arrives, becomes this rank's shard of it (placed as the
     rebuilt model's and optimizer's own DTensors are, cut locally: ``distribute_tensor`` with
@@ -268,7 +300,7 @@ def _share_fully_sharded(
         )
 
     state, nbytes = broadcast_tree(
-        tree, src=root, group=layout.group, device=layout.device, keep=keep
+        tree, src=root, group=layout.group, device=layout.device, expects=expects, keep=keep
     )
     if state is None:  # this rank is src and has nothing: the others raised
         raise ConfigError(_NOTHING)
@@ -279,12 +311,16 @@ def _share_fully_sharded(
 
 
 def share_tree(strategy: Strategy, tree: Any) -> tuple[Any, int]:
-    """Give every rank of the strategy's group rank 0's ``tree`` (JSON-able structure and
-    tensors, such as the best epoch's weights; None inside it is kept) and the bytes it took.
-    Collective; what the other ranks pass is ignored."""
+    """Give every rank of the strategy's group rank 0's ``tree``, the best epoch's weights (a
+    snapshot: the model's entries by name, or None) and the bytes it took. Collective; what the
+    other ranks pass is ignored; a receiver accepts only its own model's entries, in their
+    shapes."""
     layout = strategy.layout
     group = layout.group
     root = 0 if group is None else dist.get_global_rank(group, 0)
     wrapped = {"tree": tree} if layout.rank == 0 else None
-    got, nbytes = broadcast_tree(wrapped, src=root, group=group, device=layout.device)
+    expects = Expects.of_model(_model_entries(strategy), entries=(("tree",),))
+    got, nbytes = broadcast_tree(
+        wrapped, src=root, group=group, device=layout.device, expects=expects
+    )
     return host_copy(got["tree"]), nbytes

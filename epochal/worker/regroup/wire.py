@@ -12,13 +12,18 @@ memory for more than what it keeps plus one chunk. Nobody unpickles what a peer 
 ``broadcast_object_list`` and ZeRO's ``consolidate_state_dict`` would). A source that has nothing
 to send says so in the same collective, so its peers raise instead of waiting for tensors that
 never come.
+
+A receiver allocates nothing a peer's numbers alone decide: every rank passes what it
+:class:`Expects`, drawn from its own model (the names and shapes of its entries), and the
+structure's length, each tensor's place and shape, and the bytes of them all are checked against
+it before anything is allocated. A peer that sends more is refused, by rank, with what was wrong.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +72,141 @@ class Slot:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+OPTIMIZER_COPIES = 4
+"""Tensors the size of a parameter an optimizer's state may hold for it (Adam keeps two, with
+amsgrad three), for :attr:`Expects.tensor_bytes`."""
+
+ELEMENT_BYTES = 8
+"""Bytes allowed per element of the model and of its optimizer state, for the same bound (a
+float64 model; a narrower one is allowed as much, a wider one its own width)."""
+
+STRUCTURE_FLOOR = 1 << 20
+"""Bytes of structure allowed beyond what the model's entries account for (hyperparameters, the
+loss scaler's state)."""
+
+STRUCTURE_PER_ENTRY = 16
+"""Times each model entry's name (and a tensor's description, 64 bytes) may appear in a
+structure: as a model entry, an optimizer state's key, a parameter group's member, with the keys
+of its optimizer state."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expects:
+    """What a rank accepts of a structure a peer sends, drawn from its own model: the tensors
+    it expects where, and how many bytes of structure and of tensors at most. Built by
+    :meth:`of_model`."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    # this rank's model entries by name (its state dict's, and DCP's names for them)
+    entries: tuple[tuple[Any, ...], ...] = ()
+    # where the model's entries are (``("model",)``: under ``tree["model"][name]``), each the
+    # shape of this rank's entry of that name
+    optim: tuple[tuple[Any, ...], ...] = ()
+    # where an optimizer state is, by parameter name then key (``("optim", "state")``): each
+    # tensor at most as many elements as the parameter
+    scalars: tuple[tuple[Any, ...], ...] = ()
+    # where tensors of at most one element may be, at any depth (parameter groups, the scaler)
+    structure_bytes: int
+    # the longest structure accepted
+    tensor_bytes: int
+    # the most bytes of tensors accepted in all
+
+    @classmethod
+    def of_model(
+        cls,
+        model: Mapping[str, torch.Tensor],
+        *,
+        entries: tuple[tuple[Any, ...], ...] = (),
+        optim: tuple[tuple[Any, ...], ...] = (),
+        scalars: tuple[tuple[Any, ...], ...] = (),
+    ) -> Expects:
+        """The bounds for a rank whose model state is ``model`` (its entries by name; a DTensor
+        counts whole): structure bytes :data:`STRUCTURE_FLOOR` plus :data:`STRUCTURE_PER_ENTRY`
+        times each name's and a tensor's description; tensor bytes, for each element of the
+        model at :data:`ELEMENT_BYTES` or its own width if wider, once for its entries and
+        :data:`OPTIMIZER_COPIES` times for an optimizer state, plus the structure's length where
+        single values may be (a one-element tensor takes more bytes to describe than to hold)."""
+        shapes = {name: tuple(t.shape) for name, t in model.items()}
+        names = sum(len(json.dumps(name)) + 64 for name in shapes)
+        structure = STRUCTURE_FLOOR + STRUCTURE_PER_ENTRY * names
+        held = sum(max(ELEMENT_BYTES, t.element_size()) * t.numel() for t in model.values())
+        copies = (1 if entries else 0) + (OPTIMIZER_COPIES if optim else 0)
+        tensors = copies * held + (structure if scalars else 0)
+        return cls(
+            shapes=shapes,
+            entries=entries,
+            optim=optim,
+            scalars=scalars,
+            structure_bytes=structure,
+            tensor_bytes=tensors,
+        )
+
+    def refuse(self, slot: Slot) -> str | None:
+        """Why ``slot`` is not what this rank's model holds there; None: it is."""
+        path, numel = slot.path, math.prod(slot.shape)
+        where = "/".join(str(p) for p in path) or "the top"
+        for at in self.entries:
+            if path[: len(at)] == at and len(path) == len(at) + 1:
+                name = path[-1]
+                if name not in self.shapes:
+                    return f"a tensor {where}, an entry this rank's model does not have"
+                if slot.shape != self.shapes[name]:
+                    return (
+                        f"{where} of shape {list(slot.shape)}, where this rank's model has "
+                        f"{list(self.shapes[name])}"
+                    )
+                return None
+        for at in self.optim:
+            if path[: len(at)] == at and len(path) >= len(at) + 2:
+                name = path[len(at)]
+                if name not in self.shapes:
+                    return (
+                        f"optimizer state {where} for a parameter this rank's model does not have"
+                    )
+                most = max(1, math.prod(self.shapes[name]))
+                if numel > most:
+                    return (
+                        f"optimizer state {where} of shape {list(slot.shape)} ({numel} elements) "
+                        f"for a parameter of {most}"
+                    )
+                return None
+        for at in self.scalars:
+            if path[: len(at)] == at and numel <= 1:
+                return None
+        return f"a tensor {where} of shape {list(slot.shape)}, where this rank expects none"
+
+    def check(self, slots: list[Slot], src: int) -> None:
+        """Raise EpochalError naming rank ``src`` and the first tensor of ``slots`` this rank's
+        model does not hold, or their total when it is more than it could."""
+        total = 0
+        for slot in slots:
+            why = self.refuse(slot)
+            if why is not None:
+                raise _refused(src, why)
+            total += slot.nbytes
+        if total > self.tensor_bytes:
+            raise _refused(
+                src,
+                f"{total} bytes of tensors, where this rank's model holds at most "
+                f"{self.tensor_bytes}",
+            )
+
+    def check_length(self, length: int, src: int) -> None:
+        if not 0 <= length <= self.structure_bytes:
+            raise _refused(
+                src,
+                f"a structure of {length} bytes, where this rank's model needs at most "
+                f"{self.structure_bytes}",
+            )
+
+
+def _refused(src: int, what: str) -> EpochalError:
+    return EpochalError(
+        f"rank {src} sent a state this rank's model cannot hold: {what}. Refused before "
+        "anything was allocated; every rank of a run must build the same model"
+    )
 
 
 def encode(tree: Any) -> tuple[bytes, list[torch.Tensor]]:
@@ -183,6 +323,7 @@ def broadcast_tree(
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    expects: Expects,
     keep: Keep | None = None,
     cap_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> tuple[Any, int]:
@@ -194,7 +335,10 @@ def broadcast_tree(
     returned for each tensor. None as the source's ``tree`` means it has nothing to send: it gets
     None back and every other rank raises EpochalError. ``device`` is where the backend
     communicates (the CPU for gloo, this rank's GPU for NCCL); ``cap_bytes`` bounds the tensors in
-    flight at once (beyond the largest one).
+    flight at once (beyond the largest one). ``expects`` is what a receiving rank accepts, from
+    its own model: a structure longer, or a tensor it does not hold where it was sent, makes it
+    raise EpochalError before it allocates any (the source then waits in the collective until
+    its timeout, as for any rank that left).
     """
     me = dist.get_rank()
     data, tensors = b"", list[torch.Tensor]()
@@ -210,6 +354,8 @@ def broadcast_tree(
             f"rank {src} had no state to share: it must hold the state it sends "
             "(in sharded modes, consolidate() it in the old group first)"
         )
+    if me != src:
+        expects.check_length(length, src)
     buffer = (
         torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         if me == src
@@ -217,6 +363,8 @@ def broadcast_tree(
     )
     dist.broadcast(buffer, src=src, group=group)
     skeleton, slots = decode(data if me == src else bytes(buffer.cpu().numpy()))
+    if me != src:
+        expects.check(slots, src)
     values: dict[int, Any] = {}
     for chunk in _chunks(slots, cap_bytes):
         if me == src:
