@@ -113,7 +113,8 @@ async def test_a_forked_worker_is_the_process_python_would_have_started(
     assert seen["stdin"] == ""  # /dev/null
     assert seen["sigint"]  # Ctrl-C raises KeyboardInterrupt, as in any script
     assert seen["comm"] == "python"
-    assert seen["cmdline"] == command  # what ps and pgrep -f show
+    # what ps and pgrep -f show (setproctitle writes it as one string: spaces, not NULs, apart)
+    assert " ".join(seen["cmdline"]) == " ".join(command)
     assert seen["environ"] == [f"{k}={v}" for k, v in env.items()]  # and /proc/PID/environ
     assert seen["random"] != second["random"]  # each worker seeds its own random stream
     # a script reached through a link: its own path as given, its real directory on the path

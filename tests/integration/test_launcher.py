@@ -241,7 +241,8 @@ def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
         EPOCHAL_PRELOAD_SOCKET=str(path),
     )
     wait_for_record(run_dir, "epoch", alive=proc)
-    argvs = {pid: cmdline(pid).split(b"\0") for pid in marked_pids(spawn.mark)}
+    # a forked worker's command line is one string, its words apart by spaces (setproctitle)
+    argvs = {pid: cmdline(pid).replace(b"\0", b" ").split() for pid in marked_pids(spawn.mark)}
     workers = [pid for pid, argv in argvs.items() if argv[2:3] == [bytes(SCRIPTS / "resumable.py")]]
     parents = {cmdline(parent_of(pid)).split(b":")[0] for pid in workers}
     code, output = spawn.finish(proc, DEADLINE)
