@@ -1,4 +1,4 @@
-"""The preloaded process ``epochal run`` forks its workers from (epochal/zygote.py) and the
+"""The preloaded process ``epochal run`` forks its workers from (epochal/zygote/) and the
 launcher's side of it (epochal/launch/preload.py): a forked worker is the process ``python -u
 SCRIPT ARGS`` would have been, and a worker can have the zygote fork a process of its own.
 

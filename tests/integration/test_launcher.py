@@ -183,7 +183,7 @@ def test_a_custom_loop_with_ddp_passes_the_replica_check(spawn: Spawner, tmp_pat
 def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afresh(
     spawn: Spawner, tmp_path: Path
 ):
-    """The workers are forked from one process that imported torch (epochal/zygote.py); killed,
+    """The workers are forked from one process that imported torch (epochal/zygote/); killed,
     it takes them with it: the run restarts from its checkpoint, each worker importing torch
     itself, and finishes."""
     run_dir = tmp_path / "run"
