@@ -232,3 +232,32 @@ async def test_a_thread_started_after_a_fork_stops_the_next_one(
             await preloaded.spawn(command, modules)
     finally:
         preloaded.close()
+
+
+async def test_an_asker_that_reads_no_answer_is_dropped_not_waited_for(tmp_path: Path) -> None:
+    """Requests sent without reading an answer fill the asker's queue: the shared zygote drops
+    that connection rather than wait to write to it, and serves the next launch."""
+    (tmp_path / "exits.py").write_text("print('ran')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    path = str(tmp_path / "preload.sock")
+    server = serve(path, ("json",), env)
+    try:
+        channel, _ = zygote.connect(path, 60)
+        channel.settimeout(30)
+        sent = 0
+        with pytest.raises(OSError):  # the zygote closed it: the send is refused
+            while sent < 100_000:
+                channel.send(b"not json")
+                sent += 1
+        channel.close()
+        assert sent > 10  # it took many before the queue of answers was full
+        preloaded = await Preloaded.connect(path, ("json",), env)
+        try:
+            forked = await preloaded.spawn([sys.executable, "-u", str(tmp_path / "exits.py")], env)
+            assert await forked.stdout.read() == b"ran\n"
+        finally:
+            preloaded.close()
+        assert server.poll() is None
+    finally:
+        server.kill()
+        server.wait()

@@ -83,11 +83,6 @@ def fork_hazard_now() -> str:
     return fork_hazard(threads=threading.active_count(), tasks=tasks, cuda=cuda)
 
 
-def _send(channel: socket.socket, message: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):  # an asker gone does not stop the others
-        channel.sendall(encode(message))
-
-
 def _listening(sock: socket.socket) -> bool:
     try:
         return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
@@ -110,6 +105,21 @@ class Server:
         self.owners: dict[int, socket.socket] = {}  # pid -> the channel that asked for it
         self.said: set[int] = set()  # the channels whose bad request was said on stderr
         self.refused = False  # a refusal to fork was said (shared zygote)
+        self.deaf: set[socket.socket] = set()  # askers that read none of their answers
+
+    def _send(self, channel: socket.socket, message: dict[str, Any]) -> None:
+        """Answer ``channel``; an asker gone does not stop the others, nor does one that reads
+        nothing of what it is sent (its answers filled its socket's queue): that one is
+        dropped, as if it had closed. The one launcher of this zygote is waited for."""
+        try:
+            if channel is self.launcher:
+                channel.sendall(encode(message))
+            else:
+                channel.send(encode(message), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            self.deaf.add(channel)
+        except OSError:
+            pass
 
     def serve(self) -> Job | None:
         """Answer requests until the launcher closes its channel (None then). In a forked child,
@@ -148,6 +158,10 @@ class Server:
                     os.close(wake_r)
                     os.close(wake_w)
                     return child
+            for channel in self.deaf:
+                if channel.fileno() in self.channels:
+                    self._drop(channel)
+            self.deaf.clear()
 
     def _answer(
         self, channel: socket.socket, data: bytes, fds: list[int], flags: int
@@ -170,7 +184,7 @@ class Server:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        _send(channel, {"failed": request_id(data), "error": error})
+        self._send(channel, {"failed": request_id(data), "error": error})
         return None
 
     def _say(self, channel: socket.socket, what: str) -> None:
@@ -205,7 +219,7 @@ class Server:
             return
         self.channels[channel.fileno()] = channel
         self.launchers.add(channel)
-        _send(channel, self.hello)
+        self._send(channel, self.hello)
 
     def _fork(self, channel: socket.socket, request: Request, fds: list[int]) -> Job | None:
         own: socket.socket | None = None
@@ -237,7 +251,7 @@ class Server:
             theirs.close()
             self.channels[own.fileno()] = own
         self.owners[pid] = channel
-        _send(channel, {"started": request.id, "pid": pid})
+        self._send(channel, {"started": request.id, "pid": pid})
         return None
 
     def _drop(self, channel: socket.socket) -> None:
@@ -264,7 +278,7 @@ class Server:
                 return
             owner = self.owners.pop(pid, None)
             if owner is not None:
-                _send(owner, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+                self._send(owner, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
 
 
 def main(argv: list[str]) -> NoReturn:
