@@ -1,4 +1,4 @@
-"""The preloaded process ``epochal run`` forks its workers from (epochal/zygote.py) and the
+"""The preloaded process ``epochal run`` forks its workers from (epochal/zygote/) and the
 launcher's side of it (epochal/launch/preload.py): a forked worker is the process ``python -u
 SCRIPT ARGS`` would have been, and a worker can have the zygote fork a process of its own.
 
@@ -113,7 +113,8 @@ async def test_a_forked_worker_is_the_process_python_would_have_started(
     assert seen["stdin"] == ""  # /dev/null
     assert seen["sigint"]  # Ctrl-C raises KeyboardInterrupt, as in any script
     assert seen["comm"] == "python"
-    assert seen["cmdline"] == command  # what ps and pgrep -f show
+    # what ps and pgrep -f show (setproctitle writes it as one string: spaces, not NULs, apart)
+    assert " ".join(seen["cmdline"]) == " ".join(command)
     assert seen["environ"] == [f"{k}={v}" for k, v in env.items()]  # and /proc/PID/environ
     assert seen["random"] != second["random"]  # each worker seeds its own random stream
     # a script reached through a link: its own path as given, its real directory on the path
@@ -230,6 +231,67 @@ async def test_a_module_runs_as_python_m_runs_it(tmp_path: Path, monkeypatch: py
         [str(package / "tool.py"), "x"],
         str(tmp_path),
     )
+
+
+AFTER_MAIN = """\
+import atexit, pickle, sys, threading, time
+class Point:
+    pass
+def seen(when):
+    point = type(pickle.loads(pickle.dumps(Point()))).__name__  # found in __main__ by name
+    main = sys.modules["__main__"].__dict__.get("Point") is Point
+    print(when, sys.argv[0].endswith(".py"), point, main, flush=True)
+def later():
+    time.sleep(0.2)
+    seen("thread")
+threading.Thread(target=later).start()  # runs on after the module's code has ended
+atexit.register(seen, "atexit")
+print(__name__, __spec__.name, __package__, __file__ == sys.argv[0], flush=True)
+seen("main")
+"""
+
+
+async def test_python_m_semantics_hold_after_the_module_ends_and_for_what_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``__main__`` and ``sys.argv[0]`` stay the module's for its threads and its ``atexit``
+    callbacks (runpy.run_module would put them back as it returned), a package runs its
+    ``__main__``, and a module that cannot be run is said in python's words."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tool.py").write_text(AFTER_MAIN)
+    (package / "__main__.py").write_text(AFTER_MAIN)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    env = {"PATH": os.environ.get("PATH", "")}
+    modules = ["pkg.tool", "pkg", "no_such_module", "bare", "no_such_package.tool"]
+    fresh = {}
+    for module in modules:
+        done = subprocess.run(
+            [sys.executable, "-u", "-m", module],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        fresh[module] = (done.returncode, done.stdout + done.stderr)
+    preloaded = await started()
+    try:
+        forked = {
+            module: await run_forked(preloaded, [sys.executable, "-u", "-m", module], env)
+            for module in modules
+        }
+    finally:
+        preloaded.close()
+    assert forked == fresh
+    assert fresh["pkg.tool"][1] == (
+        "__main__ pkg.tool pkg True\nmain True Point True\nthread True Point True\n"
+        "atexit True Point True\n"
+    )
+    assert fresh["bare"][0] == 1 and "cannot be directly executed" in fresh["bare"][1]
 
 
 async def test_workers_die_with_the_zygote_however_it_dies(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from epochal.environment import PRELOAD_ENV, PRELOAD_SOCKET_ENV
 from epochal.errors import ConfigError, EpochalError
 from epochal.launch.processes import die_with_parent
 from epochal.zygote import ARGV_ROOM, ENV_ROOM, IMPORT_ENV, ROOM_ENV
-from epochal.zygote import __file__ as ZYGOTE_SCRIPT
+from epochal.zygote import SCRIPT as ZYGOTE_SCRIPT
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint")
 """What the zygote imports: torch, its process groups, ``torch._dynamo``, which torch's
@@ -354,7 +354,7 @@ def _zygote(
             ZYGOTE_SCRIPT,
             str(end.fileno()),
             str(os.getpid()),
-            " " * ARGV_ROOM,  # room for each worker's command line (zygote._show)
+            " " * ARGV_ROOM,  # room for each worker's command line (zygote.proctitle)
             *modules,
         ],
         stdin=subprocess.DEVNULL,

@@ -183,7 +183,7 @@ def test_a_custom_loop_with_ddp_passes_the_replica_check(spawn: Spawner, tmp_pat
 def test_a_killed_preloaded_process_costs_one_restart_and_the_workers_start_afresh(
     spawn: Spawner, tmp_path: Path
 ):
-    """The workers are forked from one process that imported torch (epochal/zygote.py); killed,
+    """The workers are forked from one process that imported torch (epochal/zygote/); killed,
     it takes them with it: the run restarts from its checkpoint, each worker importing torch
     itself, and finishes."""
     run_dir = tmp_path / "run"
@@ -241,7 +241,8 @@ def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
         EPOCHAL_PRELOAD_SOCKET=str(path),
     )
     wait_for_record(run_dir, "epoch", alive=proc)
-    argvs = {pid: cmdline(pid).split(b"\0") for pid in marked_pids(spawn.mark)}
+    # a forked worker's command line is one string, its words apart by spaces (setproctitle)
+    argvs = {pid: cmdline(pid).replace(b"\0", b" ").split() for pid in marked_pids(spawn.mark)}
     workers = [pid for pid, argv in argvs.items() if argv[2:3] == [bytes(SCRIPTS / "resumable.py")]]
     parents = {cmdline(parent_of(pid)).split(b":")[0] for pid in workers}
     code, output = spawn.finish(proc, DEADLINE)
@@ -257,6 +258,45 @@ def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
     ), said
     assert not path.exists()
     spawn.assert_none_left()
+
+
+def test_a_zygote_that_will_not_fork_is_said_once_and_the_workers_start_afresh(
+    spawn: Spawner, tmp_path: Path
+):
+    """A module EPOCHAL_PRELOAD names starts a thread as it is imported: the preloaded process
+    refuses to fork (a fork copies only the caller, not the locks the thread held), the launch
+    says why in one line, and its workers start as fresh interpreters."""
+    found = tmp_path / "found"
+    found.mkdir()
+    (found / "starts_a_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    run_dir = tmp_path / "run"
+    proc = spawn.epochal(
+        "run",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        str(SCRIPTS / "torchrun_style.py"),
+        EPOCHAL_PRELOAD_SOCKET="",  # a zygote of its own, not the one the session shares
+        EPOCHAL_PRELOAD="starts_a_thread",
+        PYTHONPATH=os.pathsep.join(p for p in (str(found), os.environ.get("PYTHONPATH")) if p),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    spawn.assert_none_left()
+    assert code == 0, output
+    said = [line for line in output.splitlines() if "could not fork" in line]
+    assert said == [
+        "[epochal] could not fork a worker: the preloaded process runs 2 threads, and a worker "
+        "forked from it would inherit what locks the others held (a module it imported did so: "
+        "EPOCHAL_PRELOAD names what it imports): worker 0 and those after it import torch "
+        "themselves"
+    ], output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "finished"
 
 
 def parent_of(pid: int) -> int:

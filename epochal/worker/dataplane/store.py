@@ -131,20 +131,23 @@ class StoreServer:
         env.setdefault(LOG_LEVEL_ENV, "ERROR")
         env.pop(CHANNEL_ENV, None)  # this process's, not the server's
         args = [str(listener.fileno()), own, str(port), str(timeout), str(os.getpid())]
-        process: subprocess.Popen[bytes] | Child
+        process: subprocess.Popen[bytes] | Child | None = None
         try:
             channel = channel_from() or _shared(timeout)
             if channel is not None:  # forked from the process that imported torch for the run
-                process = popen(
-                    channel,
-                    storeserver.__file__,
-                    args,
-                    env=env,
-                    stdin=True,
-                    stdout=True,
-                    pass_fds=(listener.fileno(),),
-                )
-            else:
+                try:
+                    process = popen(
+                        channel,
+                        storeserver.__file__,
+                        args,
+                        env=env,
+                        stdin=True,
+                        stdout=True,
+                        pass_fds=(listener.fileno(),),
+                    )
+                except OSError as exc:  # refused (zygote.server.fork_hazard), or it has ended
+                    WORKER.info("%s; the store server imports torch itself", exc)
+            if process is None:
                 process = subprocess.Popen(
                     # -P: never import from the script's directory (this package's modules)
                     [sys.executable, "-P", storeserver.__file__, *args],
