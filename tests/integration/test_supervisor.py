@@ -154,8 +154,10 @@ def test_remote_workers_and_a_restarting_coordinator_recover_a_killed_worker(spa
         pid
         for pid in marked_pids(spawn.mark)
         if b"EPOCHAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes()
+        # a forked process's command line is one string of words (setproctitle), an exec'd
+        # one's NUL-separated: the supervisor is "epochal worker" either way
         and b"resumable.py" in (cmd := Path(f"/proc/{pid}/cmdline").read_bytes())
-        and b"epochal\0worker" not in cmd
+        and b"epochal worker" not in cmd.replace(b"\0", b" ")
     )
     os.kill(victim, signal.SIGKILL)
     for sup in supervisors:

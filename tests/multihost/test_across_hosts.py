@@ -273,8 +273,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(make_hosts,
     victim = next(
         pid
         for pid in net[2].pids()
+        # a forked process's command line is one string of words (setproctitle), an exec'd
+        # one's NUL-separated: the supervisor is "epochal worker" either way
         if b"resumable.py" in (cmd := Path(f"/proc/{pid}/cmdline").read_bytes())
-        and b"epochal\0worker" not in cmd
+        and b"epochal worker" not in cmd.replace(b"\0", b" ")
     )
     os.kill(victim, signal.SIGKILL)
     for sup in supervisors:
