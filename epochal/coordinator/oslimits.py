@@ -225,11 +225,10 @@ class AcceptMonitor:
     """A ROUTER's socket monitor, read in bounded batches.
 
     :meth:`watch` before the socket binds; :meth:`read` as a task for as long as the socket lives;
-    :meth:`close` before the socket closes. libzmq's I/O thread blocks on a full monitor pipe, so
-    the task drains it until cancelled; and since an accept that fails for want of descriptors
-    fails again at every turn of that thread, events can come without end: the task yields to the
-    event loop after every :data:`MONITOR_BATCH` events, so the service's clock, heartbeats and
-    timeouts keep running.
+    :meth:`close` before the socket closes. The task drains the monitor until cancelled; and since
+    an accept that fails for want of descriptors fails again at every turn of libzmq's I/O thread,
+    events can come without end: the task yields to the event loop after every
+    :data:`MONITOR_BATCH` events, so the service's clock, heartbeats and timeouts keep running.
     """
 
     def __init__(self) -> None:
@@ -240,7 +239,18 @@ class AcceptMonitor:
         return self._monitor is not None
 
     def watch(self, sock: zmq.asyncio.Socket, events: int) -> None:
-        self._monitor = sock.get_monitor_socket(events)
+        """Monitor ``sock``'s ``events`` through a pipe without a high-water mark: libzmq's I/O
+        thread sends each event holding the socket's monitor lock and waits for room in a full
+        pipe, so with a bounded pipe it waited whenever the reader fell behind (thousands of
+        connections closing as a large run ends), and disabling the monitor, which takes that
+        lock holding the interpreter's, then waited forever. An event is a few dozen bytes, one
+        per connection accepted or closed."""
+        address = f"inproc://epochal-monitor-{id(self):x}-{sock.FD}"
+        sock.monitor(address, events)
+        monitor = sock.context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)  # inproc: the pipe's bound is its reader's, none
+        monitor.connect(address)
+        self._monitor = monitor
 
     def close(self, sock: zmq.asyncio.Socket) -> None:
         """Stop monitoring ``sock`` (before it closes)."""
