@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from codec import hostile  # noqa: E402
 
 from epochal.protocol import MAX_FRAME_BYTES, MAX_NAME_CHARS, PROTOCOL_VERSION  # noqa: E402
+from tests.integration.conftest import epoch_records  # noqa: E402
 
 
 def well_formed() -> bytes:
@@ -125,12 +126,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def decided_at(run_dir: Path) -> list[float]:
-    try:
-        lines = (run_dir / "epochs.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [r["time"] for r in records if r.get("kind") == "epoch"]
+    """When each epoch decided so far was journaled (wall clock)."""
+    return [r["time"] for r in epoch_records(run_dir) if r.get("kind") == "epoch"]
 
 
 def wait_epochs(run_dir: Path, count: int, run: subprocess.Popen[bytes]) -> list[float]:

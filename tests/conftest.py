@@ -25,11 +25,24 @@ import pytest
 
 from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.launch.preload import worker_threads
-from epochal.protocol import Fingerprint, Hello
+from epochal.protocol import MESSAGE_TYPES, OPTIONAL_TYPES, TYPE_NAMES, Fingerprint, Hello
 from tests.forked import start_server
 
 FINGERPRINT = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 """A model's fingerprint as a hello carries it: a digest of the wire's length, one entry."""
+
+
+@pytest.fixture
+def registry() -> Iterator[None]:
+    """Messages a test defines (``@message``) are forgotten after it."""
+    saved = dict(MESSAGE_TYPES), dict(TYPE_NAMES), set(OPTIONAL_TYPES)
+    yield
+    MESSAGE_TYPES.clear()
+    MESSAGE_TYPES.update(saved[0])
+    TYPE_NAMES.clear()
+    TYPE_NAMES.update(saved[1])
+    OPTIONAL_TYPES.clear()
+    OPTIONAL_TYPES.update(saved[2])
 
 
 def hello(worker_id: str = "w0", fingerprint: Fingerprint = FINGERPRINT, **fields: Any) -> Hello:

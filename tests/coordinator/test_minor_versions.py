@@ -16,7 +16,6 @@ import collections
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,8 +25,6 @@ from epochal.coordinator import Coordinator, CoordinatorConfig, joining
 from epochal.coordinator import service as coordinator_service
 from epochal.coordinator.actions import Broadcast, Send
 from epochal.protocol import (
-    MESSAGE_TYPES,
-    OPTIONAL_TYPES,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     TYPE_NAMES,
@@ -228,10 +225,9 @@ async def test_a_whole_run_with_workers_and_a_coordinator_one_minor_version_apar
 
 
 @pytest.fixture
-def optional_types() -> Iterator[tuple[type, type]]:
+def optional_types(registry: None) -> tuple[type, type]:
     """Two optional message types, one each way, as a newer minor version might add them;
     forgotten after the test."""
-    saved = dict(MESSAGE_TYPES), dict(TYPE_NAMES), set(OPTIONAL_TYPES)
 
     @message
     class Hint(CoordinatorMessage):
@@ -243,13 +239,7 @@ def optional_types() -> Iterator[tuple[type, type]]:
         optional = True
         text: Text
 
-    yield Hint, Note
-    MESSAGE_TYPES.clear()
-    MESSAGE_TYPES.update(saved[0])
-    TYPE_NAMES.clear()
-    TYPE_NAMES.update(saved[1])
-    OPTIONAL_TYPES.clear()
-    OPTIONAL_TYPES.update(saved[2])
+    return Hint, Note
 
 
 async def heard_within(worker: FakeWorker, seconds: float) -> list[Message]:

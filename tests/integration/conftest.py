@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -354,3 +355,73 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         spawner.cleanup()
     return tmp / "out"
+
+
+class TcpRelay(threading.Thread):
+    """A TCP relay on loopback to ``target_port``, a thread for each direction of each connection.
+    :meth:`watch` may give a callable that sees every chunk of a direction on its way (a
+    connection's own state); clearing ``flowing`` holds everything while keeping the connections
+    open (a cut link). A connection ended on either side is shut on both."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(daemon=True)
+        self.target = ("127.0.0.1", target_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.closing = threading.Event()
+        self.sockets: list[socket.socket] = [self.server]
+
+    def watch(self, upstream: bool) -> Callable[[bytes], None] | None:
+        """What sees the chunks of one direction of a new connection (``upstream``: from the
+        client); None: nothing."""
+        return None
+
+    def run(self) -> None:
+        self.server.settimeout(0.2)
+        while not self.closing.is_set():
+            try:
+                client, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed by close()
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket, upstream: bool) -> None:
+        seen = self.watch(upstream)
+        a.settimeout(0.2)
+        while not self.closing.is_set():
+            if not self.flowing.is_set():
+                time.sleep(0.05)  # cut: hold everything, close nothing
+                continue
+            try:
+                data = a.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if seen is not None:
+                seen(data)
+            try:
+                b.sendall(data)
+            except OSError:
+                break
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.closing.set()
+        self.join(timeout=5)  # the accept loop notices within its 0.2 s timeout
+        for s in self.sockets:
+            s.close()

@@ -15,11 +15,10 @@ abort.
 from __future__ import annotations
 
 import importlib.util
-import socket
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,7 +27,7 @@ import msgpack
 import pytest
 
 from epochal.protocol import TYPE_KEY, DescribeModel, Joined, OpenStore, Welcome, decode
-from tests.integration.conftest import Spawner, StandaloneRun
+from tests.integration.conftest import Spawner, StandaloneRun, TcpRelay
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +54,7 @@ def bench_module() -> ModuleType:
 # ----------------------------------------------------------------------------- the recording relay
 
 
-class Relay(threading.Thread):
+class Relay(TcpRelay):
     """A TCP relay in front of the coordinator that reads the ZMTP stream each worker sends
     (NULL mechanism: a 64-byte greeting, then frames of a flags byte, a 1- or 8-byte size and a
     body; commands skipped) and keeps each message's body, the frame the coordinator receives."""
@@ -64,59 +63,29 @@ class Relay(threading.Thread):
     MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 
     def __init__(self, target_port: int) -> None:
-        super().__init__(daemon=True)
-        self.target = ("127.0.0.1", target_port)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        super().__init__(target_port)
         self.frames: list[bytes] = []
         self.errors: list[str] = []
-        self.closing = threading.Event()
-        self.sockets: list[socket.socket] = [self.server]
         self.lock = threading.Lock()
 
-    def run(self) -> None:
-        self.server.settimeout(0.2)
-        while not self.closing.is_set():
-            try:
-                client, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed by close()
-                return
-            upstream = socket.create_connection(self.target)
-            self.sockets += [client, upstream]
-            threading.Thread(target=self.pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self.pump, args=(upstream, client, False), daemon=True).start()
+    def watch(self, upstream: bool) -> Callable[[bytes], None] | None:
+        """The parser of a worker's stream (the coordinator's answers are not read)."""
+        if not upstream:
+            return None
+        parse = self.parser()
+        next(parse)
 
-    def pump(self, a: socket.socket, b: socket.socket, record: bool) -> None:
-        parse = self.parser() if record else None
-        if parse is not None:
-            next(parse)
-        a.settimeout(0.2)
-        while not self.closing.is_set():
+        def seen(data: bytes) -> None:
+            nonlocal parse
+            if parse is None:
+                return
             try:
-                data = a.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            if parse is not None:
-                try:
-                    parse.send(data)
-                except Exception as exc:  # named in the test's failure, never a silent gap
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-                    parse = None
-            try:
-                b.sendall(data)
-            except OSError:
-                break
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+                parse.send(data)
+            except Exception as exc:  # named in the test's failure, never a silent gap
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                parse = None
+
+        return seen
 
     def parser(self) -> Iterator[None]:
         """Fed the stream's bytes as they come (``send``); records each message it completes."""
@@ -148,12 +117,6 @@ class Relay(threading.Thread):
                 with self.lock:
                     self.frames.extend(parts)
                 parts = []
-
-    def close(self) -> None:
-        self.closing.set()
-        self.join(timeout=5)
-        for s in self.sockets:
-            s.close()
 
 
 # ----------------------------------------------------------------------------- key -> type maps

@@ -11,7 +11,6 @@ import os
 import random
 import re
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from tests.integration.conftest import (
     SCRIPTS,
     Spawner,
     StandaloneRun,
+    TcpRelay,
     cmdline,
     marked_pids,
     standalone_run,
@@ -287,57 +287,8 @@ def test_a_killed_coordinator_stops_its_workers(spawn):
     spawn.assert_none_left()
 
 
-class CuttableProxy(threading.Thread):
+class CuttableProxy(TcpRelay):
     """A TCP relay that can stop relaying while keeping its connections open: a cut link."""
-
-    def __init__(self, target_port: int) -> None:
-        super().__init__(daemon=True)
-        self.target = ("127.0.0.1", target_port)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.closing = threading.Event()
-        self.sockets: list[socket.socket] = [self.server]
-
-    def run(self) -> None:
-        self.server.settimeout(0.2)
-        while not self.closing.is_set():
-            try:
-                client, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed by close()
-                return
-            upstream = socket.create_connection(self.target)
-            self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self.pump, args=(a, b), daemon=True).start()
-
-    def pump(self, a: socket.socket, b: socket.socket) -> None:
-        a.settimeout(0.2)
-        while not self.closing.is_set():
-            if not self.flowing.is_set():
-                time.sleep(0.05)  # cut: hold everything, close nothing
-                continue
-            try:
-                data = a.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            try:
-                b.sendall(data)
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self.closing.set()
-        self.join(timeout=5)  # the accept loop notices within its 0.2 s timeout
-        for s in self.sockets:
-            s.close()
 
 
 def test_a_cut_control_link_stops_everything(spawn):

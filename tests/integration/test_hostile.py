@@ -34,7 +34,13 @@ from epochal.protocol import (
     decode,
     encode,
 )
-from tests.integration.conftest import SCRIPTS, Spawner, standalone_run, wait_for_record
+from tests.integration.conftest import (
+    SCRIPTS,
+    Spawner,
+    epoch_records,
+    standalone_run,
+    wait_for_record,
+)
 from tests.security.crowd import zmtp_dealer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,12 +115,7 @@ def test_a_local_process_without_the_token_cannot_end_or_redirect_an_epochal_run
 
 def decided_at(run_dir: Path) -> list[float]:
     """When each epoch decided so far was journaled (wall clock)."""
-    try:
-        lines = (run_dir / "epochs.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [r["time"] for r in records if r.get("kind") == "epoch"]
+    return [r["time"] for r in epoch_records(run_dir) if r.get("kind") == "epoch"]
 
 
 def wait_for_epochs(run_dir: Path, count: int, proc, deadline: float) -> list[float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Iterator
 from typing import Annotated
 
 import msgpack
@@ -36,19 +35,6 @@ from epochal.protocol.messages import (
     wire_name,
 )
 from tests.protocol.examples import CannotDerive, examples
-
-
-@pytest.fixture
-def registry() -> Iterator[None]:
-    """Messages defined by a test are forgotten after it."""
-    saved = dict(MESSAGE_TYPES), dict(TYPE_NAMES), set(OPTIONAL_TYPES)
-    yield
-    MESSAGE_TYPES.clear()
-    MESSAGE_TYPES.update(saved[0])
-    TYPE_NAMES.clear()
-    TYPE_NAMES.update(saved[1])
-    OPTIONAL_TYPES.clear()
-    OPTIONAL_TYPES.update(saved[2])
 
 
 @pytest.mark.parametrize(
