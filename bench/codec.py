@@ -165,23 +165,44 @@ def _hello_frame(**changes: Any) -> dict[str, Any]:
     return frame
 
 
+def _later(frame: dict[str, Any]) -> bytes:
+    """``frame`` packed with one more entry begun: the key ``later`` (a field this version does
+    not know), its value to follow."""
+    packed = msgpack.packb(frame, use_bin_type=True)
+    entries = len(frame) + 1
+    header = bytes([0x80 | entries]) if entries < 16 else b"\xde" + entries.to_bytes(2, "big")
+    return header + packed[1 if len(frame) < 16 else 3 :] + msgpack.packb("later")
+
+
 def _fill(frame: dict[str, Any], item: bytes) -> bytes:
     """``frame`` with a last field ``later`` (a field this version does not know) holding as many
     copies of the msgpack value ``item`` as fit in a frame."""
-    head = msgpack.packb(frame, use_bin_type=True)
-    head = bytes([head[0] + 1]) + head[1:] + msgpack.packb("later")
+    head = _later(frame)
     count = min((MAX_FRAME_BYTES - len(head) - 5) // len(item), 0xFFFF)
     return head + b"\xdc" + count.to_bytes(2, "big") + item * count
+
+
+def largest_hello(worker_id: str = "flood") -> bytes:
+    """The largest well-formed hello a peer outside the run can send (its token guessed): its
+    fingerprint is valid, and a field this version does not know lists every parameter entry that
+    fits, as fingerprints did when they travelled whole and took seconds to decode."""
+    entry = {"name": "encoder.layers.0.attention.weight", "shape": [1024, 1024], "dtype": "f"}
+    fields = _hello_frame(token="guessed", worker_id=worker_id)
+    room = MAX_FRAME_BYTES - len(msgpack.packb(fields)) - 64
+    fields["params"] = [entry] * (room // len(msgpack.packb(entry)))
+    frame: bytes = msgpack.packb(fields)
+    assert len(frame) <= MAX_FRAME_BYTES
+    return frame
 
 
 def hostile() -> dict[str, bytes]:
     """The frames a peer outside the run can send, each as large as a frame may be."""
     longest = "\U0001f600" * MAX_NAME_CHARS  # a name at its longest, in four-byte characters
     strings = _hello_frame(job="a" * MAX_NAME_CHARS, token=longest, worker_id=longest)
-    deep = msgpack.packb(_hello_frame(), use_bin_type=True)
-    deep = bytes([deep[0] + 1]) + deep[1:] + msgpack.packb("later")
+    deep = _later(_hello_frame())
     deep += b"\x91" * (MAX_FRAME_BYTES - len(deep) - 1) + b"\x90"
     return {
+        "largest hello": largest_hello(),
         "dense empty lists": _fill(_hello_frame(), b"\x90"),
         "dense empty maps": _fill(_hello_frame(), b"\x80"),
         "dense small ints": _fill(_hello_frame(), b"\x01"),

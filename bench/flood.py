@@ -43,44 +43,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from codec import hostile  # noqa: E402
+from codec import hostile, largest_hello  # noqa: E402
 
-from epochal.protocol import MAX_FRAME_BYTES, MAX_NAME_CHARS, PROTOCOL_VERSION  # noqa: E402
+from epochal.protocol import MAX_NAME_CHARS  # noqa: E402
 from tests.integration.conftest import epoch_records  # noqa: E402
-
-
-def well_formed() -> bytes:
-    """The largest legal hello without the token (its fingerprint as the old protocol sent it:
-    entries that fit, under a field this version skips)."""
-    entry = {"name": "encoder.layers.0.attention.weight", "shape": [1024, 1024], "dtype": "f"}
-    fields = {
-        "v": PROTOCOL_VERSION,
-        "t": "hello",
-        "job": "epochal",
-        "token": "guessed",
-        "worker_id": "flood",
-        "host": "h",
-        "pid": 1,
-        "rank_hint": None,
-        "device": "cpu",
-        "fingerprint": {"digest": "f" * 64, "torch_version": "x", "entries": 3},
-        "data_address": "",
-    }
-    room = MAX_FRAME_BYTES - len(msgpack.packb(fields)) - 64
-    fields["params"] = [entry] * (room // len(msgpack.packb(entry)))
-    frame: bytes = msgpack.packb(fields)
-    assert len(frame) <= MAX_FRAME_BYTES
-    return frame
 
 
 def shapes() -> dict[str, list[bytes]]:
     frames = hostile()
     longest = "\U0001f600" * MAX_NAME_CHARS
-    strings = msgpack.unpackb(well_formed())
+    strings = msgpack.unpackb(largest_hello())
     del strings["params"]
     strings.update(token=longest, worker_id=longest, host=longest, data_address=longest)
     return {
-        "well-formed": [well_formed()],
+        "well-formed": [largest_hello()],
         "dense": [frames["nested empty lists"], frames["lists of lists"], frames["dense nil"]],
         "strings": [msgpack.packb(strings)],
     }

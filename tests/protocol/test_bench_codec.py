@@ -28,3 +28,34 @@ def test_the_codec_bench_times_every_registered_message_and_each_round_trips() -
     for name, message in frames.items():
         assert decode(encode(message)) == message, name
     assert len(frames["model_page (10 params)"].params) == 10
+
+
+def test_the_hostile_frames_are_the_frames_they_are_named() -> None:
+    """Each hostile frame the bench times is as large as a frame may be and reaches the part of
+    the decoder its name says: a hello whose trailing unknown field is skipped, or a refusal for
+    the reason it is built for (a header miscounted would make them all cheap refusals)."""
+    from epochal.errors import MalformedMessage
+    from epochal.protocol import MAX_FRAME_BYTES, Hello
+    from epochal.protocol.codec import decode_frame
+
+    refused = {
+        "deep nesting": "nest too deep",
+        "dense, then bad type": "hello.pid: expected int, got str",
+        "not msgpack": "not a msgpack frame",
+        "a list, not a map": "frame: expected a map, got list",
+    }
+    for name, data in bench_codec().hostile().items():
+        assert MAX_FRAME_BYTES - 4096 < len(data) <= MAX_FRAME_BYTES, name
+        if name in refused:
+            try:
+                decode_frame(data)
+            except MalformedMessage as exc:
+                assert refused[name] in str(exc), (name, str(exc))
+            else:
+                raise AssertionError(f"{name}: decoded")
+            continue
+        decoded = decode_frame(data)
+        assert isinstance(decoded.message, Hello), name
+        assert decoded.skipped == (
+            ("hello.params",) if name == "largest hello" else ("hello.later",)
+        )
