@@ -48,7 +48,10 @@ async def test_jobs_run_in_order_and_a_newer_snapshot_supersedes_one_still_queue
     gate.set()
     assert await work.drain(WAIT) == []
     assert done == ["held", "a", "s2", "b", "s3"]
-    assert not [t for t in threading.enumerate() if t.name == "test-disk"]  # no work: no thread
+    # no work: no thread (it ends on its own once it finds the queue empty, just after the last job)
+    for thread in [t for t in threading.enumerate() if t.name == "test-disk"]:
+        thread.join(WAIT)  # a hang deadline
+    assert not [t for t in threading.enumerate() if t.name == "test-disk"]
 
 
 async def test_a_failure_is_said_once_and_counted_and_the_work_goes_on() -> None:
