@@ -63,10 +63,10 @@ def shapes() -> dict[str, list[bytes]]:
 
 
 def flood(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any) -> None:
-    """Send ``frames`` in turn, 8 from each fresh identity, until ``stop`` is set; the bytes sent
-    go to ``total``."""
-    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)  # libzmq closes sockets as it can
-    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    """Send ``frames`` in turn, 8 from each fresh identity, until ``stop`` (a threading or
+    multiprocessing Event) is set, at ``rate`` bytes a second (0: as fast as it can); the bytes
+    sent go to ``total.value``. tests/integration/test_hostile.py floods a run with it too."""
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
     ctx = zmq.Context()
     ctx.setsockopt(zmq.MAX_SOCKETS, most)  # closed sockets count until libzmq has reaped them
     sent, start, n = 0, time.monotonic(), 0
@@ -93,6 +93,14 @@ def flood(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any
             total.value = sent
     finally:
         ctx.term()
+
+
+def flooder(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any) -> None:
+    """:func:`flood` in a process of its own, with all the descriptors it may have (libzmq closes
+    the sockets of the identities it is done with only as it can)."""
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    flood(endpoint, frames, rate, stop, total)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -145,7 +153,7 @@ def main() -> None:
             for name, frames in chosen.items():
                 stop = mp.Event()
                 sent = mp.Value("d", 0.0)
-                helper = mp.Process(target=flood, args=(endpoint, frames, args.rate, stop, sent))
+                helper = mp.Process(target=flooder, args=(endpoint, frames, args.rate, stop, sent))
                 began, cpu = time.time(), cpu_seconds(pid)
                 helper.start()
                 done = len(decided_at(run_dir))

@@ -17,7 +17,9 @@ import socket
 import stat
 import threading
 import time
+import types
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import zmq
@@ -130,39 +132,23 @@ FLOOD_RATE = 8 * 1024 * 1024
 """Bytes a second the flood sends: twice what the strangers' byte budget once let in."""
 
 
+def bench(name: str) -> ModuleType:
+    """``bench/NAME.py``, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hostile_hellos() -> list[bytes]:
     """Frames without the token, each as large as a frame may be: the largest well-formed hello,
     hellos whose unknown trailing field is as dense as msgpack allows, and one whose strings are
     at their longest (bench/codec.py's hostile frames)."""
-    spec = importlib.util.spec_from_file_location("bench_codec", ROOT / "bench" / "codec.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    dense = bench.hostile()
+    dense = bench("codec").hostile()
     return [dense[name] for name in ("largest hello", "nested empty lists", "dense nil")] + [
         dense["longest strings"]
     ]
-
-
-def flood(endpoint: str, frames: list[bytes], stop: threading.Event) -> None:
-    """Send ``frames`` in turn at FLOOD_RATE, 8 from each fresh identity, until ``stop``."""
-    ctx = zmq.Context()
-    sent, start, n = 0, time.monotonic(), 0
-    try:
-        while not stop.is_set():
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"flood-{n}".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            for k in range(8):
-                frame = frames[(n + k) % len(frames)]
-                sock.send(frame)
-                sent += len(frame)
-                stop.wait(max(0.0, sent / FLOOD_RATE - (time.monotonic() - start)))
-            sock.close(linger=0)
-            n += 1
-    finally:
-        ctx.term()
 
 
 def test_a_flood_of_hostile_hellos_without_the_token_keeps_the_epochs_pace(
@@ -193,8 +179,11 @@ def test_a_flood_of_hostile_hellos_without_the_token_keeps_the_epochs_pace(
     start = len(decided_at(run_dir))
     before = wait_for_epochs(run_dir, start + EPOCHS_MEASURED, launcher, DEADLINE)
     per_epoch = (before[-1] - before[start - 1]) / EPOCHS_MEASURED
-    stop = threading.Event()
-    flooding = threading.Thread(target=flood, args=(endpoint, hostile_hellos(), stop))
+    stop, sent = threading.Event(), types.SimpleNamespace(value=0)
+    flood = bench("flood").flood  # bench/flood.py's flooder, on a thread of this process
+    flooding = threading.Thread(
+        target=flood, args=(endpoint, hostile_hellos(), FLOOD_RATE, stop, sent)
+    )
     flood_at = time.time()
     flooding.start()
     try:
