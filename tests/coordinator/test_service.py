@@ -36,6 +36,7 @@ from epochal.protocol import (
     Message,
     OpenStore,
     ParamSpec,
+    Record,
     Reject,
     StoreReady,
     Welcome,
@@ -146,19 +147,26 @@ async def test_a_whole_run_with_scripted_losses(ctx):
     assert (summary.best_epoch, summary.epochs_run) == (1, 3)
 
 
+def records_built(monkeypatch: pytest.MonkeyPatch, record: type[Record]) -> list[Record]:
+    """Every ``record`` built from now on (each runs its checks as it is made, also when msgspec
+    builds it from a frame)."""
+    built: list[Record] = []
+    check = record._validate
+
+    def counting(self: Record) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(record, "_validate", counting)
+    return built
+
+
 async def test_a_retried_hello_is_known_by_its_bytes_and_its_fingerprint_is_not_decoded(
     ctx, monkeypatch
 ):
     """A hello re-sent unchanged gets the answer the decoded one gets, without decoding; a hello
     that differs in any byte, or the same bytes from another peer, are decoded and judged."""
-    decoded: list[Fingerprint] = []
-    check = Fingerprint._validate
-
-    def counting(self: Fingerprint) -> None:  # every record built runs its checks
-        decoded.append(self)
-        check(self)
-
-    monkeypatch.setattr(Fingerprint, "_validate", counting)
+    decoded = records_built(monkeypatch, Fingerprint)
     coordinator, task = await serve(ctx, token="s3cret")
     first = FakeWorker(ctx, coordinator.endpoint, "first")
     await first.send(hello("first", token="s3cret"))
@@ -284,14 +292,7 @@ async def test_differing_models_abort_the_run_naming_the_parameter(ctx):
 async def test_a_hello_with_a_huge_fingerprint_and_no_token_builds_no_parameter(ctx, monkeypatch):
     """A stranger's hello with a wrong token and as many fingerprint entries as fit in a frame is
     refused without an entry being built, and without costing the run its clock."""
-    built: list[ParamSpec] = []
-    check = ParamSpec._validate
-
-    def counting(self: ParamSpec) -> None:  # every record built runs its checks
-        built.append(self)
-        check(self)
-
-    monkeypatch.setattr(ParamSpec, "_validate", counting)
+    built = records_built(monkeypatch, ParamSpec)
     lines: list[str] = []
     cfg = CoordinatorConfig(world_size=2, epochs=2, token="s3cret")
     coordinator = Coordinator(cfg, context=ctx, log=lines.append)
