@@ -183,15 +183,19 @@ def test_frames_flagged_more_are_held_by_libzmq_and_seen_past_the_limit():
         count = 3
         more = b"\x03" + struct.pack(">Q", MAX_FRAME_BYTES) + bytes(MAX_FRAME_BYTES)
         peer.sendall(more * count)
+        sent = count * wire_bytes(MAX_FRAME_BYTES, False)
         deadline = time.monotonic() + SETTLE
-        over: list[Held] = []
-        while not over and time.monotonic() < deadline:
+        read = kernel.bytes_read(fd)
+        while read is not None and holdings.held(fd, read) < sent:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)  # the I/O thread reads what was sent at its own pace
             read = kernel.bytes_read(fd)
-            assert read is not None
-            over = holdings.over([(fd, read)], drained=True)
-            time.sleep(0.01)
+        assert read is not None
         assert router.poll(0) == 0  # nothing to read: the message is not finished
-        assert over and over[0].held >= count * wire_bytes(MAX_FRAME_BYTES, False)
+        over = holdings.over([(fd, read)], drained=True)
+        assert over == [Held(fd, holdings.held(fd, read))], (over, holdings.limits)
+        assert over[0].held >= sent
     finally:
         peer.close()
         router.close(0)
