@@ -30,6 +30,7 @@ from epochal.coordinator.holding import (
     MemoryWatch,
     wire_bytes,
 )
+from epochal.coordinator.inbox import Received
 
 
 def inode_of(fd: int) -> int | None:
@@ -200,7 +201,7 @@ class ConnectionGuard:
     def unknown(self, frame: Any) -> int | None:
         """The descriptor ``frame`` (a zmq.Frame) came on, if no member's frame came on it yet;
         else None. Costs a lookup: the caller checks the frame is a member's only when new."""
-        if not isinstance(frame, zmq.Frame):
+        if not isinstance(frame, (zmq.Frame, Received)):
             return None
         fd = frame.get(zmq.SRCFD)
         return None if fd < 0 or self.connections.knows(fd) else fd
