@@ -11,6 +11,7 @@ and its ranks (:func:`rank_at`), so status.json's header and its rows never tell
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,11 +82,29 @@ def snapshot(
     )
 
 
-class ObserverFeed:
-    """Collects what a turn's actions did and tells the observers once the turn is done."""
+SNAPSHOT_SHARE = 0.05
+"""The most of the coordinator's time that building snapshots for the observers may take.
 
-    def __init__(self, observers: RunObserver) -> None:
+A snapshot has a row for every rank: at thousands of ranks it takes milliseconds, and a run of
+short epochs (or a burst of heartbeats) would otherwise build one several times a second. After
+a snapshot that took ``t``, the next waits ``t * (1 - share) / share``; what was written
+meanwhile waits with it, in order, and the observers hear it with that next snapshot (at the
+latest with the result: :meth:`ObserverFeed.end`). Under a hundred ranks a snapshot takes well
+under a millisecond, so the wait is shorter than a turn of the service and nothing waits."""
+
+
+class ObserverFeed:
+    """Collects what a turn's actions did and tells the observers once the turn is done.
+
+    ``clock``: the processor-independent clock that times snapshots (a test's own)."""
+
+    def __init__(
+        self, observers: RunObserver, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.observers = observers
+        self._clock = clock
+        self._next_snapshot = float("-inf")
+        # no snapshot before this clock reading (SNAPSHOT_SHARE)
         self.ended = False
         # the observers heard on_end: they hear nothing more from this coordinator
         self._epochs: list[dict[str, Any]] = []
@@ -109,19 +128,27 @@ class ObserverFeed:
         make_snapshot: Callable[[], StatusSnapshot],
     ) -> None:
         """The records just written, a change in who has joined, and (after a heartbeat, while
-        the run has no outcome: ``running``) a snapshot; after the end, nothing."""
-        records, self._epochs = self._epochs, []
-        beat, self._beat = self._beat, False
+        the run has no outcome: ``running``) a snapshot; after the end, nothing. Records and a
+        heartbeat wait for the next turn while a snapshot is not due (:data:`SNAPSHOT_SHARE`)."""
         if self.ended or machine is None:
+            self._epochs, self._beat = [], False
             return
         joined = (len(machine.rendezvous.members), len(machine.members))
         if joined != self._joined:
             self._joined = joined
             hosts = tuple(printable(m.hello.host) for m in machine.members)
             self.observers.on_join(World(joined[0], machine.config.world_size, hosts))
-        if not (records or beat) or not self.observers:
+        if not (self._epochs or self._beat) or not self.observers:
+            self._epochs, self._beat = [], False
             return
+        started = self._clock()
+        if started < self._next_snapshot:
+            return  # told at a later turn, with a snapshot of then
+        records, self._epochs = self._epochs, []
+        beat, self._beat = self._beat, False
         status = make_snapshot()
+        took = self._clock() - started
+        self._next_snapshot = started + took / SNAPSHOT_SHARE
         for record in records:
             self.observers.on_epoch(record, status)
         if beat and running:
@@ -136,6 +163,7 @@ class ObserverFeed:
         """The result is written: what came before it first, then ``on_end``, the last word."""
         if self.ended:
             return
+        self._next_snapshot = float("-inf")  # whatever waits is told now, before the end
         self.tell(machine, True, make_snapshot)
         self.ended = True
         self.observers.on_end(result)

@@ -8,11 +8,23 @@ would say epoch e + 1 and every row epoch e.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from epochal.coordinator.actions import RunPhase
-from epochal.coordinator.feed import STARTING, UNHEARD, rank_at, snapshot
+from epochal.coordinator.feed import (
+    SNAPSHOT_SHARE,
+    STARTING,
+    UNHEARD,
+    ObserverFeed,
+    rank_at,
+    snapshot,
+)
 from epochal.coordinator.watchdog import RankStatus
+from epochal.observe import RunObserver, StatusSnapshot
 from epochal.protocol import Awaiting
 from tests.coordinator.test_machine import last, ready, report, start
 
@@ -58,3 +70,55 @@ def test_after_a_decision_the_header_and_every_rank_row_say_the_same_epoch() -> 
     seen = snapshot(machine, loop, "r1", machine.phase, 4.0)
     assert (seen.state, seen.epoch) == ("finishing", 2)
     assert {(r.phase, r.epoch) for r in seen.ranks} == {("finishing", 2)}
+
+
+class Heard(RunObserver):
+    """What the observers were told, in order: ("epoch", record's epoch, snapshot's time),
+    ("status", snapshot's time), ("end",)."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[Any, ...]] = []
+
+    def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
+        self.told.append(("epoch", record["epoch"], status.time))
+
+    def on_status(self, snapshot: StatusSnapshot) -> None:
+        self.told.append(("status", snapshot.time))
+
+    def on_end(self, result: Mapping[str, Any]) -> None:
+        self.told.append(("end",))
+
+
+def test_snapshots_take_at_most_their_share_and_what_waits_is_told_in_order() -> None:
+    """A snapshot that took 10 ms of the feed's clock holds the next one back for
+    10 ms * (1 - share) / share; the records written meanwhile wait, in order, for it, and the
+    end tells whatever waits before it."""
+    machine = start(epochs=3).machine
+    clock = [0.0]
+    took = 0.01
+
+    def make() -> StatusSnapshot:
+        clock[0] += took
+        seen = snapshot(machine, machine._loop, "r1", machine.phase, clock[0])
+        return dataclasses.replace(seen, time=clock[0])  # which snapshot the observers got
+
+    heard = Heard()
+    feed = ObserverFeed(heard, clock=lambda: clock[0])
+    feed.written({"kind": "epoch", "epoch": 0})
+    feed.tell(machine, True, make)
+    assert heard.told == [("epoch", 0, took)]
+    due = took * (1 - SNAPSHOT_SHARE) / SNAPSHOT_SHARE + took  # from the end of the first
+    clock[0] = due - 0.001
+    feed.written({"kind": "epoch", "epoch": 1})
+    feed.heartbeat_sent()
+    feed.tell(machine, True, make)
+    feed.written({"kind": "epoch", "epoch": 2})
+    feed.tell(machine, True, make)
+    assert heard.told == [("epoch", 0, took)]  # not due: both records and the beat wait
+    clock[0] = due
+    feed.tell(machine, True, make)
+    then = due + took
+    assert heard.told[1:] == [("epoch", 1, then), ("epoch", 2, then), ("status", then)]
+    feed.written({"kind": "epoch", "epoch": 3})  # long before the next is due
+    feed.end({"status": "finished"}, machine, make)
+    assert heard.told[4:] == [("epoch", 3, then + took), ("end",)]
