@@ -165,7 +165,8 @@ def test_the_sections_and_rows_are_read_as_the_page_means_them():
     text = (
         "## Exit status\n\n| status | meaning |\n| --- | --- |\n| 0 | ok |\n| 75 | late |\n\n"
         "```\n## not a heading\n```\n\n### Options of `epochal run` and `epochal plot`\n\n"
-        "| option | default | meaning |\n| --- | --- | --- |\n| `-o FILE`, `--output FILE` | | x |\n"
+        "| option | default | meaning |\n| --- | --- | --- |\n"
+        "| `-o FILE`, `--output FILE` | | x |\n"
     )
     found = sections(text)
     assert list(found) == ["Exit status", "Options of `epochal run` and `epochal plot`"]
