@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed data-parallel training of PyTorch models with a separate "
         "control plane.",
         epilog=f"Workers on other machines attach with {COORDINATOR_ENV}=tcp://HOST:PORT "
-        "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage, 70 crashed.",
+        "python SCRIPT. Exit status: 0 finished, 1 aborted, 2 bad usage, 70 crashed, "
+        "130 interrupted (SIGINT), 143 stopped (SIGTERM); docs/cli.md lists a worker's own.",
     )
     parser.add_argument("--version", action="version", version=f"epochal {__version__}")
     _add_log_options(parser, None)
