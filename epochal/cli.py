@@ -213,7 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"epochal {__version__}")
     _add_log_options(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_coordinator_command(sub)
+    _add_run_command(sub)
+    _add_worker_command(sub)
+    add_keys_command(sub)
+    observe_commands.add_commands(sub)
+    preload.add_command(sub)
+    return parser
 
+
+def _add_coordinator_command(sub: Any) -> None:
+    """``epochal coordinator``: the coordinator service for workers started elsewhere."""
     c = sub.add_parser(
         "coordinator",
         help="run the coordinator service for workers started elsewhere",
@@ -257,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     configfile.add_config_options(c, beside_script=False)
     _add_log_options(c, argparse.SUPPRESS)
 
+
+def _add_run_command(sub: Any) -> None:
+    """``epochal run``: a script on N local workers under an in-process coordinator."""
     r = sub.add_parser(
         "run",
         help="run a training script on N local workers under an in-process coordinator",
@@ -297,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
     )
 
+
+def _add_worker_command(sub: Any) -> None:
+    """``epochal worker``: one worker on this machine under a supervisor that restarts it."""
     w = sub.add_parser(
         "worker",
         help="run one worker on this machine under a supervisor that restarts it",
@@ -336,10 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     configfile.add_config_options(w, beside_script=False)
     _add_log_options(w, argparse.SUPPRESS)
     w.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
-    add_keys_command(sub)
-    observe_commands.add_commands(sub)
-    preload.add_command(sub)
-    return parser
 
 
 BIND_SCHEMES = ("tcp", "ipc", "inproc")

@@ -7,8 +7,8 @@ standalone, security and fault tests) imported it again. :func:`start_server` st
 ``EPOCHAL_PRELOAD_SOCKET`` so that every launch the tests start forks its workers there, and
 :class:`ForkedProcess` is what a test uses of :class:`subprocess.Popen` for a process that server
 forks: ``python -u SCRIPT ARGS`` or ``python -u -m MODULE ARGS``, with the standard output and
-error on one pipe read as text. ``tests/test_zygote.py`` holds that such a process is the one
-python itself would have started (its ``__main__``, arguments, path, environment, directory,
+error on one pipe read as text. ``tests/launch/test_zygote.py`` holds that such a process is the
+one python itself would have started (its ``__main__``, arguments, path, environment, directory,
 session, signals and exit status), so the tests see what a user's process does.
 """
 

@@ -365,6 +365,10 @@ class CoordinatorConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_training()
+        self._check_processes()
+
+    def _check_training(self) -> None:
         for name in (
             "world_size",
             "epochs",
@@ -417,6 +421,8 @@ class CoordinatorConfig:
             )
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+    def _check_processes(self) -> None:
         if self.min_workers is not None and not 1 <= self.min_workers <= self.world_size:
             raise ConfigError(
                 f"--min-workers {self.min_workers} must be between 1 and the world size "

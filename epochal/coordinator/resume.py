@@ -244,6 +244,27 @@ def _finished(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+def _last_usable(checkpoint_dir: Path | None, committed: list[int], notes: list[str]) -> int | None:
+    """The last of the ``committed`` epochs whose checkpoint in ``checkpoint_dir`` is usable (or
+    cannot be seen from here); a note on each one found unusable on the way."""
+    key: CheckpointKey | None = None
+    for epoch in reversed(committed):
+        if checkpoint_dir is None:
+            return None
+        path = checkpoint_path(checkpoint_dir, epoch)
+        if not path.exists() and not checkpoint_dir.exists():
+            return epoch  # not visible from here (another machine's disk): trust the journal
+        key = key or load_key()
+        problem = verify_checkpoint(path, key, epoch=epoch)
+        if problem is None:
+            return epoch
+        notes.append(
+            f"the checkpoint of epoch {epoch} is unusable: {problem}; falling back to "
+            "the previous one"
+        )
+    return None
+
+
 def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     """Read ``config.run_dir`` and decide where the run starts; ConfigError when it cannot.
 
@@ -275,24 +296,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     if result is not None and more is not None:
         _check_extendable(run_dir, records, more[0])
     committed = [r["epoch"] for r in records if r["kind"] == "checkpoint"]
-    resume: int | None = None
-    key: CheckpointKey | None = None
-    for epoch in reversed(committed):
-        if checkpoint_dir is None:
-            break
-        path = checkpoint_path(checkpoint_dir, epoch)
-        if not path.exists() and not checkpoint_dir.exists():
-            resume = epoch  # not visible from here (another machine's disk): trust the journal
-            break
-        key = key or load_key()
-        problem = verify_checkpoint(path, key, epoch=epoch)
-        if problem is None:
-            resume = epoch
-            break
-        notes.append(
-            f"the checkpoint of epoch {epoch} is unusable: {problem}; falling back to "
-            "the previous one"
-        )
+    resume = _last_usable(checkpoint_dir, committed, notes)
     if result is not None and resume is None:
         raise ConfigError(
             f"the run in {run_dir} finished, but it kept no usable checkpoint to train it further "

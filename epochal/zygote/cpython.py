@@ -3,10 +3,10 @@
 A worker forked by the zygote ends as the interpreter ends (:func:`epochal.zygote.child.end`)
 without the interpreter's teardown of the modules it shares with the zygote, and so does by hand
 three things ``Py_FinalizeEx`` does that CPython offers no public function for. Each is named
-here with what it stands for; ``tests/test_zygote_cpython.py`` fails naming the internal that a
-new CPython release changed, and a forked worker's end is checked against a fresh interpreter's
-by ``tests/test_zygote.py``. Where one is gone, the zygote still works, less that step (said
-for each function).
+here with what it stands for; ``tests/launch/test_zygote_cpython.py`` fails naming the internal
+that a new CPython release changed, and a forked worker's end is checked against a fresh
+interpreter's by ``tests/launch/test_zygote.py``. Where one is gone, the zygote still works, less
+that step (said for each function).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import socket
 import sys
-import time
 
 import pytest
 
 from epochal.coordinator import kernel
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's TCP_INFO and /proc")
 
@@ -26,10 +26,12 @@ def _connected() -> tuple[socket.socket, socket.socket, socket.socket]:
 
 def _unread(sock: socket.socket, count: int) -> None:
     """Wait until ``count`` bytes sit unread in ``sock``'s receive queue."""
-    deadline = time.monotonic() + SETTLE
-    while len(sock.recv(count, socket.MSG_PEEK | socket.MSG_DONTWAIT)) < count:
-        assert time.monotonic() < deadline, "the bytes never came"
-        time.sleep(0.01)
+    wait_until(
+        lambda: len(sock.recv(count, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= count,
+        SETTLE,
+        "the bytes never came",
+        interval=0.01,
+    )
 
 
 def test_bytes_read_counts_what_was_read_not_what_waits_unread():

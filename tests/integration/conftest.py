@@ -24,6 +24,7 @@ import pytest
 
 from epochal.environment import PRELOAD_SOCKET_ENV
 from tests.forked import ForkedProcess, forkable
+from tests.waiting import wait_until
 
 MARK = "EPOCHAL_TEST_MARK"
 LISTENING = "epochal coordinator listening on "
@@ -322,10 +323,7 @@ def wait_for_record(
 
 
 def wait_for(condition: Callable[[], bool], deadline: float) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        assert time.monotonic() < end, "the run did not get there in time"
-        time.sleep(0.05)
+    wait_until(condition, deadline, "the run did not get there in time")
 
 
 def assert_same_result(a: Path, b: Path) -> None:

@@ -10,17 +10,14 @@ written checkpoint is closed to ``nobody``, whatever the umask.
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
-import pickle
 import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.forgery import forge
 from tests.integration.conftest import SCRIPTS, Spawner
 from tests.security.other_user import as_other_user, needs_root, shared_scratch
 
@@ -47,30 +44,6 @@ def launch(spawn: Spawner, run_dir: Path, out: Path, *extra: str, **env: str):
         str(out),
         **env,
     )
-
-
-class RunsCode:
-    """A pickle that creates ``marker`` when it is loaded."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def forge(checkpoint: Path, name: str, marker: Path) -> None:
-    """Swap ``name`` for code, and recompute its SHA-256 in the manifest (no key needed)."""
-    if name == ".metadata":  # DCP reads it with pickle.load
-        data = pickle.dumps(RunsCode(marker))
-    else:  # a rank's own file, which torch.load reads
-        buffer = io.BytesIO()
-        torch.save(RunsCode(marker), buffer)
-        data = buffer.getvalue()
-    (checkpoint / name).write_bytes(data)
-    manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
-    manifest["files"][name] = hashlib.sha256(data).hexdigest()
-    (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
 
 
 @pytest.mark.parametrize("victim", ["rank00001.pt", ".metadata"])

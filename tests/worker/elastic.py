@@ -153,17 +153,17 @@ def form_group(
 # ---------------------------------------------------------------- model, data, epoch
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, *, dropout: bool = True) -> nn.Module:
+    """A small model with BatchNorm's buffers, and a dropout unless ``dropout`` is False."""
     torch.manual_seed(seed)  # each process its own seed: every rank must end with rank 0's
-    return nn.Sequential(
-        nn.Linear(6, 16, bias=False),
+    layers: list[nn.Module] = [
+        nn.Linear(6, 16, bias=False),  # a bias before BatchNorm gets only rounding noise
         nn.BatchNorm1d(16),
         nn.Tanh(),
-        nn.Dropout(0.25),  # draws from the generator: a restore must set it back too
-        nn.Linear(16, 8),
-        nn.Tanh(),
-        nn.Linear(8, 3),
-    )
+    ]
+    if dropout:
+        layers.append(nn.Dropout(0.25))  # draws from the generator: a restore must set it back too
+    return nn.Sequential(*layers, nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:

@@ -3,11 +3,8 @@ along; the files are the user's alone; a forged file is refused before any byte 
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import stat
 from pathlib import Path
@@ -22,6 +19,7 @@ from epochal.errors import EpochalError
 from epochal.files import UnsafePath
 from epochal.manifest import checkpoint_path
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
+from tests.forgery import forge
 
 # DCP without a process group: one process, which it says in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -138,31 +136,6 @@ def test_the_rank_file_loads_with_weights_only_and_restores_every_generator(tmp_
 
 
 # ----------------------------------------------------------------------------- forgeries
-
-
-class RunsCode:
-    """A pickle that creates ``marker`` when it is loaded: what a forger plants."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def forge(path: Path, name: str, marker: Path) -> None:
-    """Swap ``name`` for a pickle that runs code and recompute its sum in the manifest, as a
-    user without the key can."""
-    if name == ".metadata":
-        data = pickle.dumps(RunsCode(marker))
-    else:
-        buffer = io.BytesIO()
-        torch.save(RunsCode(marker), buffer)
-        data = buffer.getvalue()
-    (path / name).write_bytes(data)
-    manifest = json.loads((path / "MANIFEST.json").read_text())
-    manifest["files"][name] = hashlib.sha256(data).hexdigest()
-    (path / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("name", ["rank00000.pt", ".metadata"])

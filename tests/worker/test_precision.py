@@ -32,6 +32,7 @@ from epochal.worker.training.train import fit
 from tests.worker.ranks import StandIn, run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
+fitting_module = importlib.import_module("epochal.worker.training.fitting")
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 
@@ -123,13 +124,13 @@ def run_case(mode: str, rank: int, world: int, case: str) -> dict[str, Any]:
     precision, clip, overflow = CASES[case]
     model = make_model(10 + rank)
     built: list[Strategy] = []
-    real_wrap = train_module.wrap
+    real_wrap = fitting_module.wrap
 
     def keep(*args: Any, **kwargs: Any) -> Strategy:
         built.append(real_wrap(*args, **kwargs))
         return built[-1]
 
-    train_module.wrap = keep  # type: ignore[assignment]  # to read the scaler after the run
+    fitting_module.wrap = keep  # type: ignore[assignment]  # to read the scaler after the run
     try:
         fit(
             OneEpoch(rank, world),  # type: ignore[arg-type]
@@ -145,7 +146,7 @@ def run_case(mode: str, rank: int, world: int, case: str) -> dict[str, Any]:
             clip_grad_norm=clip,
         )
     finally:
-        train_module.wrap = real_wrap  # type: ignore[assignment]
+        fitting_module.wrap = real_wrap  # type: ignore[assignment]
     scaler = built[0].policy.scaler
     state = model.state_dict()  # whole again after fit, in every mode
     assert not any(is_dtensor(v) for v in state.values())

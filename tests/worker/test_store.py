@@ -7,7 +7,6 @@ import resource
 import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from epochal.log import ensure_configured
 from epochal.worker.dataplane import storeserver
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key, open_store, scoped
 from epochal.worker.options import JoinOptions
+from tests.waiting import wait_until
 
 STORE_TIMEOUT = JoinOptions().collective_timeout
 """The worker's own bound for the store (its collective timeout): the store's process imports
@@ -136,10 +136,11 @@ def test_the_store_server_ends_when_the_process_that_started_it_is_killed():
     finally:
         starter.kill()
         starter.communicate()
-    deadline = time.monotonic() + 30  # it notices at once; the margin is for a loaded machine
-    while Path(f"/proc/{pid}").exists() and "(python" in stat(pid):
-        assert time.monotonic() < deadline, "the store server outlived the process that started it"
-        time.sleep(0.05)
+    wait_until(  # it notices at once; the margin is for a loaded machine
+        lambda: not (Path(f"/proc/{pid}").exists() and "(python" in stat(pid)),
+        30,
+        "the store server outlived the process that started it",
+    )
 
 
 def stat(pid: int) -> str:

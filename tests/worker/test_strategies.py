@@ -22,6 +22,7 @@ from epochal.errors import ConfigError
 from epochal.worker.strategies import MODES, ModeOptions, mode_options, wrap
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.train import fit
+from tests.worker.elastic import make_model, make_optimizer
 from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
@@ -42,28 +43,6 @@ ACCUMULATE = 2
 # ---------------------------------------------------------------- what each rank runs
 
 
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)  # a different seed per rank: every mode must start from rank 0's
-    return nn.Sequential(
-        nn.Linear(6, 16, bias=False),  # a bias before BatchNorm gets only rounding noise
-        nn.BatchNorm1d(16),
-        nn.Tanh(),
-        nn.Linear(16, 8),
-        nn.Tanh(),
-        nn.Linear(8, 3),
-    )
-
-
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.AdamW(
-        [{"params": weights}, {"params": biases, "lr": 0.02, "weight_decay": 0.0}],
-        lr=0.05,
-        weight_decay=0.01,
-    )
-
-
 def make_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1000 + rank)
     return [
@@ -78,7 +57,7 @@ def fit_twice(
     appended to ``kept``."""
     out: dict[str, Any] = {}
     for name, resume, seed in (("run", None, 10 + rank), ("resumed", 0, 77 + rank)):
-        model = make_model(seed)
+        model = make_model(seed, dropout=False)
         holder = [model]
         session = LocalSession(rank, world, directory, resume, holder)
         fit(
@@ -105,7 +84,7 @@ def fit_twice(
 
 def bare_strategy(mode: str, rank: int) -> dict[str, Any]:
     """Steps through the Strategy API (accumulating under no_sync) and the state it holds."""
-    model = make_model(10 + rank)
+    model = make_model(10 + rank, dropout=False)
     strategy = wrap(model, make_optimizer(model), torch.device("cpu"), mode=mode)
     strategy.module.train()
     data = make_data(rank)
@@ -176,7 +155,7 @@ def one_process_replicated(world: int) -> dict[str, torch.Tensor]:
     """What ``bare_strategy`` computes in mode replicated, in one process without DDP: each step,
     every rank's copy of rank 0's model accumulates its own batches' gradients (BatchNorm on its
     own batch statistics), their average is applied, and the running statistics are rank 0's."""
-    model = make_model(10)
+    model = make_model(10, dropout=False)
     optimizer = make_optimizer(model)
     data = [make_data(r) for r in range(world)]
     replicas = [copy.deepcopy(model) for _ in range(world)]

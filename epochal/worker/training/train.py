@@ -3,122 +3,31 @@
 :func:`train` joins the run, wraps the model in DistributedDataParallel (gloo on CPU, NCCL on
 CUDA: DDP's bucketed all-reduce averages gradients, overlapped with backward), runs the epochs the
 coordinator starts, keeps the weights of the best epoch and restores them at the end. It is
-:meth:`Session.run_epochs` with a standard train and validation step filled in.
+:meth:`Session.run_epochs` with a standard train and validation step filled in
+(:mod:`epochal.worker.training.fitting`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sized
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
-from epochal.log import WORKER
-from epochal.protocol import Restore, SnapshotScope
 from epochal.protocol.messages import MAX_METRICS, check_metric_name
-from epochal.text import byte_size
-from epochal.worker import faults
-from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.checkpoints.state import (
     TrainState as TrainState,  # re-exported: importable here too
 )
 from epochal.worker.join import join
 from epochal.worker.options import JoinOptions
-from epochal.worker.regroup import FullState, Snapshot, consolidate, share, share_tree
-from epochal.worker.regroup import leave as leave_group
-from epochal.worker.regroup import rebuild as rebuild_strategy
-from epochal.worker.session import Rejoin, Session
-from epochal.worker.strategies import ModeOptions, to_device, wrap
-from epochal.worker.strategies.base import Strategy
-from epochal.worker.strategies.layout import Layout
-from epochal.worker.training.elastic import elastic_scope
-from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.session import Session
+from epochal.worker.strategies import ModeOptions
+from epochal.worker.training.fitting import Fitting, LoaderArg, LossFn, MetricFn
 from epochal.worker.training.precision import check_clip_grad_norm, check_precision
-from epochal.worker.training.results import EpochContext, LossSum, RunResult
-
-Loader = Iterable[Any]
-LoaderArg = Loader | Callable[[int, int], Loader]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MetricFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor | float, int]]
-"""``metric(outputs, targets) -> (sum over the batch's samples, sample count)``: for accuracy
-``((outputs.argmax(1) == targets).sum(), len(targets))``. The sum may be a tensor (it is added up
-on the device, read once per epoch) or a number."""
-
-
-class _MetricSums:
-    """Running sums and counts of the named metrics over one epoch of one rank."""
-
-    def __init__(self, metrics: Mapping[str, MetricFn], device: torch.device) -> None:
-        self.metrics = metrics
-        self.totals = {
-            name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics
-        }
-        self.counts = dict.fromkeys(metrics, 0)
-
-    def add(self, outputs: Any, targets: torch.Tensor) -> None:
-        if not self.metrics:
-            return
-        with torch.no_grad():
-            for name, metric in self.metrics.items():
-                total, count = metric(outputs, targets)
-                if isinstance(total, torch.Tensor):
-                    self.totals[name] += total.detach().double()
-                else:
-                    self.totals[name] += float(total)
-                self.counts[name] += int(count)
-
-    def result(self) -> dict[str, tuple[float, int]]:
-        return {name: (float(t.item()), self.counts[name]) for name, t in self.totals.items()}
-
-
-def _progress_enabled(rank: int, progress: bool | None) -> bool:
-    if rank != 0:
-        return False
-    if progress is not None:
-        return progress
-    forced = os.environ.get(PROGRESS_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return sys.stderr.isatty()
-
-
-def _resolve(loader: LoaderArg | None, session: Session, what: str) -> Loader | None:
-    if loader is None:
-        return None
-    if callable(loader) and not isinstance(loader, Sized):
-        loader = loader(session.rank, session.world_size)
-    if not isinstance(loader, Sized):
-        raise ConfigError(
-            f"the {what} loader has no len(): epochal checks every rank's batch count before an "
-            "epoch starts, so give it a sized loader (a DataLoader over a map-style dataset)"
-        )
-    return loader
-
-
-def _set_epoch(loader: Loader, epoch: int) -> None:
-    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        set_epoch = getattr(holder, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-
-
-def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
-    if not (isinstance(batch, tuple | list) and len(batch) == 2):
-        raise ConfigError(
-            f"each batch must be (inputs, targets), got a {type(batch).__name__}: write a "
-            "collate_fn that returns that pair, or use Session.run_epochs for a custom step"
-        )
-    inputs, targets = batch
-    inputs = inputs.to(device, non_blocking=True) if isinstance(inputs, torch.Tensor) else inputs
-    targets = targets.to(device, non_blocking=True)
-    return inputs, targets, int(targets.shape[0])
+from epochal.worker.training.results import RunResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,216 +106,7 @@ def fit(
         options = FitOptions(**own, ddp_options={**given.get("ddp_options", {}), **ddp})
     elif given:
         raise TypeError("fit() takes options or keyword arguments, not both")
-    accumulate, mode = options.accumulate, options.mode
-    user_model, user_optimizer = model, optimizer  # a new world wraps them again
-    resolved = _resolve(train_loader, session, "train")
-    assert resolved is not None
-    train_data: Loader = resolved
-    valid_data = _resolve(valid_loader, session, "validation")
-    device = session.device
-    initialize = options.initialize
-    if initialize is not None and session.resume_epoch is None:  # a resume loads its weights
-        to_device(model, device)
-        initialize_on_rank(model, initialize)
-
-    def build() -> Strategy:
-        built = wrap(
-            user_model,
-            user_optimizer,
-            device,
-            mode=mode,
-            options=options.mode_options,
-            ddp_options=dict(options.ddp_options),
-            precision=options.precision,
-            clip_grad_norm=options.clip_grad_norm,
-        )
-        if options.configure_ddp is not None:
-            if built.ddp is None:
-                raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
-            built.configure = options.configure_ddp
-        return built
-
-    strategy = build()
-    scope = strategy.snapshot_scope
-    if session.elastic:
-        scope = elastic_scope(
-            mode, scope, snapshot=options.snapshot, checkpoints=session.checkpointer is not None
-        )
-    keeps_copy = session.elastic and scope in (SnapshotScope.WHOLE, SnapshotScope.ROOT)
-    model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
-    base_lrs = [group["lr"] for group in optimizer.param_groups]
-    show_progress = _progress_enabled(session.rank, options.progress)
-    best_state: dict[str, torch.Tensor] | None = None
-    start: tuple[int, Snapshot] | None = None
-    # elastic runs: this rank's state at the start of the epoch under way, and that epoch
-    gathered: tuple[int, FullState | None] | None = None
-    # elastic runs whose copies are not whole: the state an epoch starts from, gathered onto
-    # rank 0 at the boundary before it for the newcomers that join then (None elsewhere, and
-    # where rank 0's live state is whole already), and that epoch
-
-    def gather(epoch: int) -> None:
-        """At the boundary before ``epoch``, newcomers waiting (Decision.gather): collective in
-        this world, the whole state onto rank 0 (rank 0 alone keeps it: a shard per rank
-        otherwise, or nothing where its own state is whole, as with copies switched off)."""
-        nonlocal gathered
-        gathered = (epoch, consolidate(strategy))
-
-    def from_peers(newcomer: bool) -> None:
-        """Newcomers joined this world: every rank takes rank 0's state (model, optimizer,
-        scaler) and its best epoch's weights over the data plane, a newcomer to train on, the
-        others to stay equal to it. In the sharded modes rank 0 sends what it gathered at the
-        boundary, and each rank keeps its part; the best epoch's weights, a shard on each rank
-        of the old world, are not sent: every rank loads them from their checkpoint at the end."""
-        nonlocal best_state
-        full = None  # rebuild forgets what was gathered once this returns
-        if gathered is not None and gathered[0] == session.start_epoch:
-            full = gathered[1]
-        moved = share(strategy, full=full)
-        more = 0
-        if strategy.snapshot_scope is SnapshotScope.SHARD:
-            best_state = None
-        else:
-            best_state, more = share_tree(strategy, best_state)
-        nbytes = moved.nbytes + more
-        if newcomer:
-            took = max(moved.seconds, 1e-9)
-            WORKER.info(
-                f"epochal: rank {session.rank}: took rank 0's state, {byte_size(nbytes)} in "
-                f"{took:.2f} s ({byte_size(nbytes / took)}/s), for epoch {session.start_epoch} "
-                f"in a world of {session.world_size}"
-            )
-
-    if session.restore == "peers":  # a newcomer: the run's state comes from rank 0
-        from_peers(newcomer=True)
-
-    def train_epoch(ctx: EpochContext) -> LossSum:
-        nonlocal start, gathered
-        gathered = None  # the world did not grow after all: the epoch is under way
-        if keeps_copy and (start is None or start[0] != ctx.epoch):
-            start = (ctx.epoch, Snapshot.take(strategy))
-        for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
-            group["lr"] = base * ctx.lr_factor
-        _set_epoch(train_data, ctx.epoch)
-        strategy.begin_epoch()
-        strategy.module.train()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        count = 0
-        metric_sums = _MetricSums(options.metrics, device)
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False, dynamic_ncols=True
-            )
-        for step, batch in enumerate(train_data):
-            if step == ctx.train_batches:
-                break
-            ctx.check()
-            faults.hit(
-                "train-step", rank=ctx.rank, epoch=ctx.epoch, step=step, world=session.generation
-            )
-            inputs, targets, n = _split(batch, device)
-            first = step % accumulate == 0
-            group_end = min(step - step % accumulate + accumulate, ctx.train_batches)
-            stepping = step + 1 == group_end
-            if first:
-                strategy.zero_grad()
-            # gradients are exchanged only for the batch that steps; the others accumulate locally
-            with nullcontext() if stepping else strategy.no_sync():
-                with policy.autocast():
-                    outputs = strategy.module(inputs)
-                    loss = loss_fn(outputs, targets)
-                    metric_sums.add(outputs, targets)
-                micro = group_end - (step - step % accumulate)  # batches in this step
-                policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
-            if stepping:
-                strategy.step()  # unscales and clips the accumulated, averaged gradients
-            total += loss.detach().double() * n
-            count += n
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        return LossSum(float(total.item()), count, metric_sums.result())
-
-    def valid_epoch(ctx: EpochContext) -> LossSum:
-        assert valid_data is not None
-        model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        count = 0
-        metric_sums = _MetricSums(options.metrics, device)
-        with torch.no_grad():
-            for step, batch in enumerate(valid_data):
-                if step == ctx.valid_batches:
-                    break
-                ctx.check()
-                faults.hit(
-                    "valid-step",
-                    rank=ctx.rank,
-                    epoch=ctx.epoch,
-                    step=step,
-                    world=session.generation,
-                )
-                inputs, targets, n = _split(batch, device)
-                with policy.autocast():
-                    outputs = model(inputs)
-                    loss = loss_fn(outputs, targets)
-                    metric_sums.add(outputs, targets)
-                total += loss.double() * n
-                count += n
-        return LossSum(float(total.item()), count, metric_sums.result())
-
-    def keep_best(epoch: int) -> None:
-        nonlocal best_state
-        best_state = strategy.snapshot()
-
-    train_state = strategy.state
-
-    def counts(epoch: int) -> tuple[int, int | None]:
-        return len(train_data), (None if valid_data is None else len(valid_data))  # type: ignore[arg-type]
-
-    def leave(error: BaseException | None) -> None:
-        leave_group(strategy, error)  # the wrappers released; the model and optimizer kept
-
-    def rebuild(epoch: int) -> Stateful:
-        """The new world's group is up: the mode again over it, the loaders for the new rank
-        and world size, and the epoch's start restored."""
-        nonlocal strategy, model, optimizer, policy, train_data, valid_data, best_state, gathered
-        strategy = rebuild_strategy(strategy, Layout.from_group(device))
-        model, optimizer, policy = strategy.model, strategy.optimizer, strategy.policy
-        if session.restore == Restore.CHECKPOINT:  # the session loads it into strategy.state
-            # the best epoch's weights come from its checkpoint at the end, on every rank alike:
-            # a newcomer has none in memory, and a shard of the old world fits no rank of this
-            best_state = None
-        elif start is not None and start[0] == epoch:
-            start[1].restore(strategy)
-        # else the epoch had not begun here: what this rank holds is its start already
-        if session.restore == "peers":
-            from_peers(newcomer=False)
-        gathered = None  # of the old world: sent now, or of no use (a loss came first)
-        again = _resolve(train_loader, session, "train")
-        assert again is not None
-        train_data = again
-        valid_data = _resolve(valid_loader, session, "validation")
-        return strategy.state
-
-    result = session.run_epochs(
-        train_epoch,
-        valid_epoch if valid_data is not None else None,
-        batches=counts,
-        on_best=keep_best,
-        state=train_state,
-        rejoin=Rejoin(leave, rebuild, scope, gather),
-        learning_rate=lambda: optimizer.param_groups[0]["lr"],
-    )
-    if result.restore_best and result.best_epoch is not None:
-        if best_state is not None:
-            strategy.restore(best_state)
-        else:  # the best epoch ran before a restart: its weights are in its checkpoint
-            result = session.restore_best(result, strategy.model_state)
-    strategy.finish()  # fully_sharded: the whole model on every rank, while the group lives
-    return result
+    return Fitting(session, model, optimizer, train_loader, valid_loader, loss_fn, options).run()
 
 
 def train(

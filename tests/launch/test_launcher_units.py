@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from epochal.cli import build_parser
-from epochal.launch.launcher import hidden_note, worker_environment
+from epochal.launch.attempt import hidden_note, worker_environment
 from epochal.launch.plain import free_port, listening, made_its_own_group
 from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.launch.restarts import Outcome, restarting

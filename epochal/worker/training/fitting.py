@@ -1,0 +1,372 @@
+"""One training run of :func:`~epochal.worker.training.train.fit`, across the worlds it trains in.
+
+:class:`Fitting` holds what the standard train and validation steps share: the mode wrapped
+around the user's model and optimizer (:mod:`epochal.worker.strategies`), the loaders, the best
+epoch's weights, and, in elastic runs, the state an epoch starts from. It hands
+:meth:`Session.run_epochs` its steps, and rebuilds them when the world changes: the group left,
+the mode again over the new group, the epoch's start restored or taken from rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sized
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epochal.environment import PROGRESS_ENV
+from epochal.errors import ConfigError
+from epochal.log import WORKER
+from epochal.protocol import Restore, SnapshotScope
+from epochal.text import byte_size
+from epochal.worker import faults
+from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.regroup import FullState, Snapshot, consolidate, share, share_tree
+from epochal.worker.regroup import leave as leave_group
+from epochal.worker.regroup import rebuild as rebuild_strategy
+from epochal.worker.session import Rejoin, Session
+from epochal.worker.strategies import to_device, wrap
+from epochal.worker.strategies.base import Strategy
+from epochal.worker.strategies.layout import Layout
+from epochal.worker.training.elastic import elastic_scope
+from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.training.results import EpochContext, LossSum, RunResult
+
+if TYPE_CHECKING:
+    from epochal.worker.training.train import FitOptions
+
+Loader = Iterable[Any]
+LoaderArg = Loader | Callable[[int, int], Loader]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor | float, int]]
+"""``metric(outputs, targets) -> (sum over the batch's samples, sample count)``: for accuracy
+``((outputs.argmax(1) == targets).sum(), len(targets))``. The sum may be a tensor (it is added up
+on the device, read once per epoch) or a number."""
+
+
+class _MetricSums:
+    """Running sums and counts of the named metrics over one epoch of one rank."""
+
+    def __init__(self, metrics: Mapping[str, MetricFn], device: torch.device) -> None:
+        self.metrics = metrics
+        self.totals = {
+            name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics
+        }
+        self.counts = dict.fromkeys(metrics, 0)
+
+    def add(self, outputs: Any, targets: torch.Tensor) -> None:
+        if not self.metrics:
+            return
+        with torch.no_grad():
+            for name, metric in self.metrics.items():
+                total, count = metric(outputs, targets)
+                if isinstance(total, torch.Tensor):
+                    self.totals[name] += total.detach().double()
+                else:
+                    self.totals[name] += float(total)
+                self.counts[name] += int(count)
+
+    def result(self) -> dict[str, tuple[float, int]]:
+        return {name: (float(t.item()), self.counts[name]) for name, t in self.totals.items()}
+
+
+def _progress_enabled(rank: int, progress: bool | None) -> bool:
+    if rank != 0:
+        return False
+    if progress is not None:
+        return progress
+    forced = os.environ.get(PROGRESS_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return sys.stderr.isatty()
+
+
+def _resolve(loader: LoaderArg | None, session: Session, what: str) -> Loader | None:
+    if loader is None:
+        return None
+    if callable(loader) and not isinstance(loader, Sized):
+        loader = loader(session.rank, session.world_size)
+    if not isinstance(loader, Sized):
+        raise ConfigError(
+            f"the {what} loader has no len(): epochal checks every rank's batch count before an "
+            "epoch starts, so give it a sized loader (a DataLoader over a map-style dataset)"
+        )
+    return loader
+
+
+def _set_epoch(loader: Loader, epoch: int) -> None:
+    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        set_epoch = getattr(holder, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise ConfigError(
+            f"each batch must be (inputs, targets), got a {type(batch).__name__}: write a "
+            "collate_fn that returns that pair, or use Session.run_epochs for a custom step"
+        )
+    inputs, targets = batch
+    inputs = inputs.to(device, non_blocking=True) if isinstance(inputs, torch.Tensor) else inputs
+    targets = targets.to(device, non_blocking=True)
+    return inputs, targets, int(targets.shape[0])
+
+
+class Fitting:
+    """The standard steps of :func:`~epochal.worker.training.train.fit` in ``session``, over
+    ``model`` and ``optimizer`` as ``options`` wrap them; :meth:`run` trains."""
+
+    def __init__(
+        self,
+        session: Session,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: LoaderArg,
+        valid_loader: LoaderArg | None,
+        loss_fn: LossFn,
+        options: FitOptions,
+    ) -> None:
+        self.session = session
+        self.user_model, self.user_optimizer = model, optimizer  # a new world wraps them again
+        self.train_loader, self.valid_loader = train_loader, valid_loader
+        self.loss_fn = loss_fn
+        self.options = options
+        self.train_data, self.valid_data = self._loaders()
+        self.device = session.device
+        if options.initialize is not None and session.resume_epoch is None:
+            # a resume loads its weights
+            to_device(model, self.device)
+            initialize_on_rank(model, options.initialize)
+        self.strategy = self._build()
+        self.scope = self.strategy.snapshot_scope
+        if session.elastic:
+            self.scope = elastic_scope(
+                options.mode,
+                self.scope,
+                snapshot=options.snapshot,
+                checkpoints=session.checkpointer is not None,
+            )
+        self.keeps_copy = session.elastic and self.scope in (
+            SnapshotScope.WHOLE,
+            SnapshotScope.ROOT,
+        )
+        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
+        self.policy = self.strategy.policy
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.show_progress = _progress_enabled(session.rank, options.progress)
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.start: tuple[int, Snapshot] | None = None
+        """Elastic runs: this rank's state at the start of the epoch under way, and that epoch."""
+        self.gathered: tuple[int, FullState | None] | None = None
+        """Elastic runs whose copies are not whole: the state an epoch starts from, gathered onto
+        rank 0 at the boundary before it for the newcomers that join then (None elsewhere, and
+        where rank 0's live state is whole already), and that epoch."""
+
+    def run(self) -> RunResult:
+        """Train to the run's end; the best epoch's weights are in the model after."""
+        session = self.session
+        if session.restore == "peers":  # a newcomer: the run's state comes from rank 0
+            self._from_peers(newcomer=True)
+        result = session.run_epochs(
+            self._train_epoch,
+            self._valid_epoch if self.valid_data is not None else None,
+            batches=self._counts,
+            on_best=self._keep_best,
+            state=self.strategy.state,
+            rejoin=Rejoin(self._leave, self._rebuild, self.scope, self._gather),
+            learning_rate=lambda: self.optimizer.param_groups[0]["lr"],
+        )
+        if result.restore_best and result.best_epoch is not None:
+            if self.best_state is not None:
+                self.strategy.restore(self.best_state)
+            else:  # the best epoch ran before a restart: its weights are in its checkpoint
+                result = session.restore_best(result, self.strategy.model_state)
+        self.strategy.finish()  # fully_sharded: the whole model on every rank, while it has a group
+        return result
+
+    def _loaders(self) -> tuple[Loader, Loader | None]:
+        """The loaders for this rank and world size."""
+        train_data = _resolve(self.train_loader, self.session, "train")
+        assert train_data is not None
+        return train_data, _resolve(self.valid_loader, self.session, "validation")
+
+    def _build(self) -> Strategy:
+        options, mode = self.options, self.options.mode
+        built = wrap(
+            self.user_model,
+            self.user_optimizer,
+            self.device,
+            mode=mode,
+            options=options.mode_options,
+            ddp_options=dict(options.ddp_options),
+            precision=options.precision,
+            clip_grad_norm=options.clip_grad_norm,
+        )
+        if options.configure_ddp is not None:
+            if built.ddp is None:
+                raise ConfigError(f"configure_ddp was given, but mode {mode!r} does not use DDP")
+            built.configure = options.configure_ddp
+        return built
+
+    def _gather(self, epoch: int) -> None:
+        """At the boundary before ``epoch``, newcomers waiting (Decision.gather): collective in
+        this world, the whole state onto rank 0 (rank 0 alone keeps it: a shard per rank
+        otherwise, or nothing where its own state is whole, as with copies switched off)."""
+        self.gathered = (epoch, consolidate(self.strategy))
+
+    def _from_peers(self, newcomer: bool) -> None:
+        """Newcomers joined this world: every rank takes rank 0's state (model, optimizer,
+        scaler) and its best epoch's weights over the data plane, a newcomer to train on, the
+        others to stay equal to it. In the sharded modes rank 0 sends what it gathered at the
+        boundary, and each rank keeps its part; the best epoch's weights, a shard on each rank
+        of the old world, are not sent: every rank loads them from their checkpoint at the end."""
+        session, strategy = self.session, self.strategy
+        full = None  # rebuild forgets what was gathered once this returns
+        if self.gathered is not None and self.gathered[0] == session.start_epoch:
+            full = self.gathered[1]
+        moved = share(strategy, full=full)
+        more = 0
+        if strategy.snapshot_scope is SnapshotScope.SHARD:
+            self.best_state = None
+        else:
+            self.best_state, more = share_tree(strategy, self.best_state)
+        nbytes = moved.nbytes + more
+        if newcomer:
+            took = max(moved.seconds, 1e-9)
+            WORKER.info(
+                f"epochal: rank {session.rank}: took rank 0's state, {byte_size(nbytes)} in "
+                f"{took:.2f} s ({byte_size(nbytes / took)}/s), for epoch {session.start_epoch} "
+                f"in a world of {session.world_size}"
+            )
+
+    def _train_epoch(self, ctx: EpochContext) -> LossSum:
+        strategy, options = self.strategy, self.options
+        self.gathered = None  # the world did not grow after all: the epoch is under way
+        if self.keeps_copy and (self.start is None or self.start[0] != ctx.epoch):
+            self.start = (ctx.epoch, Snapshot.take(strategy))
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * ctx.lr_factor
+        _set_epoch(self.train_data, ctx.epoch)
+        strategy.begin_epoch()
+        strategy.module.train()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        metric_sums = _MetricSums(options.metrics, self.device)
+        bar = None
+        if self.show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False, dynamic_ncols=True
+            )
+        for step, batch in enumerate(self.train_data):
+            if step == ctx.train_batches:
+                break
+            ctx.check()
+            faults.hit(
+                "train-step",
+                rank=ctx.rank,
+                epoch=ctx.epoch,
+                step=step,
+                world=self.session.generation,
+            )
+            inputs, targets, n = _split(batch, self.device)
+            loss = self._train_step(ctx, step, inputs, targets, metric_sums)
+            total += loss.detach().double() * n
+            count += n
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return LossSum(float(total.item()), count, metric_sums.result())
+
+    def _train_step(
+        self,
+        ctx: EpochContext,
+        step: int,
+        inputs: Any,
+        targets: torch.Tensor,
+        metric_sums: _MetricSums,
+    ) -> torch.Tensor:
+        """Forward and backward of batch ``step``, and the optimizer's step where it ends a group
+        of ``accumulate`` batches; the batch's loss."""
+        strategy, policy, accumulate = self.strategy, self.policy, self.options.accumulate
+        first = step % accumulate == 0
+        group_end = min(step - step % accumulate + accumulate, ctx.train_batches)
+        stepping = step + 1 == group_end
+        if first:
+            strategy.zero_grad()
+        # gradients are exchanged only for the batch that steps; the others accumulate locally
+        with nullcontext() if stepping else strategy.no_sync():
+            with policy.autocast():
+                outputs = strategy.module(inputs)
+                loss = self.loss_fn(outputs, targets)
+                metric_sums.add(outputs, targets)
+            micro = group_end - (step - step % accumulate)  # batches in this step
+            policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
+        if stepping:
+            strategy.step()  # unscales and clips the accumulated, averaged gradients
+        return loss
+
+    def _valid_epoch(self, ctx: EpochContext) -> LossSum:
+        valid_data = self.valid_data
+        assert valid_data is not None
+        model, device = self.model, self.device
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        count = 0
+        metric_sums = _MetricSums(self.options.metrics, device)
+        with torch.no_grad():
+            for step, batch in enumerate(valid_data):
+                if step == ctx.valid_batches:
+                    break
+                ctx.check()
+                faults.hit(
+                    "valid-step",
+                    rank=ctx.rank,
+                    epoch=ctx.epoch,
+                    step=step,
+                    world=self.session.generation,
+                )
+                inputs, targets, n = _split(batch, device)
+                with self.policy.autocast():
+                    outputs = model(inputs)
+                    loss = self.loss_fn(outputs, targets)
+                    metric_sums.add(outputs, targets)
+                total += loss.double() * n
+                count += n
+        return LossSum(float(total.item()), count, metric_sums.result())
+
+    def _keep_best(self, epoch: int) -> None:
+        self.best_state = self.strategy.snapshot()
+
+    def _counts(self, epoch: int) -> tuple[int, int | None]:
+        valid = None if self.valid_data is None else len(self.valid_data)  # type: ignore[arg-type]
+        return len(self.train_data), valid  # type: ignore[arg-type]
+
+    def _leave(self, error: BaseException | None) -> None:
+        leave_group(self.strategy, error)  # the wrappers released; the model and optimizer kept
+
+    def _rebuild(self, epoch: int) -> Stateful:
+        """The new world's group is up: the mode again over it, the loaders for the new rank
+        and world size, and the epoch's start restored."""
+        session = self.session
+        self.strategy = rebuild_strategy(self.strategy, Layout.from_group(self.device))
+        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
+        self.policy = self.strategy.policy
+        if session.restore == Restore.CHECKPOINT:  # the session loads it into strategy.state
+            # the best epoch's weights come from its checkpoint at the end, on every rank alike:
+            # a newcomer has none in memory, and a shard of the old world fits no rank of this
+            self.best_state = None
+        elif self.start is not None and self.start[0] == epoch:
+            self.start[1].restore(self.strategy)
+        # else the epoch had not begun here: what this rank holds is its start already
+        if session.restore == "peers":
+            self._from_peers(newcomer=False)
+        self.gathered = None  # of the old world: sent now, or of no use (a loss came first)
+        self.train_data, self.valid_data = self._loaders()
+        return self.strategy.state

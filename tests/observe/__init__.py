@@ -1,0 +1,1 @@
+"""Tests of epochal.observe: status.json, the learning curve, TensorBoard and Prometheus."""
