@@ -17,7 +17,7 @@ from pathlib import Path
 
 from epochal.cli import EXIT_USAGE, build_parser
 from epochal.errors import CoordinatorUnreachable
-from epochal.launch.launcher import EXIT_FAILED, EXIT_OK
+from epochal.launch.attempt import EXIT_FAILED, EXIT_OK
 from epochal.launch.processes import ORPHAN_EXIT_CODE
 from epochal.launch.service import EXIT_CRASH
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
