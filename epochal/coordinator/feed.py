@@ -1,12 +1,13 @@
 """What the coordinator tells its observers (status.json, TensorBoard, metrics), and when.
 
 :class:`ObserverFeed` sits between the service and an :class:`~epochal.observe.RunObserver`: the
-service notes what its actions did (a journal record written, a heartbeat sent, the result) and
-calls :meth:`ObserverFeed.tell` once every action of a turn is carried out, so a decision is
-never held up for an observer (and the service's observer hands each call to a thread:
-:class:`~epochal.coordinator.diskwork.OffLoop`). After ``on_end`` the observers hear nothing
-more from this coordinator. :func:`snapshot` is the run as they see it: one epoch for the run
-and its ranks (:func:`rank_at`), so status.json's header and its rows never tell two stories.
+service tells it the run started (:meth:`ObserverFeed.started`), notes what its actions did (a
+journal record written, a heartbeat sent, the result) and calls :meth:`ObserverFeed.tell` once
+every action of a turn is carried out, so a decision is never held up for an observer (and the
+service's observer hands each call to a thread: :class:`~epochal.coordinator.diskwork.OffLoop`).
+After ``on_end`` the observers hear nothing more from this coordinator. :func:`snapshot` is the
+run as they see it: one epoch for the run and its ranks (:func:`rank_at`), so status.json's
+header and its rows never tell two stories.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from epochal.coordinator.actions import RunPhase
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.resume import config_record
 from epochal.coordinator.watchdog import RankStatus as WatchedStatus
-from epochal.observe import RankStatus, RunObserver, StatusSnapshot, World
+from epochal.observe import RankStatus, RunObserver, RunStart, StatusSnapshot, World
 from epochal.protocol import Awaiting, Phase
 from epochal.text import printable
 
@@ -113,6 +116,27 @@ class ObserverFeed:
         # (workers joined, ranks assigned) as last told
         self._beat = False
         # a heartbeat went out: the observers get a snapshot
+
+    def started(
+        self,
+        config: CoordinatorConfig,
+        run_id: str,
+        endpoint: str,
+        attempt: int,
+        resumed_from: int | None,
+    ) -> None:
+        """The run starts (``attempt`` 0, or again after a failure), listening at ``endpoint``."""
+        start = RunStart(
+            run_id=run_id,
+            run_dir=config.run_dir,
+            endpoint=endpoint,
+            world_size=config.world_size,
+            epochs=config.epochs,
+            attempt=attempt,
+            resumed_from=resumed_from,
+            config=config_record(config),
+        )
+        self.observers.on_start(start)
 
     def written(self, record: dict[str, Any]) -> None:
         """An epoch (or checkpoint) record reached the journal."""

@@ -1,13 +1,14 @@
-"""How a run ends, and what the clock finds between messages: the part of
-:class:`~epochal.coordinator.machine.RunMachine` that commits checkpoints (pruning the old ones),
-finishes the run (the Finish to every rank, the result once each has said done, or at
-``--finish-timeout``) and, on every tick, asks the watchdog and the phases' own checks whether a
-rank is lost, a phase overran or a newcomer went silent. Pure like the machine.
+"""How a run ends: the part of :class:`~epochal.coordinator.machine.RunMachine` that commits
+checkpoints (pruning the old ones) and finishes the run (the Finish to every rank, the result once
+each has said done, or at ``--finish-timeout``, which the machine's clock asks it about). It reads
+and changes the run's facts in the :class:`~.machinestate.MachineState` it is given. Pure like the
+machine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Mapping
+from typing import TYPE_CHECKING
 
 from epochal.coordinator import ending, runstate
 from epochal.coordinator.actions import (
@@ -20,132 +21,79 @@ from epochal.coordinator.actions import (
     RunPhase,
     Send,
 )
-from epochal.coordinator.batches import BatchCounts
-from epochal.coordinator.sums import LossSums
-from epochal.coordinator.takeback import TakingBack
 from epochal.protocol import Abort
 
+if TYPE_CHECKING:
+    from epochal.coordinator.machinestate import MachineState
+    from epochal.coordinator.regrouping import Regrouping
 
-class Finishing(TakingBack):
-    """The finishing and clock side of a run's machine; see the module docstring. The machine
-    sets every attribute below in its ``__init__``."""
 
-    _done: set[int]
-    _finish_decided: bool
-    _ready: dict[int, BatchCounts]
-    _reports: dict[int, LossSums]
+class Finishing:
+    """The finishing part of a run's machine; see the module docstring. ``regrouping`` grows
+    the world at a committed checkpoint, where newcomers wait for one."""
 
-    def _recipients(self) -> tuple[bytes, ...]:
-        raise NotImplementedError  # the machine's
+    def __init__(self, state: MachineState, regrouping: Regrouping) -> None:
+        self._state = state
+        self._regrouping = regrouping
 
-    def _on_checkpointed(self, now: float, epoch: int) -> list[Action]:
-        if epoch in self._committed:
+    def on_checkpointed(self, now: float, epoch: int) -> list[Action]:
+        if epoch in self._state.committed:
             return []  # sent again by a worker taken back by a restarted coordinator
         actions: list[Action] = [Journal("epoch", {"kind": "checkpoint", "epoch": epoch})]
-        self._committed.append(epoch)
-        if self._checkpoint_dir is not None:
+        self._state.committed.append(epoch)
+        if self._state.checkpoint_dir is not None:
             pruned = runstate.prunable(
-                self._committed, self.config.keep_checkpoints, self._loop.best_epoch
+                self._state.committed,
+                self._state.config.keep_checkpoints,
+                self._state.loop.best_epoch,
             )
             if pruned:
                 actions.append(Prune(tuple(pruned)))
-            self._committed = [e for e in self._committed if e not in pruned]
+            self._state.committed = [e for e in self._state.committed if e not in pruned]
             for gone in pruned:
-                self._loops_at.pop(gone, None)
-        grown = self._grow(now, checkpointed=epoch)  # a world whose copies are not whole
+                self._state.loops_at.pop(gone, None)
+        grown = self._regrouping.grow(now, checkpointed=epoch)  # a world whose copies are not whole
         return actions + (grown or [])
 
-    def _closed_early(self, now: float, rank: int) -> list[Action]:
+    def closed_early(self, now: float, rank: int) -> list[Action]:
         """A rank closed its session before it announced any epoch (a script with a loop of its
         own): the run finishes; every rank gets the Finish now, and the run ends when each has
         closed (or at ``--finish-timeout``). A rank that still asks for an epoch is out of step."""
         actions = [
             Log(
-                f"rank {rank} ({self.members[rank].describe()}) closed its session without "
+                f"rank {rank} ({self._state.members[rank].describe()}) closed its session without "
                 "running epochs: its script keeps its own loop (epochal.join() for the process "
                 "group only, or a torchrun script); the run finishes once every rank has closed "
                 "its session"
             ),
-            *self._finish(now, decided=False),
+            *self.finish(now, decided=False),
         ]
-        self._ready.clear()
-        return actions + self._done_by(rank)
+        self._state.ready.clear()
+        return actions + self.done_by(rank)
 
-    def _done_by(self, rank: int) -> list[Action]:
+    def done_by(self, rank: int) -> list[Action]:
         """``rank`` has finished (said done); the run ends once every rank has."""
-        self._done.add(rank)
-        return self._end() if len(self._done) == len(self.members) else []
+        self._state.done.add(rank)
+        return self.end() if len(self._state.done) == len(self._state.members) else []
 
-    def _finish(self, now: float, *, decided: bool = True) -> list[Action]:
+    def finish(self, now: float, *, decided: bool = True) -> list[Action]:
         """The Finish to every rank; ``decided``: after the run's last epoch was decided (not a
         script with a loop of its own, whose other ranks may still be training)."""
-        finish, line = ending.finish(self._loop, self.config, self.run_id)
-        self._set_phase(RunPhase.FINISHING, now)
-        self._finish_decided = decided
+        finish, line = ending.finish(self._state.loop, self._state.config, self._state.run_id)
+        self._state.set_phase(RunPhase.FINISHING, now)
+        self._state.finish_decided = decided
         late = Abort(reason="the run finished before this worker could join it")
-        waiting = [Send(peer, late) for peer in self.membership.standby]
-        return [Broadcast(self._recipients(), finish), Log(line), *waiting]
+        waiting = [Send(peer, late) for peer in self._state.membership.standby]
+        return [Broadcast(self._state.recipients(), finish), Log(line), *waiting]
 
-    def _end(self) -> list[Action]:
-        summary, result = ending.result(self._loop, self.run_id)
-        if self.config.elastic:
-            result["world_changes"] = self.world_changes
-        self.over = True
+    def end(self) -> list[Action]:
+        summary, result = ending.result(self._state.loop, self._state.run_id)
+        if self._state.config.elastic:
+            result["world_changes"] = self._state.world_changes
+        self._state.over = True
         return [Journal("result", result), Finished(summary)]
 
-    # ------------------------------------------------------------------ the clock
-
-    def _check_clock(self, now: float) -> list[Action]:
-        dog = self.watchdog
-        losses = self._check_losses(now)
-        if losses is not None:
-            return losses
-        quiet = dog.first_silent(now, self.membership.standby)
-        if quiet is not None:  # a standby newcomer that went silent is forgotten
-            peer = quiet[0]
-            member = self.membership.leave(peer)
-            assert member is not None
-            self.rendezvous.leave(peer)
-            self.gate.sessions.forget(peer)
-            dog.drop(peer)
-            return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
-        if self.elastic:
-            self._lose_silent(now)
-            if self.membership.losing:
-                return []
-        failed = dog.failure_due(now)
-        if failed is not None:
-            return self.abort(failed)
-        expired = self.models.expired(now)
-        if expired is not None:
-            return self._checked(now, expired)
-        if self._store is not None and self.phase is RunPhase.STORE:
-            return []  # the store is open; the welcome waits for rank 0's list, a bounded while
-        waited = now - dog.phase_started
-        if self.taking_back:
-            return self._check_taking_back(now, waited)
-        if self._carry is not None and not self.rendezvous.members:
-            return self._check_first_back(waited)
-        if self.phase is RunPhase.RENDEZVOUS:
-            return self._check_rendezvous(now, waited)
-        if self.phase is RunPhase.FINISHING:
-            return self._check_finishing(now, waited)
-        answered = self._ready if self.phase is RunPhase.READY else self._reports
-        lines, reason = dog.check(
-            now,
-            phase=self.phase,
-            epoch=self.epoch,
-            answered=answered,
-            members=self.members,
-            ranks=self._ranks,
-            welcomed=self._store is not None,
-        )
-        actions: list[Action] = [Log(line) for line in lines]
-        if reason is not None:
-            return actions + self.abort(reason)
-        return actions
-
-    def _check_finishing(self, now: float, waited: float) -> list[Action]:
+    def check_finishing(self, now: float, waited: float) -> list[Action]:
         """The Finish is out; the ranks that said done are waited for no more. After the last
         epoch's decision the run's result stands whether or not each rank confirms it: a rank
         silent past the heartbeat timeout is not waited for (its Done can be lost with its
@@ -153,23 +101,27 @@ class Finishing(TakingBack):
         none past ``--finish-timeout``. Where no epoch was decided (ranks with loops of their own,
         still training when one closed its session), a silent rank aborts the run as in any
         other phase. A failure a rank reports aborts either way (the clock's rules before this)."""
-        cfg = self.config
-        silent = self.watchdog.first_silent(now, _Pending(self._ranks, self._done))
+        cfg = self._state.config
+        silent = self._state.watchdog.first_silent(
+            now, _Pending(self._state.ranks, self._state.done)
+        )
         if silent is not None:
             peer, seconds = silent
-            rank = self._ranks[peer]
-            if not self._finish_decided:
-                return self.abort(self.watchdog.silence(rank, seconds, self.members))
+            rank = self._state.ranks[peer]
+            if not self._state.finish_decided:
+                return self._state.abort(
+                    self._state.watchdog.silence(rank, seconds, self._state.members)
+                )
             line = (
-                f"rank {rank} ({self.members[rank].describe()}) has not confirmed the finish and "
-                f"sent nothing for {seconds:.1f} s (its process may have ended before its last "
-                "message arrived): every epoch is decided, so the result stands"
+                f"rank {rank} ({self._state.members[rank].describe()}) has not confirmed the "
+                f"finish and sent nothing for {seconds:.1f} s (its process may have ended before "
+                "its last message arrived): every epoch is decided, so the result stands"
             )
-            return [Log(line), *self._done_by(rank)]
+            return [Log(line), *self.done_by(rank)]
         if waited > cfg.finish_timeout:
-            missing = sorted(set(range(len(self.members))) - self._done)
+            missing = sorted(set(range(len(self._state.members))) - self._state.done)
             line = f"ranks {missing} did not confirm the finish within {cfg.finish_timeout:g} s"
-            return [Log(line), *self._end()]
+            return [Log(line), *self.end()]
         return []
 
 

@@ -4,10 +4,16 @@
 (:meth:`~RunMachine.on_tick`), and returns the :mod:`actions <epochal.coordinator.actions>` that
 follow: messages to send, records to write, lines to log, the end of the run. It opens no socket,
 reads no clock and touches no file (the run directory's model record is handed in), so a whole run
-is driven by a test with a clock it sets (``tests/coordinator/test_machine.py``). The clock rules
-themselves are in :mod:`.watchdog` (what each tick makes of them in :mod:`.finishing`, with how
-the run ends), the budget of peers outside the run in :mod:`.strangers`, the
-parameter lists fetched to name a model that differs in :mod:`.models`.
+is driven by a test with a clock it sets (``tests/coordinator/test_machine.py``).
+
+The machine is thin: it holds the run's facts in one :class:`~.machinestate.MachineState` and
+routes each message and tick to the part that owns its concern, each given the state (and, by
+reference, the parts it hands work on to):
+:mod:`.joining` (hellos, the store, the welcome), :mod:`.regrouping` (a lost rank, a new world),
+:mod:`.takeback` (running workers taken back by a restarted coordinator), :mod:`.epochs` (each
+epoch's Go and decision) and :mod:`.finishing` (checkpoints committed, the Finish, the result).
+The clock rules themselves are in :mod:`.watchdog`, the budget of peers outside the run in
+:mod:`.strangers`, the parameter lists fetched to name a model that differs in :mod:`.models`.
 
 Phases (:class:`~epochal.coordinator.actions.RunPhase`), in order: rendezvous -> store -> ready
 -> running -> running (the next epoch), or finishing -> ended. The phase ready collects every rank's
@@ -19,47 +25,21 @@ every worker and ends the run.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from epochal.coordinator import ending, runstate
-from epochal.coordinator.actions import (
-    Aborted,
-    Action,
-    Broadcast,
-    Journal,
-    Log,
-    RunPhase,
-    Send,
-)
-from epochal.coordinator.batches import (
-    BatchCounts,
-    EpochPlan,
-    PolicyViolation,
-    format_ranks,
-    plan_epoch,
-)
-from epochal.coordinator.carry import Carry, sent_record
+from epochal.coordinator import runstate
+from epochal.coordinator.actions import Action, Broadcast, Log, RunPhase, Send
+from epochal.coordinator.batches import BatchCounts
 from epochal.coordinator.config import CoordinatorConfig
+from epochal.coordinator.epochs import Epochs
 from epochal.coordinator.finishing import Finishing
-from epochal.coordinator.joining import NOT_MEMBER
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.membership import Membership, NewWorld
+from epochal.coordinator.joining import NOT_MEMBER, Joining
+from epochal.coordinator.machinestate import MachineState
 from epochal.coordinator.models import ModelChecks, ModelRecord
-from epochal.coordinator.outcome import checkpoint_after, format_epoch_line
-from epochal.coordinator.rendezvous import (
-    JoinLog,
-    Member,
-    Rendezvous,
-)
-from epochal.coordinator.replicas import replicas_differ
-from epochal.coordinator.strangers import Gate
-from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
-from epochal.coordinator.sums import aggregate as aggregate_losses
-from epochal.coordinator.watchdog import Watchdog
+from epochal.coordinator.regrouping import Regrouping
+from epochal.coordinator.takeback import TakingBack
 from epochal.protocol import (
-    Abort,
     Awaiting,
     Broken,
     Checkpointed,
@@ -67,18 +47,25 @@ from epochal.protocol import (
     EpochReady,
     EpochReport,
     Failed,
-    Go,
     Heartbeat,
     Hello,
     Message,
     ModelPage,
     Reject,
+    SnapshotScope,
     Status,
     StoreReady,
-    clip,
+    Welcome,
 )
 from epochal.protocol.messages import TYPE_NAMES
 from epochal.text import REASON_CHARS, printable
+
+if TYPE_CHECKING:
+    from epochal.coordinator.loop import LoopState
+    from epochal.coordinator.membership import Membership
+    from epochal.coordinator.rendezvous import Member, Rendezvous
+    from epochal.coordinator.strangers import Gate
+    from epochal.coordinator.watchdog import Watchdog
 
 TAKING_BACK = (
     "the restarted coordinator is taking the run's running workers back, and a new worker has "
@@ -91,7 +78,7 @@ UNANSWERED = frozenset(TYPE_NAMES[cls] for cls in (Heartbeat, Status))
 """Messages of a peer outside the run that get no answer (a worker heartbeats while it joins)."""
 
 
-class RunMachine(Finishing):
+class RunMachine:
     """One run's control-plane state and rules; see the module docstring."""
 
     def __init__(
@@ -104,73 +91,118 @@ class RunMachine(Finishing):
         model_record: ModelRecord | None = None,
         rendezvous_note: Callable[[], str] = lambda: "",
     ) -> None:
-        self.config = config
-        self.run_id = run_id
-        self.phase = RunPhase.RENDEZVOUS
-        self._state = state
-        self._loop = state.loop
-        self.models = ModelChecks(model_record)
-        # between workers, and against the run directory: parameter lists fetched page by page
-        self._rendezvous_note = rendezvous_note
-        # why a rendezvous may fall short besides missing workers (refused CURVE handshakes)
-        self.rendezvous = Rendezvous(config)
-        self._joins = JoinLog(config.world_size)
-        self.gate = Gate()
-        self.watchdog = Watchdog(config, now)
-        self._ranks: dict[bytes, int] = {}
-        self.members: list[Member] = []
-        # by rank, once the ranks are assigned
-        self._backend = "gloo"
-        self._store: StoreReady | None = None
-        self.epoch = state.start_epoch
-        self._ready: dict[int, BatchCounts] = {}
-        # phase ready: the batch counts of every rank's epoch_ready so far
-        self._reports: dict[int, LossSums] = {}
-        self._next: dict[int, BatchCounts] = {}
-        # phase running: the batch counts for the next epoch that the loss reports carried
-        self._rates: dict[int, float | None] = {}
-        # phase running: the learning rate each rank's optimizer held, where it said it
-        self._checksums: dict[int, int | None] = {}
-        # phase running: each rank's checksum of its weights after the epoch, where it sent one
-        self._done: set[int] = set()
-        self._finish_decided = True  # the Finish followed the last epoch's decision
-        self._plan: EpochPlan | None = None
-        self._validates = False
-        self._checkpoint_dir = config.checkpoint_path
-        self._committed = [r["epoch"] for r in state.records if r["kind"] == "checkpoint"]
-        self._epoch_started = now
-        self._next_heartbeat = now
-        self.over = False
-        # an outcome (Finished or Aborted) has been returned
-        self.refused = 0
-        # hellos refused by the rendezvous (wrong job or token, surplus, duplicate), for observers
-        self._round_started = now
-        self.round_seconds: float | None = None
-        # the last epoch's control round: from its first loss report to its decision
-        self.membership = Membership(config.least_workers, config.world_size)
-        self.generation = 0
-        # the world's: one more with each change (regrouping.py)
-        self.world_changes: list[dict[str, Any]] = []
-        self._change: NewWorld | None = None
-        # the change whose world is forming
-        self._copies: dict[bytes, EpochReady] = {}
-        # each member's last ready: what its copy of an epoch's start holds, and whether it
-        # gathers its part of the state when a decision asks (elastic)
-        self._gathering: int | None = None
-        # the epoch whose start the members gather onto rank 0 (Decision.gather): the world
-        # grows once their readies of it are in
-        self._loops_at: dict[int, LoopState] = {}
-        # elastic: the loop state as each checkpoint holds it, for a world that restores one
-        if config.elastic and state.resume_epoch is not None:
-            self._loops_at[state.resume_epoch] = copy.deepcopy(state.loop)
-        self._carry = state.carry
-        # where the journal left the run, for running workers that come back (takeback.py)
-        self._taken: dict[int, Member] = {}
-        # by rank, the workers taken back so far (welcomed)
-        self._back: set[int] = set()
-        # the ranks taken back that sent again what they wait an answer to
-        self._carried: Carry | None = None
-        # where the run was taken back from, once it was
+        self._state = facts = MachineState.start(
+            config,
+            state,
+            run_id=run_id,
+            now=now,
+            model_record=model_record,
+            rendezvous_note=rendezvous_note,
+        )
+        # each part gets the facts and, by reference, the parts it hands work on to
+        self._regrouping = Regrouping(facts)
+        self._finishing = Finishing(facts, self._regrouping)
+        self._epochs = Epochs(facts, self._regrouping, self._finishing)
+        self._takeback = TakingBack(facts, self._epochs, self._finishing)
+        self._joining = Joining(facts, self._takeback.carry_welcome)
+
+    # ------------------------------------------------------------------ what the machine knows
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self._state.config
+
+    @property
+    def run_id(self) -> str:
+        return self._state.run_id
+
+    @property
+    def phase(self) -> RunPhase:
+        return self._state.phase
+
+    @property
+    def epoch(self) -> int:
+        """The epoch under way (or the next to start)."""
+        return self._state.epoch
+
+    @property
+    def generation(self) -> int:
+        """The world's generation: one more with each change (:mod:`.regrouping`)."""
+        return self._state.generation
+
+    @property
+    def members(self) -> list[Member]:
+        """By rank, once the ranks are assigned."""
+        return self._state.members
+
+    @property
+    def over(self) -> bool:
+        """Whether an outcome (Finished or Aborted) has been returned."""
+        return self._state.over
+
+    @property
+    def refused(self) -> int:
+        """Hellos refused by the rendezvous (wrong job or token, surplus, duplicate)."""
+        return self._state.refused
+
+    @property
+    def round_seconds(self) -> float | None:
+        """The last epoch's control round: from its first loss report to its decision."""
+        return self._state.round_seconds
+
+    @property
+    def world_changes(self) -> list[dict[str, Any]]:
+        """Each change of the world so far, as the result lists them."""
+        return self._state.world_changes
+
+    @property
+    def models(self) -> ModelChecks:
+        return self._state.models
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        return self._state.rendezvous
+
+    @property
+    def gate(self) -> Gate:
+        return self._state.gate
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self._state.watchdog
+
+    @property
+    def membership(self) -> Membership:
+        return self._state.membership
+
+    @property
+    def scope(self) -> SnapshotScope:
+        """What the members' copies of an epoch's start hold together, as their readies said."""
+        return self._state.scope
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost rank's peers carry on (while at least ``--min-workers`` remain)."""
+        return self._regrouping.elastic
+
+    @property
+    def taking_back(self) -> bool:
+        """Whether running workers are being taken back (the first came, not yet the last)."""
+        return self._takeback.taking_back
+
+    @property
+    def _loop(self) -> LoopState:
+        """The epoch loop's state (the run state's own), as the status feed reads it."""
+        return self._state.loop
+
+    @property
+    def _gathering(self) -> int | None:
+        """The epoch whose start the members gather onto rank 0 for newcomers, if any."""
+        return self._state.gathering
+
+    def _welcome_for(self, peer: bytes) -> Welcome:
+        """The welcome ``peer`` gets to the world of now (once rank 0's store is open)."""
+        return self._joining.welcome_for(peer)
 
     # ------------------------------------------------------------------ entry points
 
@@ -208,7 +240,7 @@ class RunMachine(Finishing):
         self.gate.dropped_frames += 1
         if version:
             return self.gate.reject(peer, problem, "version")
-        rank = self._ranks.get(peer)
+        rank = self._state.ranks.get(peer)
         if rank is not None and self.gate.sessions.same_sender(peer, user_id):
             return self.abort(
                 f"rank {rank} sent a malformed message: {printable(problem, REASON_CHARS)}"
@@ -219,32 +251,34 @@ class RunMachine(Finishing):
         self, now: float, peer: bytes, message: Message, *, session: str = "", user_id: str = ""
     ) -> list[Action]:
         """A decoded ``message`` from ``peer`` with its ``session`` secret and ZAP ``user_id``."""
-        if self.over:
+        state = self._state
+        if state.over:
             return []
         screened = self.gate.screen(
             now, peer, message, session, user_id, self.rendezvous.members.get
         )
         if screened is not None:
             return screened
-        rank = self._ranks.get(peer)
+        rank = state.ranks.get(peer)
         if rank is not None or self.watchdog.knows(peer):
             self.watchdog.heard(peer, now)
         if rank is not None:
             self.membership.heard(rank, now)  # alive: a pending loss need not wait for it
         actions = self._handle(now, peer, message, user_id)
-        if rank is not None and self.phase in (RunPhase.READY, RunPhase.RUNNING):
-            answered = self._ready if self.phase is RunPhase.READY else self._reports
-            self.watchdog.after_message(rank, peer, self.phase, self.epoch, answered)
+        if rank is not None and state.phase in (RunPhase.READY, RunPhase.RUNNING):
+            answered = state.ready if state.phase is RunPhase.READY else state.reports
+            self.watchdog.after_message(rank, peer, state.phase, state.epoch, answered)
         return actions
 
     def on_tick(self, now: float) -> list[Action]:
         """The clock moved to ``now``: heartbeats when due, then every timeout."""
-        if self.over:
+        state = self._state
+        if state.over:
             return []
         actions: list[Action] = []
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_interval
-            actions.append(Broadcast(self._recipients(), Heartbeat()))
+        if now >= state.next_heartbeat:
+            state.next_heartbeat = now + state.config.heartbeat_interval
+            actions.append(Broadcast(state.recipients(), Heartbeat()))
         return actions + self._check_clock(now)
 
     def lost_time(self, now: float, lost: float) -> list[Action]:
@@ -264,15 +298,7 @@ class RunMachine(Finishing):
     def abort(self, reason: str, *, force: bool = False) -> list[Action]:
         """End the run: Abort to every worker, the reason recorded. ``force``: also after an
         outcome, when its record could not be written."""
-        if self.over and not force:
-            return []
-        self.over = True
-        return [
-            Log(f"run aborted: {reason}"),
-            Broadcast(self._recipients(), Abort(reason=clip(reason))),
-            Journal("result", {"status": "aborted", "run_id": self.run_id, "reason": reason}, True),
-            Aborted(reason),
-        ]
+        return self._state.abort(reason, force=force)
 
     def unrecorded(self, problem: str) -> list[Action]:
         """The run directory cannot be written: stop, since progress that is not recorded
@@ -281,237 +307,156 @@ class RunMachine(Finishing):
             f"{problem}; the run stops because it cannot record its progress", force=True
         )
 
-    # ------------------------------------------------------------------ sending
+    def lose(self, now: float, rank: int, why: str, *, hold: float = 0.0) -> bool:
+        """``rank`` is lost, ``why``; True when the run goes on without it (elastic), False when
+        the caller must treat it as a failure of the run (:meth:`.Regrouping.lose`)."""
+        return self._regrouping.lose(now, rank, why, hold=hold)
 
-    def _recipients(self) -> tuple[bytes, ...]:
-        if self.members:
-            return tuple(m.peer for m in self.members)
-        return tuple(self.rendezvous.members)
+    def process_exited(self, now: float, pid: int, what: str) -> bool:
+        """A worker process of this machine (``pid``) exited, ``what``; True when a rank was lost
+        and the run goes on without it."""
+        return self._regrouping.process_exited(now, pid, what)
+
+    def connection_closed(self, now: float, peer: bytes) -> None:
+        """A member's connection closed: in an elastic run, its rank is lost."""
+        self._regrouping.connection_closed(now, peer)
 
     # ------------------------------------------------------------------ receiving
 
+    def _on_hello(self, now: float, peer: bytes, hello: Hello, user_id: str) -> list[Action]:
+        """A hello: a running worker taken back, a newcomer refused while they come back, or a
+        hello for the rendezvous (which, begun, drops the journal's way back for a resume)."""
+        takeback = self._takeback
+        if takeback.takes_back(hello):
+            return takeback.take_back(now, peer, hello, user_id)
+        if takeback.taking_back:
+            return self.gate.hello_refused(now, peer, hello, user_id) or self.gate.reject(
+                peer, TAKING_BACK, "refused"
+            )
+        actions = self._joining.on_hello(now, peer, hello, user_id)
+        if self.rendezvous.members:  # a rendezvous began: the run resumes its checkpoint
+            actions = takeback.forget_carry() + actions
+        return actions
+
     def _handle(self, now: float, peer: bytes, message: Message, user_id: str) -> list[Action]:
+        state = self._state
         if isinstance(message, Hello):
-            if self.takes_back(message):
-                return self._take_back(now, peer, message, user_id)
-            if self.taking_back:
-                return self.gate.hello_refused(now, peer, message, user_id) or self.gate.reject(
-                    peer, TAKING_BACK, "refused"
-                )
-            actions = self._on_hello(now, peer, message, user_id)
-            if self.rendezvous.members:  # a rendezvous began: the run resumes its checkpoint
-                actions = self._forget_carry() + actions
-            return actions
+            return self._on_hello(now, peer, message, user_id)
         if isinstance(message, ModelPage):
-            return self._on_page(now, peer, message, user_id)
-        rank = self._ranks.get(peer)
+            return self._joining.on_page(now, peer, message, user_id)
+        rank = state.ranks.get(peer)
         if rank is None:
-            return self._from_outside(peer, message)
+            return self._joining.from_outside(peer, message)
         match message:
             case Heartbeat():
                 return []
             case Status():
                 self.watchdog.note_status(rank, message, now)
                 return []
-        if self.taking_back:
-            return self._from_taken(now, peer, rank, message)
+        if self._takeback.taking_back:
+            return self._takeback.from_taken(now, peer, rank, message)
         match message:
             case StoreReady() if (
-                self.phase is RunPhase.STORE and rank == 0 and message.generation == self.generation
+                state.phase is RunPhase.STORE
+                and rank == 0
+                and message.generation == self.generation
             ):
-                self._store = message
-                return [] if self.models.busy else self._welcome_all(now)
+                state.store = message
+                return [] if self.models.busy else self._joining.welcome_all(now)
             case EpochReady() | EpochReport() | StoreReady() if (
                 message.generation != self.generation
             ):
                 return []  # of an older world: its epoch is being redone
-            case EpochReady() if self.phase is RunPhase.READY and message.epoch == self.epoch:
+            case EpochReady() if state.phase is RunPhase.READY and message.epoch == state.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
-                self._ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
-                self._copies[peer] = message
-                if len(self._ready) == len(self.members):
-                    return self._start_epoch(now)
+                state.ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                state.copies[peer] = message
+                if len(state.ready) == len(state.members):
+                    return self._epochs.start_epoch(now)
                 return []
-            case EpochReport() if self.phase is RunPhase.RUNNING and message.epoch == self.epoch:
-                self._note_report(now, peer, rank, message)
-                if len(self._reports) == len(self.members):
-                    return self._decide(now)
+            case EpochReport() if state.phase is RunPhase.RUNNING and message.epoch == state.epoch:
+                self._epochs.note_report(now, peer, rank, message)
+                if len(state.reports) == len(state.members):
+                    return self._epochs.decide(now)
                 return []
-            case Checkpointed() if rank == 0 and message.epoch <= self.epoch:
-                return self._on_checkpointed(now, message.epoch)
-            case Done() if self.phase is RunPhase.READY and rank not in self._ready:
+            case Checkpointed() if rank == 0 and message.epoch <= state.epoch:
+                return self._finishing.on_checkpointed(now, message.epoch)
+            case Done() if state.phase is RunPhase.READY and rank not in state.ready:
                 # before any epoch_ready: the script keeps its own loop and used join() for the
                 # rendezvous and the process group only; its session closed cleanly
-                return self._closed_early(now, rank)
-            case Done() if self.phase is RunPhase.FINISHING:
-                return self._done_by(rank)
+                return self._finishing.closed_early(now, rank)
+            case Done() if state.phase is RunPhase.FINISHING:
+                return self._finishing.done_by(rank)
             case Failed():
                 reason = printable(message.reason, REASON_CHARS)
                 if self.lose(now, rank, f"failed: {reason}"):
                     return []
-                line = f"rank {rank} ({self.members[rank].describe()}) failed: {reason}"
+                line = f"rank {rank} ({state.members[rank].describe()}) failed: {reason}"
                 self.report_failure(now, self.watchdog.after_lost_time(now, line))
                 return []
             case Broken():
-                return self._on_broken(now, rank, message)
+                return self._regrouping.on_broken(now, rank, message)
             case _:
                 return self.abort(
                     f"rank {rank} sent {type(message).__name__} while the coordinator was in "
-                    f"phase {self.phase} of epoch {self.epoch}: the worker and coordinator "
+                    f"phase {state.phase} of epoch {state.epoch}: the worker and coordinator "
                     "are out of step (a bug, or mixed epochal versions)"
                 )
 
-    def _note_report(self, now: float, peer: bytes, rank: int, report: EpochReport) -> None:
-        """Keep ``rank``'s report of the epoch under way until every rank's is in."""
-        self.watchdog.note_waiting(rank, report.epoch, Awaiting.DECISION, now)
-        if not self._reports:
-            self._round_started = now
-        self._reports[rank] = LossSums(
-            report.train_loss_sum,
-            report.train_count,
-            report.valid_loss_sum,
-            report.valid_count,
-            {m.name: (m.total, m.count) for m in report.train_metrics},
-            {m.name: (m.total, m.count) for m in report.valid_metrics},
+    # ------------------------------------------------------------------ the clock
+
+    def _check_clock(self, now: float) -> list[Action]:
+        """What the clock finds between messages: a loss settled, a standby newcomer gone
+        silent, a failure due, a model check overdue, then the phase's own bound."""
+        state, dog = self._state, self.watchdog
+        losses = self._regrouping.check_losses(now)
+        if losses is not None:
+            return losses
+        quiet = dog.first_silent(now, self.membership.standby)
+        if quiet is not None:  # a standby newcomer that went silent is forgotten
+            peer = quiet[0]
+            member = self.membership.leave(peer)
+            assert member is not None
+            self.rendezvous.leave(peer)
+            self.gate.sessions.forget(peer)
+            dog.drop(peer)
+            return [Log(f"{member.describe()} went silent while waiting to join; forgotten")]
+        if self._regrouping.elastic:
+            self._regrouping.lose_silent(now)
+            if self.membership.losing:
+                return []
+        failed = dog.failure_due(now)
+        if failed is not None:
+            return self.abort(failed)
+        expired = self.models.expired(now)
+        if expired is not None:
+            return self._joining.checked(now, expired)
+        if state.store is not None and state.phase is RunPhase.STORE:
+            return []  # the store is open; the welcome waits for rank 0's list, a bounded while
+        return self._check_phase(now, now - dog.phase_started)
+
+    def _check_phase(self, now: float, waited: float) -> list[Action]:
+        """The bound of the phase under way, ``waited`` seconds into it."""
+        state = self._state
+        if self._takeback.taking_back:
+            return self._takeback.check_taking_back(now, waited)
+        if state.carry is not None and not self.rendezvous.members:
+            return self._takeback.check_first_back(waited)
+        if state.phase is RunPhase.RENDEZVOUS:
+            return self._joining.check_rendezvous(now, waited)
+        if state.phase is RunPhase.FINISHING:
+            return self._finishing.check_finishing(now, waited)
+        answered = state.ready if state.phase is RunPhase.READY else state.reports
+        lines, reason = self.watchdog.check(
+            now,
+            phase=state.phase,
+            epoch=state.epoch,
+            answered=answered,
+            members=state.members,
+            ranks=state.ranks,
+            welcomed=state.store is not None,
         )
-        self._checksums[rank] = report.checksum
-        self._rates[rank] = report.lr
-        if report.ready is not None:
-            ready = report.ready
-            self._next[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
-            self._copies[peer] = ready
-
-    def _start_epoch(self, now: float) -> list[Action]:
-        """Every rank's epoch_ready is in (the first epoch of a run, of a resume or of a new
-        world): its Go. Of an epoch whose start the members gathered for newcomers: the world
-        grows instead (unless they left meanwhile), and its readies bring the Go."""
-        if self._gathering == self.epoch:
-            self._gathering = None
-            grown = self._grow(now, gathered=True)
-            if grown is not None:
-                return grown
-        formed = self._world_formed(now)
-        if self._loop.history and self._loop.history[-1].stop:
-            self._ready.clear()  # resumed after the last decision: only the finish is left
-            return formed + self._finish(now)
-        try:
-            go = self._go(self.epoch, self._ready)
-        except PolicyViolation as exc:
-            return formed + self.abort(f"epoch {self.epoch}: {exc}")
-        self._ready.clear()
-        self._run(now)
-        record = {  # a restarted coordinator answers a rank that missed it with the same go
-            "kind": "go",
-            "epoch": self.epoch,
-            "sent": sent_record(go),
-            "validates": self._validates,
-            "world_size": len(self.members),
-            "generation": self.generation,
-        }
-        return [*formed, Journal("epoch", record), Broadcast(self._recipients(), go)]
-
-    def _clear_round(self) -> None:
-        """Forget what the ranks of a world that is gone said of the current epoch."""
-        self._ready.clear()
-        self._reports.clear()
-        self._next.clear()
-        self._checksums.clear()
-        self._rates.clear()
-        self._done.clear()
-
-    def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> Go:
-        """Plan ``epoch`` from every rank's batch ``counts`` (or raise PolicyViolation): its Go."""
-        plan = plan_epoch(counts, self.config.batch_policy)
-        self._validates = plan.valid_batches > 0  # every rank has validation data
-        validate_now = self._validates and self.config.validates(epoch)
-        self._plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
-        return Go(
-            epoch=epoch,
-            train_batches=self._plan.train_batches,
-            valid_batches=self._plan.valid_batches,
-            lr_factor=self._loop.lr_factor,
-        )
-
-    def _run(self, now: float) -> None:
-        """Epoch ``self.epoch`` starts: its Go goes out now."""
-        self._set_phase(RunPhase.RUNNING, now)
-        self._epoch_started = now
-
-    def _decide(self, now: float) -> list[Action]:
-        checksums, self._checksums = self._checksums, {}
-        rates, self._rates = self._rates, {}
-        rate = next((rates[r] for r in sorted(rates) if rates[r] is not None), None)
-        if self.config.replica_check:
-            differ = replicas_differ(self.epoch, checksums)
-            if differ is not None:  # before the decision: nothing of this epoch is kept
-                return self.abort(differ)
-        try:
-            train_loss, valid_loss = aggregate_losses(self._reports)
-            sums = aggregate_metrics(self._reports)
-            outcome = self._loop.update(
-                self.epoch,
-                train_loss,
-                valid_loss,
-                validates=self._validates,
-                metrics=metric_values(sums),
-                lr=rate,
-            )
-        except PolicyViolation as exc:
-            return self.abort(f"epoch {self.epoch}: {exc}")
-        self._reports.clear()
-        counts, self._next = self._next, {}
-        self.round_seconds = now - self._round_started
-        checkpoint = checkpoint_after(self.config, outcome)
-        if checkpoint and self.config.elastic:
-            self._loops_at[self.epoch] = copy.deepcopy(self._loop)
-        seconds = now - self._epoch_started
-        plan = self._plan
-        assert plan is not None
-        record = outcome.record(
-            validates=self._validates, checkpoint=checkpoint, plan=plan, seconds=seconds
-        )
-        record.update(world_size=len(self.members), generation=self.generation)
-        actions: list[Action] = [Journal("epoch", record)]
-        said = Log(
-            format_epoch_line(outcome, self.config.epochs, seconds, monitor=self.config.monitor)
-        )
-        if outcome.stop:
-            decision = outcome.decision(checkpoint, sums)
-            record["next"] = {"sent": sent_record(decision)}
-            actions += [Broadcast(self._recipients(), decision), said]
-            actions += [Log(line) for line in ending.stop_lines(outcome, self._loop, self.config)]
-            return actions + self._finish(now)
-        following = self.epoch + 1
-        if len(counts) < len(self.members):
-            missing = sorted(set(range(len(self.members))) - set(counts))
-            reason = (
-                f"{format_ranks(missing)} reported epoch {self.epoch} without its batch counts for "
-                f"epoch {following}: the worker and coordinator are out of step (a bug, or mixed "
-                "epochal versions)"
-            )
-            return [*actions, said, *self.abort(reason)]
-        gather = self._gathers_now()
-        try:
-            # a world that grows after gathering plans the epoch from the new world's readies
-            go = None if gather else self._go(following, counts)
-        except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
-            return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
-        decision = outcome.decision(checkpoint, sums, go, gather=gather)
-        # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
-        # that missed it with the same decision (the record dict is the Journal action's)
-        record["next"] = {"sent": sent_record(decision), "validates": self._validates}
-        actions += [Broadcast(self._recipients(), decision), said]
-        self.epoch = following
-        if gather:
-            # every member gathers its part of the state onto rank 0 in the group it is in,
-            # then says epoch_ready (nobody trains): the world grows at those readies
-            self._gathering = following
-            self._set_phase(RunPhase.READY, now)
-            return actions
-        grown = self._grow(now)
-        if grown is not None:
-            # newcomers are waiting: the world grows, and the epoch just started begins again in
-            # it (each member restores its start, taken before its first step, if it got there)
-            return actions + grown
-        self._run(now)
+        actions: list[Action] = [Log(line) for line in lines]
+        if reason is not None:
+            return actions + self.abort(reason)
         return actions

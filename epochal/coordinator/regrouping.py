@@ -1,15 +1,14 @@
 """How a run goes on without a lost worker: the world's changes at the coordinator.
 
-:class:`Regrouping` is the part of :class:`~epochal.coordinator.machine.RunMachine` (between it
-and :class:`~.joining.Joining` in its bases) that runs when the run is elastic (``--min-workers``
-below the world size) and a rank is lost: its process exited (:meth:`Regrouping.process_exited`,
-told by the launcher), its connection closed (:meth:`Regrouping.connection_closed`), it failed,
-or it went silent past the heartbeat timeout. The losses that come together are collected for a
-moment (:data:`~.membership.LOSS_SETTLE`; less, down to :data:`~.membership.LOSS_SETTLE_LEAST`,
-once every other rank has reported its broken collective, a consequence, not a failure of its
-own), and :class:`~.membership.
-Membership` decides: the survivors in their order, renumbered, as the next generation's world,
-or the end of the run when fewer than ``--min-workers`` remain.
+:class:`Regrouping` is the part of :class:`~epochal.coordinator.machine.RunMachine` that runs
+when the run is elastic (``--min-workers`` below the world size) and a rank is lost: its process
+exited (:meth:`Regrouping.process_exited`, told by the launcher), its connection closed
+(:meth:`Regrouping.connection_closed`), it failed, or it went silent past the heartbeat timeout.
+The losses that come together are collected for a moment (:data:`~.membership.LOSS_SETTLE`;
+less, down to :data:`~.membership.LOSS_SETTLE_LEAST`, once every other rank has reported its
+broken collective, a consequence, not a failure of its own), and :class:`~.membership.Membership`
+decides: the survivors in their order, renumbered, as the next generation's world, or the end of
+the run when fewer than ``--min-workers`` remain.
 
 A new world forms as the first one did, under its generation: ``regroup`` to every survivor,
 ``open_store`` to its rank 0, and on ``store_ready`` a ``welcome`` to every member; each starts the
@@ -22,88 +21,68 @@ that checkpoint was decided) and the epochs after it are decided again. A world 
 boundary: its decision asks every member to gather its part of the state onto rank 0 (``gather``,
 no ``go``) and to announce the next epoch without training it; at those readies the world grows
 and rank 0 sends the state over the data plane, in every mode. Members whose training code cannot
-gather (their readies say so) grow the older way (:meth:`Regrouping._grow`): at the decision,
+gather (their readies say so) grow the older way (:meth:`Regrouping.grow`): at the decision,
 each restoring its copy of the epoch's start, where the copies are whole; else once the checkpoint
 of the epoch just decided is committed, which every member loads. Each change is
 one log line, one journal record (``kind`` world) and one entry of the result's
-``world_changes``. Pure like the machine.
+``world_changes``. It reads and changes the run's facts in the
+:class:`~.machinestate.MachineState` it is given. Pure like the machine.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from epochal.coordinator.actions import Action, Journal, Log, RunPhase, Send
-from epochal.coordinator.joining import Joining
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.membership import Membership, NewWorld, TooFew
+from epochal.coordinator.membership import NewWorld, TooFew
 from epochal.protocol import (
     Abort,
     Broken,
-    EpochReady,
     OpenStore,
     Regroup,
     Restore,
-    SnapshotScope,
     clip,
 )
 from epochal.text import REASON_CHARS, printable
 
+if TYPE_CHECKING:
+    from epochal.coordinator.machinestate import MachineState
 
-class Regrouping(Joining):
-    """The elastic side of a run's machine; see the module docstring. The machine sets every
-    attribute below in its ``__init__``."""
 
-    membership: Membership
-    over: bool
-    generation: int
-    epoch: int
-    world_changes: list[dict[str, Any]]
-    _change: NewWorld | None
-    _committed: list[int]
-    _loop: LoopState
-    _loops_at: dict[int, LoopState]
-    _copies: dict[bytes, EpochReady]
-    _gathering: int | None
+class Regrouping:
+    """The elastic part of a run's machine; see the module docstring."""
 
-    def _clear_round(self) -> None:
-        raise NotImplementedError  # the machine's
+    def __init__(self, state: MachineState) -> None:
+        self._state = state
 
-    @property
-    def scope(self) -> SnapshotScope:
-        """What the members' copies of an epoch's start hold together, as their readies said."""
-        return SnapshotScope.least(
-            self._copies[m.peer].snapshots for m in self.members if m.peer in self._copies
-        )
-
-    def _gathers_now(self) -> bool:
+    def gathers_now(self) -> bool:
         """At a decision: whether newcomers join at this boundary with the state its members
         gather onto rank 0 first (``Decision.gather``): the members write the checkpoint the
         decision may ask for, gather, and wait, so that nothing of the next epoch is begun or
         undone, and rank 0 sends the newcomers the state whatever the mode (in the sharded modes
         no rank holds it whole otherwise). Every member's last ready must say it gathers; a
         worker one minor version older, or a training loop without the hook, grows the old way
-        (:meth:`_grow`)."""
+        (:meth:`grow`)."""
         return (
-            self.config.elastic
-            and self.phase is RunPhase.RUNNING
-            and self.membership.grows()
-            and self._members_gather()
+            self._state.config.elastic
+            and self._state.phase is RunPhase.RUNNING
+            and self._state.membership.grows()
+            and self.members_gather()
         )
 
-    def _members_gather(self) -> bool:
+    def members_gather(self) -> bool:
         """Whether every member's last ready says it gathers the state for newcomers."""
-        copies = self._copies
-        return all(m.peer in copies and copies[m.peer].gathers for m in self.members)
+        copies = self._state.copies
+        return all(m.peer in copies and copies[m.peer].gathers for m in self._state.members)
 
     # ------------------------------------------------------------------ losses
 
     @property
     def elastic(self) -> bool:
         """Whether a lost rank's peers carry on (while at least ``--min-workers`` remain)."""
-        return self.config.elastic and self.phase in (
+        return self._state.config.elastic and self._state.phase in (
             RunPhase.STORE,
             RunPhase.READY,
             RunPhase.RUNNING,
@@ -113,74 +92,77 @@ class Regrouping(Joining):
         """``rank`` is lost, ``why``; True when the run goes on without it (elastic), False when
         the caller must treat it as a failure of the run. ``hold``: how long the change may wait
         for other losses that come with this one (:meth:`Membership.lose`)."""
-        if not self.elastic or self.over:
+        if not self.elastic or self._state.over:
             return False
-        self.membership.lose(now, rank, why, hold=hold)
+        self._state.membership.lose(now, rank, why, hold=hold)
         return True
 
-    def _lose_silent(self, now: float) -> None:
+    def lose_silent(self, now: float) -> None:
         """Every rank silent past the heartbeat timeout that is not lost yet is lost now; its
         change waits, while another rank is unheard since, for others of the same cause (a host
         cut off), at most the heartbeat timeout (see :mod:`~epochal.coordinator.membership`)."""
-        lost = self.membership.lost_ranks()
-        ranked = {peer: rank for peer, rank in self._ranks.items() if rank not in lost}
-        hold = self.config.heartbeat_timeout
-        while (silent := self.watchdog.first_silent(now, ranked)) is not None:
+        lost = self._state.membership.lost_ranks()
+        ranked = {peer: rank for peer, rank in self._state.ranks.items() if rank not in lost}
+        hold = self._state.config.heartbeat_timeout
+        while (silent := self._state.watchdog.first_silent(now, ranked)) is not None:
             peer, seconds = silent
             self.lose(now, ranked.pop(peer), f"sent nothing for {seconds:.1f} s", hold=hold)
 
     def process_exited(self, now: float, pid: int, what: str) -> bool:
         """A worker process of this machine (``pid``) exited, ``what``; True when a rank was lost
         and the run goes on without it."""
-        for rank, member in enumerate(self.members):
+        for rank, member in enumerate(self._state.members):
             if member.hello.pid == pid:
                 return self.lose(now, rank, what)
         # already lost (its connection closed first): the run goes on without it, and its exit
         # says why better than the closed connection did
-        if not self.config.elastic or not self.membership.lost_pid(pid):
+        if not self._state.config.elastic or not self._state.membership.lost_pid(pid):
             return False
-        self.membership.explain(pid, what)
+        self._state.membership.explain(pid, what)
         return True
 
     def connection_closed(self, now: float, peer: bytes) -> None:
         """A member's connection closed: in an elastic run, its rank is lost."""
-        rank = self._ranks.get(peer)
+        rank = self._state.ranks.get(peer)
         if rank is not None:
             self.lose(now, rank, "closed its connection to the coordinator")
 
-    def _on_broken(self, now: float, rank: int, message: Broken) -> list[Action]:
+    def on_broken(self, now: float, rank: int, message: Broken) -> list[Action]:
         """A rank's collective failed in world ``message.generation``: a consequence of a loss
         the coordinator is about to find (or found already); when none is found within the
         failure settle window, the run aborts with its reason."""
-        if message.generation != self.generation:
+        if message.generation != self._state.generation:
             return []  # of an older world
-        self.membership.broken(rank)  # alive: with every other rank so, a loss settles at once
-        if self.membership.losing:
+        self._state.membership.broken(
+            rank
+        )  # alive: with every other rank so, a loss settles at once
+        if self._state.membership.losing:
             return []  # explained already
         reason = printable(message.reason, REASON_CHARS)
-        self.watchdog.report_failure(
-            now, f"rank {rank} ({self.members[rank].describe()}) failed: {reason}"
+        self._state.watchdog.report_failure(
+            now, f"rank {rank} ({self._state.members[rank].describe()}) failed: {reason}"
         )
         return []
 
-    def _check_losses(self, now: float) -> list[Action] | None:
+    def check_losses(self, now: float) -> list[Action] | None:
         """Losses waiting for their decision: nothing (None) or what the decision makes happen.
         While they settle, the clock's other rules (a failure's abort above all) wait."""
-        if not self.membership.losing:
+        if not self._state.membership.losing:
             return None
         if self.elastic:
-            self._lose_silent(now)  # ranks cut off with the first lost join its change
-        if not self.membership.due(now):
+            self.lose_silent(now)  # ranks cut off with the first lost join its change
+        if not self._state.membership.due(now):
             return []
-        decided = self.membership.decide(self.scope)
-        self.watchdog.clear_failures()  # the peers' broken collectives followed from the loss
+        decided = self._state.membership.decide(self._state.scope)
+        # the peers' broken collectives followed from the loss
+        self._state.watchdog.clear_failures()
         if isinstance(decided, TooFew):
-            return self.abort(decided.reason())
+            return self._state.abort(decided.reason())
         return self._change_world(now, decided)
 
     # ------------------------------------------------------------------ a new world
 
-    def _grow(
+    def grow(
         self, now: float, checkpointed: int | None = None, *, gathered: bool = False
     ) -> list[Action] | None:
         """At an epoch boundary, newcomers waiting: the world with them (None: no change). Where
@@ -190,40 +172,40 @@ class Regrouping(Joining):
         gather: older workers) once the checkpoint of the epoch just decided is committed
         (``checkpointed``), which every member of the new world loads."""
         waits = RunPhase.READY if gathered else RunPhase.RUNNING
-        if not self.config.elastic or self.phase is not waits:
+        if not self._state.config.elastic or self._state.phase is not waits:
             return None
-        if self._gathering is not None:
+        if self._state.gathering is not None:
             return None  # the members gather for the growth at their readies
-        scope = self.scope
+        scope = self._state.scope
         from_checkpoint = scope.restore_after(()) is Restore.CHECKPOINT and not gathered
         if from_checkpoint != (checkpointed is not None):
             return None
-        if checkpointed is not None and checkpointed != self.epoch - 1:
+        if checkpointed is not None and checkpointed != self._state.epoch - 1:
             return None  # an older epoch's, late: the next boundary's will do
-        if checkpointed is not None and self._members_gather():
+        if checkpointed is not None and self.members_gather():
             # newcomers that came after the decision: the next decision gathers for them, so
             # that they never read the state from disk
             return None
-        change = self.membership.at_boundary(now, scope, gathered=gathered)
+        change = self._state.membership.at_boundary(now, scope, gathered=gathered)
         return None if change is None else self._change_world(now, change)
 
     def _rewind(self, checkpoint: int) -> None:
         """Back to the end of epoch ``checkpoint``: the loop state as its decision left it, the
         epochs after it to be done again."""
-        self._loop = copy.deepcopy(self._loops_at[checkpoint])
-        self.epoch = checkpoint + 1
+        self._state.loop = copy.deepcopy(self._state.loops_at[checkpoint])
+        self._state.epoch = checkpoint + 1
 
     def _change_world(self, now: float, change: NewWorld) -> list[Action]:
         """The new world is decided: forget the lost, renumber the rest, open its store."""
-        interrupted = self.epoch
+        interrupted = self._state.epoch
         if change.restore is Restore.CHECKPOINT:
-            usable = [e for e in self._committed if e in self._loops_at]
+            usable = [e for e in self._state.committed if e in self._state.loops_at]
             if not usable:
                 said = "; ".join(loss.describe() for loss in change.lost) or "newcomers joined"
-                return self.abort(
+                return self._state.abort(
                     f"{said} in epoch {interrupted}: the workers keep no whole copy of the "
-                    f"epoch's start ({self.scope.value}: see docs/elastic.md) and no checkpoint is "
-                    "committed yet to restore from, so the run cannot go on"
+                    f"epoch's start ({self._state.scope.value}: see docs/elastic.md) and no "
+                    "checkpoint is committed yet to restore from, so the run cannot go on"
                 )
             change = dataclasses.replace(change, checkpoint=max(usable))
             self._rewind(max(usable))
@@ -231,23 +213,25 @@ class Regrouping(Joining):
         for loss in change.lost:
             peer = loss.member.peer
             # a lost process that still runs (frozen, cut off) reads this first when it wakes
-            why = self.membership.why_dropped(printable(loss.why, REASON_CHARS))
+            why = self._state.membership.why_dropped(printable(loss.why, REASON_CHARS))
             told.append(Send(peer, Abort(reason=clip(why))))
-            self.gate.sessions.forget(peer)  # a frame of the lost process is a stranger's now
-            self.rendezvous.leave(peer)
-            self.watchdog.drop(peer)
-        self.generation = change.world.generation
-        self.members = list(change.world.members)
-        self._ranks = change.world.ranks()
-        self._store = None
-        self._clear_round()
-        self._gathering = None  # a loss while the members gathered: this world is the change
-        self.watchdog.new_world(now)
-        for peer in set(self._copies) - {m.peer for m in self.members}:
-            del self._copies[peer]
-        self._change = change
+            self._state.gate.sessions.forget(
+                peer
+            )  # a frame of the lost process is a stranger's now
+            self._state.rendezvous.leave(peer)
+            self._state.watchdog.drop(peer)
+        self._state.generation = change.world.generation
+        self._state.members = list(change.world.members)
+        self._state.ranks = change.world.ranks()
+        self._state.store = None
+        self._state.clear_round()
+        self._state.gathering = None  # a loss while the members gathered: this world is the change
+        self._state.watchdog.new_world(now)
+        for peer in set(self._state.copies) - {m.peer for m in self._state.members}:
+            del self._state.copies[peer]
+        self._state.change = change
         size = change.world.size
-        whence = f"from the start of epoch {self.epoch}"
+        whence = f"from the start of epoch {self._state.epoch}"
         if change.checkpoint is not None:
             whence = f"from the checkpoint of epoch {change.checkpoint}"
         actions: list[Action] = told + [
@@ -263,27 +247,30 @@ class Regrouping(Joining):
             else "the state sent from rank 0 over the data plane"
         )
         actions += [
-            Log(f"{member.describe()} joins: {size} workers from epoch {self.epoch} ({got})")
+            Log(f"{member.describe()} joins: {size} workers from epoch {self._state.epoch} ({got})")
             for member in change.joined
         ]
-        regroup = Regroup(generation=self.generation, epoch=self.epoch)
+        regroup = Regroup(generation=self._state.generation, epoch=self._state.epoch)
         newcomers = {member.peer for member in change.joined}  # in rendezvous still: no regroup
-        actions += [Send(m.peer, regroup) for m in self.members if m.peer not in newcomers]
-        self._set_phase(RunPhase.STORE, now)
+        actions += [Send(m.peer, regroup) for m in self._state.members if m.peer not in newcomers]
+        self._state.set_phase(RunPhase.STORE, now)
         actions.append(
-            Send(self.members[0].peer, OpenStore(run_id=self.run_id, generation=self.generation))
+            Send(
+                self._state.members[0].peer,
+                OpenStore(run_id=self._state.run_id, generation=self._state.generation),
+            )
         )
         return actions
 
-    def _world_formed(self, now: float) -> list[Action]:
+    def world_formed(self, now: float) -> list[Action]:
         """Every member of a new world is ready to redo its epoch: record the change."""
-        change, self._change = self._change, None
+        change, self._state.change = self._state.change, None
         if change is None:
             return []
         seconds = round(now - change.since, 3)
         entry = {
-            "epoch": self.epoch,
-            "generation": self.generation,
+            "epoch": self._state.epoch,
+            "generation": self._state.generation,
             "from": change.previous.size,
             "to": change.world.size,
             "lost": [loss.describe() for loss in change.lost],
@@ -293,15 +280,15 @@ class Regrouping(Joining):
         }
         if change.checkpoint is not None:
             entry["checkpoint"] = change.checkpoint
-        self.world_changes.append(entry)
+        self._state.world_changes.append(entry)
         if change.lost:
-            formed = f"redo epoch {self.epoch} ({seconds:.1f} s after the loss)"
+            formed = f"redo epoch {self._state.epoch} ({seconds:.1f} s after the loss)"
         else:
-            formed = f"train epoch {self.epoch} ({seconds:.1f} s after the boundary)"
+            formed = f"train epoch {self._state.epoch} ({seconds:.1f} s after the boundary)"
         return [
             Journal("epoch", {"kind": "world", **entry}),
             Log(
-                f"world of generation {self.generation} formed: {change.world.size} workers "
+                f"world of generation {self._state.generation} formed: {change.world.size} workers "
                 f"{formed}"
             ),
         ]

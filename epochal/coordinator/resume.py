@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
+from epochal.coordinator.actions import RunSummary
 from epochal.coordinator.carry import carry_from, replay
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.directories import check_directories
@@ -452,3 +453,24 @@ def decided_epochs(run_dir: Path) -> list[EpochOutcome]:
         except (ValueError, TypeError, KeyError):
             continue
     return history
+
+
+def finished_summary(
+    config: CoordinatorConfig, done: dict[str, Any], run_id: str
+) -> tuple[str, RunSummary]:
+    """What a coordinator says and returns for a run directory whose run already finished
+    (``done``: its result.json): nothing is left to train."""
+    assert config.run_dir is not None, "only a run directory holds a finished run"
+    line = (
+        f"the run in {config.run_dir} already finished after {done.get('epochs_run')} epochs "
+        f"(best epoch {done.get('best_epoch')}); nothing to train. Pass a larger --epochs to "
+        "train it further, or --fresh to train it again"
+    )
+    summary = RunSummary(
+        run_id=str(done.get("run_id", run_id)),
+        best_epoch=done.get("best_epoch"),
+        best_loss=done.get("best_loss"),
+        epochs_run=int(done.get("epochs_run", 0)),
+        history=decided_epochs(config.run_dir),
+    )
+    return line, summary

@@ -4,7 +4,7 @@ It reads a frame and the clock, decodes the frame, hands both to the pure
 :class:`~epochal.coordinator.machine.RunMachine` and applies the actions it returns: sends, journal
 records, log lines, deleted checkpoints, the end of the run. Every decision all ranks must share is
 taken there, once; here are only the socket, the files and the clock. Deleting old checkpoints and
-telling the observers (status.json, TensorBoard) go to threads (:mod:`.diskwork`): the loop that
+telling the observers (status.json, TensorBoard) go to threads (:mod:`.upkeep`): the loop that
 sends heartbeats never waits on a disk. The service never imports torch.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from epochal.coordinator import clock, diskwork, faults, oslimits, resume
+from epochal.coordinator import clock, oslimits, resume, serving
 from epochal.coordinator.actions import (
     Aborted,
     Action,
@@ -40,46 +39,23 @@ from epochal.coordinator.directories import check_directories
 from epochal.coordinator.feed import ObserverFeed
 from epochal.coordinator.guard import ConnectionGuard, open_files
 from epochal.coordinator.holding import hold_limits
-from epochal.coordinator.inbox import Inbox
 from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.outbox import Outbox
 from epochal.coordinator.recording import Recording
 from epochal.coordinator.router import LINGER_MS, RECEIVE_HWM, open_router
 from epochal.coordinator.runstate import RunState
+from epochal.coordinator.upkeep import Upkeep
 from epochal.errors import RunAborted
 from epochal.log import COORDINATOR, ensure_configured
-from epochal.manifest import checkpoint_path
 from epochal.nofile import raise_nofile_limit
-from epochal.observe import Observers, RunObserver, RunStart
-from epochal.protocol import (
-    MAX_FRAME_BYTES,
-    TYPE_NAMES,
-    CoordinatorMessage,
-    Heartbeat,
-    encode,
-)
+from epochal.observe import RunObserver
+from epochal.protocol import MAX_FRAME_BYTES, Heartbeat, encode
 from epochal.security.curve import RefusedHandshakes, ServerSecurity
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
-
-BATCH = 256
-"""Frames handled before the service looks at its clock again."""
-
-DRAIN_EVERY = 32
-"""Frames handed on between two reads of every frame libzmq holds (:mod:`.inbox`)."""
-
-INBOX_FRAMES = 1024
-INBOX_FRAMES_PER_WORKER = 4
-"""The inbox holds at most this many frames per worker (and at least INBOX_FRAMES): an epoch's
-burst is a Status or two and a loss report from every rank."""
-
-INBOX_BYTES = 32 * 1024 * 1024
-"""The most bytes of frames the inbox holds: past that, frames wait in libzmq."""
-
-BATCH_SECONDS = 0.05
-"""Longest a batch of frames may keep the service from its clock (one frame may overrun it)."""
 
 
 def new_run_id() -> str:
@@ -128,13 +104,9 @@ class Coordinator(Recording):
         self._workers_here = workers_here
         # the workers run on this machine (epochal run): their checkpoint directory is made and
         # tried here before they start, as the run directory is
-        self._pruning = diskwork.DiskWork("epochal-prune")
-        # old checkpoints deleted, off the event loop
-        self._observing = diskwork.DiskWork("epochal-observers")
-        # the observers told (status.json, TensorBoard, metrics), in order, off the event loop
-        self._observers: RunObserver = diskwork.OffLoop(
-            observers if observers is not None else Observers(), self._observing
-        )
+        self._upkeep = Upkeep(observers, log)
+        # old checkpoints deleted and the observers told, off the event loop (.upkeep)
+        self._observers = self._upkeep.observers
         self._feed = ObserverFeed(self._observers)
         self._attempt = attempt
         self._accept_failures = oslimits.AcceptFailures(config.world_size)
@@ -160,10 +132,12 @@ class Coordinator(Recording):
         # CURVE handshakes the allow-list refused: logged, and named by a rendezvous timeout
         self._socket: zmq.asyncio.Socket | None = None
         self._io: zmq.Socket[Any] | None = None
-        # the same socket without asyncio's futures, for the reads and sends that never wait: a
-        # ROUTER's send to a peer never blocks (past its high-water mark libzmq drops), and reads
-        # are taken while frames are queued. pyzmq's awaitable calls cost a future and loop
-        # bookkeeping each, about a third of the service's CPU at 4,096 workers (bench/)
+        # the socket without asyncio's futures, for reads and sends that never wait (.outbox)
+        self._outbox = Outbox(
+            lambda peer, message: self.machine.understands(peer, message),
+            log,
+            encode=lambda message: encode(message),  # this module's, looked up when sending
+        )
         self._state: RunState | None = None
         self._machine: RunMachine | None = None
         self._ended = False
@@ -174,8 +148,6 @@ class Coordinator(Recording):
         self._clock_read = time.monotonic()
         # the last reading of the service's clock (see clock.lost_time)
         self._intake = Intake(security is not None, self._log, world_size=config.world_size)
-        self._held_back: set[str] = set()
-        # the optional message types held back from a worker that does not understand them
         # frames read, decoded (a member's retried hello known by its bytes) and handed on
 
     # ------------------------------------------------------------------ what others read
@@ -293,7 +265,7 @@ class Coordinator(Recording):
             ),
         )
         self._socket = sock
-        self._io = zmq.Socket.shadow(sock.underlying)
+        self._io = self._outbox.attach(sock)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         guard.bound(self.endpoint)
         machine.watchdog.phase_began(time.monotonic())
@@ -302,17 +274,8 @@ class Coordinator(Recording):
         if self.config.run_dir is not None and state.finished is None:
             self._start_journal(self.config.run_dir, state)
         if state.finished is None:
-            self._observers.on_start(
-                RunStart(
-                    run_id=self.run_id,
-                    run_dir=self.config.run_dir,
-                    endpoint=self.endpoint,
-                    world_size=workers,
-                    epochs=self.config.epochs,
-                    attempt=self._attempt,
-                    resumed_from=state.resume_epoch,
-                    config=resume.config_record(self.config),
-                )
+            self._feed.started(
+                self.config, self.run_id, self.endpoint, self._attempt, state.resume_epoch
             )
         return self.endpoint
 
@@ -320,20 +283,17 @@ class Coordinator(Recording):
         """Close the socket (flushing the last Abort or Finish), then the authenticator."""
         if self._socket is not None:
             self._monitor.close(self._socket)
+            self._outbox.detach()
             self._io = None  # a shadow: closing the socket closes it
             self._socket.close(linger=LINGER_MS)
             self._socket = None
         if self._guard is not None:
             self._guard.close()
-        self._stop_auth()
-        if self._own_context:
-            self._context.term()
-
-    def _stop_auth(self) -> None:
-        """Stop the authenticator (after the socket closed)."""
-        if self._auth is not None:
+        if self._auth is not None:  # after the socket closed
             self._auth.stop()
             self._auth = None
+        if self._own_context:
+            self._context.term()
 
     def log(self, line: str) -> None:
         """Print a line the way the service prints its own."""
@@ -413,34 +373,22 @@ class Coordinator(Recording):
             await self.start()
         state, machine = self._state, self._machine
         assert state is not None and machine is not None
-        done = state.finished
-        if done is not None:
-            self._log(
-                f"the run in {self.config.run_dir} already finished after "
-                f"{done.get('epochs_run')} epochs (best epoch {done.get('best_epoch')}); nothing "
-                "to train. Pass a larger --epochs to train it further, or --fresh to train it "
-                "again"
-            )
-            assert self.config.run_dir is not None
+        if state.finished is not None:
+            line, summary = resume.finished_summary(self.config, state.finished, self.run_id)
+            self._log(line)
             self._close()
-            return RunSummary(
-                run_id=str(done.get("run_id", self.run_id)),
-                best_epoch=done.get("best_epoch"),
-                best_loss=done.get("best_loss"),
-                epochs_run=int(done.get("epochs_run", 0)),
-                history=resume.decided_epochs(self.config.run_dir),
-            )
+            return summary
         sock, io, guard = self._socket, self._io, self._guard
         assert sock is not None and io is not None and guard is not None
         tick = min(0.1, self.config.heartbeat_interval / 2)
-        inbox = Inbox(
+        inbox = serving.open_inbox(
             io,
             read=guard.handed,  # out of libzmq: what the guard counts as no longer held there
             secured=self._security is not None,
-            most_frames=max(INBOX_FRAMES, INBOX_FRAMES_PER_WORKER * self.config.world_size),
-            most_bytes=INBOX_BYTES,
+            workers=self.config.world_size,
         )
         self._clock_read = time.monotonic()
+
         monitor = (
             asyncio.create_task(self._monitor.read(guard.on_event))
             if self._monitor.watching
@@ -455,25 +403,10 @@ class Coordinator(Recording):
                 polled = await sock.poll(timeout=0 if inbox else int(tick * 1000))
                 await self._read_clock(tick)  # before any frame: a stopped process blames nobody
                 drained = not polled  # every finished message read: the guard's tighter bound
-                if polled or inbox:
+                if (polled or inbox) and self._outcome is None:
                     # a bounded batch, so a flood cannot starve heartbeats and the clock
-                    batch_end = time.monotonic() + BATCH_SECONDS
-                    for handed in range(BATCH):
-                        if self._outcome is not None:
-                            break
-                        if handed % DRAIN_EVERY == 0:  # out of libzmq's buffers (see .inbox)
-                            drained = inbox.drain()
-                        frames = inbox.pop()
-                        if frames is None:  # all that was queued
-                            break
-                        now = time.monotonic()
-                        actions = self._intake.receive(frames, now)
-                        if actions:  # most frames (heartbeats) change nothing to carry out or tell
-                            await self._apply(actions)
-                        self._intake.answered(now)
-                        if time.monotonic() > batch_end:
-                            break
-                now = await self._read_clock(BATCH_SECONDS)
+                    drained = await serving.hand_on(inbox, self._hand, drained=drained)
+                now = await self._read_clock(serving.BATCH_SECONDS)
                 guard.tick(now, drained)  # after the queued frames: a hello read in time is in time
                 if self._outcome is not None:
                     break
@@ -485,7 +418,7 @@ class Coordinator(Recording):
                     self._outcome = RunSummary(self.run_id, None, None, 0)
                     break
                 await self._apply(machine.on_tick(now))
-                self._say_disk_failures()
+                self._upkeep.say_failures()
         finally:
             if monitor is not None:
                 monitor.cancel()  # no await before the monitor is disabled: it drains till then
@@ -499,13 +432,22 @@ class Coordinator(Recording):
             if monitor is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await monitor
-        await self._finish_disk_work()
+        await self._upkeep.finish()
         if isinstance(self._outcome, RunAborted):
             raise self._outcome
         assert self._outcome is not None
         return self._outcome
 
     # ------------------------------------------------------------------ applying
+
+    async def _hand(self, frames: list[Any], now: float) -> bool:
+        """One received message (routing id, frame) handed to the machine, its actions done;
+        whether the run has ended with them."""
+        actions = self._intake.receive(frames, now)
+        if actions:  # most frames (heartbeats) change nothing to carry out or tell
+            await self._apply(actions)
+        self._intake.answered(now)
+        return self._outcome is not None
 
     async def _apply(self, actions: list[Action]) -> None:
         """Carry out ``actions``, then tell the observers what they changed."""
@@ -525,17 +467,9 @@ class Coordinator(Recording):
     async def _do(self, action: Action) -> None:
         match action:
             case Send(peer=peer, message=message):
-                if self._understood(peer, message):
-                    await self._send(peer, message)
+                await self._outbox.send(peer, message)
             case Broadcast(peers=peers, message=message):
-                if message.optional:
-                    peers = tuple(peer for peer in peers if self._understood(peer, message))
-                data = encode(message)
-                cut = faults.cut(message)  # a test's kill between two sends of a decision
-                for peer in peers if cut is None else peers[:1]:
-                    await self._send_frame(peer, data)
-                if cut is not None:
-                    faults.die(cut)
+                await self._outbox.broadcast(peers, message)
                 if isinstance(message, Heartbeat):
                     self._feed.heartbeat_sent()
             case Log(line=line):
@@ -545,63 +479,11 @@ class Coordinator(Recording):
             case Prune(epochs=epochs):
                 checkpoint_dir = self.config.checkpoint_path
                 assert checkpoint_dir is not None
-                for old in epochs:
-                    path = checkpoint_path(checkpoint_dir, old)
-                    self._pruning.submit(
-                        f"deleting the checkpoint of epoch {old} ({path})",
-                        functools.partial(diskwork.delete_tree, path),
-                    )
+                self._upkeep.prune(checkpoint_dir, epochs)
             case Finished(summary=summary):
                 self._outcome = summary
             case Aborted(reason=reason):
                 self._outcome = RunAborted(reason)
-
-    def _say_disk_failures(self) -> None:
-        """Log what the disk work could not do, each failure once (see :mod:`.diskwork`)."""
-        for work in (self._pruning, self._observing):
-            for line in work.take_failures():
-                self._log(f"{line} (the run goes on)")
-
-    async def _finish_disk_work(self) -> None:
-        """Before the run is reported done: wait for the old checkpoints being deleted and the
-        observers being told, at most :data:`~.diskwork.DRAIN_TIMEOUT` seconds, and say what
-        failed and what is still going."""
-        timeout = diskwork.DRAIN_TIMEOUT
-        left = await asyncio.gather(*(w.drain(timeout) for w in (self._pruning, self._observing)))
-        self._say_disk_failures()
-        for work in (self._pruning, self._observing):
-            for line in work.repeats():
-                self._log(line)
-        undone = [what for whats in left for what in whats]
-        if undone:
-            self._log(
-                f"not done {timeout:g} s after the run ended: {'; '.join(undone)}; the run ends "
-                "without waiting longer (a checkpoint not deleted is left for you to delete)"
-            )
-
-    def _understood(self, peer: bytes, message: CoordinatorMessage) -> bool:
-        """Whether ``peer`` may be sent ``message`` (an optional type only if its hello said it
-        understands it); the first message of a type held back is said once."""
-        if self.machine.understands(peer, message):
-            return True
-        name = TYPE_NAMES[type(message)]
-        if name not in self._held_back:
-            self._held_back.add(name)
-            self._log(
-                f"a worker of an older version does not understand {name} messages: none is "
-                "sent to it (said once)"
-            )
-        return False
-
-    async def _send(self, peer: bytes, message: CoordinatorMessage) -> None:
-        await self._send_frame(peer, encode(message))
-
-    async def _send_frame(self, peer: bytes, data: bytes) -> None:
-        assert self._socket is not None and self._io is not None
-        try:
-            self._io.send_multipart([peer, data], zmq.NOBLOCK)
-        except zmq.Again:  # not for a ROUTER as configured here; if ever, wait as asyncio would
-            await self._socket.send_multipart([peer, data])
 
     # ------------------------------------------------------------------ the clock
 
