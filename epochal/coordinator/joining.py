@@ -89,7 +89,7 @@ class Joining:
     def carry_welcome(self, rank: int, session: str, member: Member) -> Welcome:
         raise NotImplementedError  # the taking-back side's
 
-    def abort(self, reason: str, *, force: bool = False) -> list[Action]:
+    def abort(self, reason: str, *, force: bool = False, needs_fix: bool = False) -> list[Action]:
         raise NotImplementedError  # the machine's
 
     # ------------------------------------------------------------------ hellos
@@ -131,8 +131,11 @@ class Joining:
                     f"{reason}"
                 )
                 return self.gate.refusal(now, line) + self.gate.reject(peer, reason, "refused")
-            case Fatal(reason=reason):
-                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
+            case Fatal(reason=reason):  # the run's configuration: a resume would meet it again
+                return [
+                    Send(peer, Abort(reason=clip(reason))),
+                    *self.abort(reason, needs_fix=True),
+                ]
             case Differs(reference=ref):
                 other = Member(peer, hello)
                 asks, outcome = self.models.differ(
@@ -258,7 +261,10 @@ class Joining:
         match outcome:
             case Differ(difference=difference, peer=peer):
                 reason = models_differ(difference)
-                return [Send(peer, Abort(reason=clip(reason))), *self.abort(reason)]
+                return [
+                    Send(peer, Abort(reason=clip(reason))),
+                    *self.abort(reason, needs_fix=True),
+                ]
             case Checked(problem=str(problem)):
                 return self.abort(problem)
             case Checked(note=note):

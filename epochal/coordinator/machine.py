@@ -261,9 +261,10 @@ class RunMachine(Finishing):
         """
         self.watchdog.report_failure(now, what, cause=cause)
 
-    def abort(self, reason: str, *, force: bool = False) -> list[Action]:
+    def abort(self, reason: str, *, force: bool = False, needs_fix: bool = False) -> list[Action]:
         """End the run: Abort to every worker, the reason recorded. ``force``: also after an
-        outcome, when its record could not be written."""
+        outcome, when its record could not be written. ``needs_fix``: a configuration or data
+        error, which a resume would repeat (:attr:`RunAborted.needs_fix`)."""
         if self.over and not force:
             return []
         self.over = True
@@ -271,7 +272,7 @@ class RunMachine(Finishing):
             Log(f"run aborted: {reason}"),
             Broadcast(self._recipients(), Abort(reason=clip(reason))),
             Journal("result", {"status": "aborted", "run_id": self.run_id, "reason": reason}, True),
-            Aborted(reason),
+            Aborted(reason, needs_fix=needs_fix),
         ]
 
     def unrecorded(self, problem: str) -> list[Action]:
@@ -397,7 +398,7 @@ class RunMachine(Finishing):
         try:
             go = self._go(self.epoch, self._ready)
         except PolicyViolation as exc:
-            return formed + self.abort(f"epoch {self.epoch}: {exc}")
+            return formed + self.abort(f"epoch {self.epoch}: {exc}", needs_fix=True)
         self._ready.clear()
         self._run(now)
         record = {  # a restarted coordinator answers a rank that missed it with the same go
@@ -457,7 +458,7 @@ class RunMachine(Finishing):
                 lr=rate,
             )
         except PolicyViolation as exc:
-            return self.abort(f"epoch {self.epoch}: {exc}")
+            return self.abort(f"epoch {self.epoch}: {exc}", needs_fix=True)
         self._reports.clear()
         counts, self._next = self._next, {}
         self.round_seconds = now - self._round_started
@@ -495,7 +496,7 @@ class RunMachine(Finishing):
             # a world that grows after gathering plans the epoch from the new world's readies
             go = None if gather else self._go(following, counts)
         except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
-            return [*actions, said, *self.abort(f"epoch {following}: {exc}")]
+            return [*actions, said, *self.abort(f"epoch {following}: {exc}", needs_fix=True)]
         decision = outcome.decision(checkpoint, sums, go, gather=gather)
         # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
         # that missed it with the same decision (the record dict is the Journal action's)

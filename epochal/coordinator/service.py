@@ -553,8 +553,8 @@ class Coordinator(Recording):
                     )
             case Finished(summary=summary):
                 self._outcome = summary
-            case Aborted(reason=reason):
-                self._outcome = RunAborted(reason)
+            case Aborted(reason=reason, needs_fix=needs_fix):
+                self._outcome = RunAborted(reason, needs_fix=needs_fix)
 
     def _say_disk_failures(self) -> None:
         """Log what the disk work could not do, each failure once (see :mod:`.diskwork`)."""

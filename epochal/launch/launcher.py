@@ -44,6 +44,7 @@ from epochal.errors import EpochalError, RunAborted
 from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
 from epochal.launch.preload import Forked, Preload, preload_modules, worker_threads
 from epochal.launch.processes import Child, die_with_parent, kill_group
+from epochal.launch.rerun import FIX_LINE
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, LAUNCHER, child_environment, ensure_configured
 from epochal.observe import RunObserver
@@ -115,7 +116,8 @@ async def launch(
     print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
     ``observers`` watch every attempt (see :func:`run_observed`, which makes and closes them).
     A run that ends unfinished (aborted, interrupted) says ``resume_command`` last, the command
-    line that continues it.
+    line that continues it; one stopped by a configuration or data error says what to fix
+    instead (:data:`~epochal.launch.rerun.FIX_LINE`), since a resume would repeat the error.
     """
     ensure_configured()
     modules = preload_modules()  # a bad EPOCHAL_PRELOAD is said before anything starts
@@ -165,7 +167,9 @@ async def launch(
         status = await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
     finally:
         preload.close()
-    if resume_command and outcomes and outcomes[-1].unfinished:
+    if outcomes and outcomes[-1].needs_fix:
+        _say(FIX_LINE, logging.ERROR)
+    elif resume_command and outcomes and outcomes[-1].unfinished:
         _say(f"to resume: {resume_command}", logging.WARNING)
     return status
 
@@ -410,6 +414,7 @@ async def _attempt(
     detector = asyncio.create_task(stand_down())
     summary: RunSummary | None = None
     reason = ""
+    needs_fix = False
     try:
         summary = await coordinator.run()
         for position in spare_positions:
@@ -426,7 +431,7 @@ async def _attempt(
         if plain:  # no bound: the script trains for as long as it does
             failed_first = await wait_plain(procs, watchers, abort_exit)
     except RunAborted as exc:
-        reason = exc.reason
+        reason, needs_fix = exc.reason, exc.needs_fix
         relay.stop()
         # still connecting when the rendezvous was aborted (another worker's model or --monitor,
         # say): nothing tells them, and they have nothing to keep
@@ -465,6 +470,8 @@ async def _attempt(
         return Outcome(status, reason, unfinished=summary is None)
     if summary is None:
         _say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}", logging.ERROR)
+        if needs_fix:  # a restart would stop on the same error
+            return Outcome(EXIT_FAILED, reason, unfinished=True, needs_fix=True)
         return Outcome(EXIT_FAILED, reason, retry=True, unfinished=True)
     if stuck:
         _say(
