@@ -8,8 +8,9 @@ its epochs and is now given more. The newest is the one whose ``run.json`` was w
 (``started``, rewritten by each attempt). A new run started while such a run is there says so,
 and an interrupted or failed run ends with :func:`resume_command`, the exact command that
 continues it; a run stopped by a configuration or data error, which a resume would repeat, ends
-with :data:`FIX_LINE` instead. Everything read here goes through :mod:`epochal.observe.runfiles` (regular files
-only, within their size bounds); a directory that cannot be read is passed over.
+with :data:`FIX_LINE` instead. Everything read here goes through
+:mod:`epochal.observe.runfiles` (regular files only, within their size bounds); a directory that
+cannot be read is passed over.
 """
 
 from __future__ import annotations
