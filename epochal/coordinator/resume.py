@@ -203,6 +203,26 @@ def _replay_steered(
         setattr(loop, key, value)
 
 
+def schedule_jump(
+    loop: LoopState, kept: list[dict[str, Any]], more: tuple[int, int], start: int
+) -> str | None:
+    """What a run given more epochs (``more``: before, now) says when its learning-rate schedule
+    spans ``--epochs``: the factor the old curve gave ``start``, the one the curve over the new
+    count gives it (``loop`` replayed), and why; None when the schedule does not span them."""
+    schedule = loop.schedule
+    decided = [r for r in kept if r["kind"] == "epoch"]
+    if schedule is None or not schedule.spans_epochs or not decided:
+        return None
+    before = decided[-1].get("next_lr_factor")
+    if not isinstance(before, int | float) or isinstance(before, bool):
+        return None
+    return (
+        f"learning-rate factor {before:.4g} -> {loop.lr_factor:.4g} at epoch {start}: the "
+        f"{schedule.spec} schedule spans --epochs, now {more[1]} where it was {more[0]}, so the "
+        "run continues on the curve over the new count"
+    )
+
+
 def _read(path: Path, limit: int, what: str) -> bytes | None:
     """The bytes of the run directory's file ``path``; None when it is missing; ConfigError
     naming it when it is a link, not a regular file or over ``limit`` bytes."""
@@ -399,6 +419,10 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
                 "had_finished": result is not None,
             },
         ]
+    if more is not None and kept:
+        jump = schedule_jump(loop, kept, more, start)
+        if jump is not None:
+            notes.append(jump)
     if resume is None and records:
         notes.append("no usable checkpoint: the run starts again from epoch 0")
     return RunState(

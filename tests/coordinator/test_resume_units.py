@@ -724,6 +724,32 @@ def test_an_unfinished_run_given_more_epochs_resumes_as_always(tmp_path: Path):
     assert state.loop == hand_loop(4, epochs=12)
 
 
+def cosine_loop(epochs: int) -> LoopState:
+    return LoopState(epochs=epochs, schedule=parse_schedule("cosine", epochs))
+
+
+def test_a_cosine_run_given_more_epochs_says_how_its_factor_jumps(tmp_path: Path):
+    before = make_config(tmp_path, epochs=8, lr_schedule="cosine")
+    write_run(before, epochs_done=6, checkpoints=[5], state=cosine_loop(8))
+    state = look(make_config(tmp_path, epochs=14, lr_schedule="cosine"))
+    old = cosine_loop(8)
+    new = cosine_loop(14)
+    for epoch, (train, valid) in enumerate(ROWS[:6]):
+        old.update(epoch, train, valid, validates=True)
+        new.update(epoch, train, valid, validates=True)
+    assert new.lr_factor > 2 * old.lr_factor  # the jump said
+    assert (
+        f"learning-rate factor {old.lr_factor:.4g} -> {new.lr_factor:.4g} at epoch 6: the "
+        "cosine:min=0 schedule spans --epochs, now 14 where it was 8, so the run continues on "
+        "the curve over the new count"
+    ) in state.notes
+
+
+def test_a_schedule_that_does_not_span_the_epochs_says_nothing_when_given_more(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=5, checkpoints=[1, 3])
+    assert look(make_config(tmp_path, epochs=12)).notes == []
+
+
 def test_earlier_extensions_are_kept(tmp_path: Path):
     before = make_config(tmp_path, epochs=4)
     write_run(before, epochs_done=4, checkpoints=[3], state=hand_loop(0, epochs=4))
