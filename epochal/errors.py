@@ -55,11 +55,16 @@ class RunAborted(EpochalError):
     """The run was stopped on every rank.
 
     ``reason`` is the coordinator's explanation (which rank, what differed, what to change).
+    ``needs_fix`` marks a configuration or data error (ranks with different batch counts, a
+    ``--monitor`` metric nobody reports, workers with different models): resuming the run repeats
+    it, so it is fixed first and the same command then runs; without it the abort is a failure
+    (a lost worker, a crash) that resuming from the last checkpoint recovers from.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, needs_fix: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.needs_fix = needs_fix
 
 
 class CoordinatorLost(RunAborted):

@@ -19,11 +19,14 @@ from typing import Any, Literal
 SETTING = "epochal.setting"
 """The key of a field's :class:`Setting` in its metadata."""
 
-OnResume = Literal["refuse", "may_change", "when_known", "may_grow"]
+OnResume = Literal["refuse", "may_change", "when_known", "may_grow", "steers"]
 """What a resume does when the setting differs from the run's: refuse it (it changes the result);
 let it change (a timeout, a path, the world size: a resume at another size says so); refuse it
-only when both the run and the resume know it; or let it grow and refuse it smaller (``epochs``:
-a run, finished or not, may be trained further)."""
+only when both the run and the resume know it; let it grow and refuse it smaller (``epochs``:
+a run, finished or not, may be trained further); or let it change from the resumed epoch on,
+saying so and keeping the change in run.json (``steers``: a setting that only steers decisions
+still to come, such as ``patience``, while the epochs already decided keep the value they were
+decided under)."""
 
 RUN_POLICY = "run policy"
 CHECKPOINTS = "checkpoints and resume"

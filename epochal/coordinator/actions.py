@@ -101,6 +101,8 @@ class Aborted:
     """The run was aborted: serve no more and raise RunAborted(``reason``)."""
 
     reason: str
+    needs_fix: bool = False
+    # a configuration or data error, which a resume would repeat (RunAborted.needs_fix)
 
 
 Action = Send | Broadcast | Journal | Log | Prune | Finished | Aborted

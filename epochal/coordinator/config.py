@@ -189,6 +189,7 @@ class CoordinatorConfig:
         metadata=setting(
             help="stop early once more than P validated epochs in a row bring no improvement "
             "of the smoothed monitored value",
+            on_resume="steers",  # early stopping from the resumed epoch on
             flag=Flag(RUN_POLICY, metavar="P", type=nonnegative_int, shown="never"),
         ),
     )
@@ -197,6 +198,7 @@ class CoordinatorConfig:
         metadata=setting(
             help="an improvement must better the best smoothed monitored value by more than D: "
             "lower it under --monitor-mode min, raise it under max",
+            on_resume="steers",  # what counts as an improvement from then on
             flag=Flag(RUN_POLICY, metavar="D", type=float),
         ),
     )
@@ -218,6 +220,7 @@ class CoordinatorConfig:
         default=1,
         metadata=setting(
             help="checkpoint every K-th epoch, the best one and the last; 0: never",
+            on_resume="steers",  # which epochs still to come are saved
             flag=Flag(CHECKPOINTS, metavar="K", type=nonnegative_int),
         ),
     )

@@ -80,7 +80,7 @@ class Epochs:
         try:
             go = self._go(self._state.epoch, self._state.ready)
         except PolicyViolation as exc:
-            return formed + self._state.abort(f"epoch {self._state.epoch}: {exc}")
+            return formed + self._state.abort(f"epoch {self._state.epoch}: {exc}", needs_fix=True)
         self._state.ready.clear()
         self.run(now)
         record = {  # a restarted coordinator answers a rank that missed it with the same go
@@ -134,7 +134,7 @@ class Epochs:
                 lr=rate,
             )
         except PolicyViolation as exc:
-            return state.abort(f"epoch {state.epoch}: {exc}")
+            return state.abort(f"epoch {state.epoch}: {exc}", needs_fix=True)
         state.reports.clear()
         return outcome, sums
 
@@ -182,7 +182,7 @@ class Epochs:
             # a world that grows after gathering plans the epoch from the new world's readies
             go = None if gather else self._go(following, counts)
         except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
-            return [*actions, said, *state.abort(f"epoch {following}: {exc}")]
+            return [*actions, said, *state.abort(f"epoch {following}: {exc}", needs_fix=True)]
         decision = outcome.decision(checkpoint, sums, go, gather=gather)
         # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
         # that missed it with the same decision (the record dict is the Journal action's)

@@ -295,10 +295,11 @@ class RunMachine:
         """
         self.watchdog.report_failure(now, what, cause=cause)
 
-    def abort(self, reason: str, *, force: bool = False) -> list[Action]:
+    def abort(self, reason: str, *, force: bool = False, needs_fix: bool = False) -> list[Action]:
         """End the run: Abort to every worker, the reason recorded. ``force``: also after an
-        outcome, when its record could not be written."""
-        return self._state.abort(reason, force=force)
+        outcome, when its record could not be written. ``needs_fix``: a configuration or data
+        error, which a resume would repeat (:attr:`RunAborted.needs_fix`)."""
+        return self._state.abort(reason, force=force, needs_fix=needs_fix)
 
     def unrecorded(self, problem: str) -> list[Action]:
         """The run directory cannot be written: stop, since progress that is not recorded

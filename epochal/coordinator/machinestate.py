@@ -172,9 +172,10 @@ class MachineState:
         self.rates.clear()
         self.done.clear()
 
-    def abort(self, reason: str, *, force: bool = False) -> list[Action]:
+    def abort(self, reason: str, *, force: bool = False, needs_fix: bool = False) -> list[Action]:
         """End the run: Abort to every worker, the reason recorded. ``force``: also after an
-        outcome, when its record could not be written."""
+        outcome, when its record could not be written. ``needs_fix``: a configuration or data
+        error, which a resume would repeat (:attr:`RunAborted.needs_fix`)."""
         if self.over and not force:
             return []
         self.over = True
@@ -182,5 +183,5 @@ class MachineState:
             Log(f"run aborted: {reason}"),
             Broadcast(self.recipients(), Abort(reason=clip(reason))),
             Journal("result", {"status": "aborted", "run_id": self.run_id, "reason": reason}, True),
-            Aborted(reason),
+            Aborted(reason, needs_fix=needs_fix),
         ]

@@ -74,7 +74,11 @@ class Recording:
         }
         if state.extensions:
             info["extended"] = state.extensions
+        if state.steered:
+            info["steered"] = state.steered
         self._journal.start(info)
+        for change in state.steered_now:
+            self._log(resume.steered_line(change))
         if state.extended_from is not None:
             self._log(
                 f"training the run in {run_dir} further: {state.extended_from} epochs before, "
@@ -129,6 +133,8 @@ class Recording:
         record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
         if action.kind == "result" and self._state is not None and self._state.extensions:
             record = {**record, "extended": self._state.extensions}  # as run.json says
+        if action.kind == "result" and self._state is not None and self._state.steered:
+            record = {**record, "steered": self._state.steered}  # as run.json says
         if action.kind == "rewrite":  # the journal's records up to the resumed checkpoint
             if self._journal is not None:
                 self._journal.rewrite(action.record["records"])

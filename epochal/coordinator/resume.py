@@ -61,6 +61,11 @@ before they were recorded, or workers started by hand, leave them unknown)."""
 _MAY_GROW = {name for name, s in _SETTINGS.items() if s.on_resume == "may_grow"}
 """Settings a resume may raise (the run is trained further) but not lower."""
 
+STEERS = frozenset(name for name, s in _SETTINGS.items() if s.on_resume == "steers")
+"""Settings that only steer decisions still to come: a resume may change them from the epoch it
+starts at (:func:`steered`), and the epochs before it are replayed under the values they were
+decided with."""
+
 
 def _called(key: str) -> str:
     """How a refused resume names the setting ``key``: its flag, unless it says otherwise."""
@@ -111,7 +116,7 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     setting that may grow and did is not one: see :func:`grown`)."""
     out = []
     for key in sorted(set(stored) | set(current)):
-        if key in _MAY_CHANGE or key in grown(stored, current):
+        if key in _MAY_CHANGE or key in STEERS or key in grown(stored, current):
             continue
         if key in _WHEN_KNOWN and (stored.get(key) is None or current.get(key) is None):
             continue
@@ -121,6 +126,102 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
             shorter = " (a run may be given more, never fewer)" if key in _MAY_GROW else ""
             out.append(f"{flag} is {now} now but {then} in the run{shorter}")
     return out
+
+
+def _plain(value: Any) -> str:
+    """A setting's value as a person reads it: ``not set`` for an option left out."""
+    return "not set" if value is None else str(value)
+
+
+def steered(stored: dict[str, Any], current: dict[str, Any], at_epoch: int) -> list[dict[str, Any]]:
+    """The settings that only steer what comes next (:data:`STEERS`) which this resume changes,
+    each as the record run.json keeps: ``setting``, ``from``, ``to`` and ``at_epoch``, the first
+    epoch decided under the new value."""
+    return [
+        {"setting": key, "from": stored.get(key), "to": current.get(key), "at_epoch": at_epoch}
+        for key in sorted(STEERS)
+        if key in stored and stored.get(key) != current.get(key)
+    ]
+
+
+def steered_line(change: dict[str, Any]) -> str:
+    """What a resume says of one change :func:`steered` found: ``patience: not set -> 5 from
+    epoch 9``."""
+    name = str(change["setting"]).replace("_", "-")
+    return (
+        f"{name}: {_plain(change['from'])} -> {_plain(change['to'])} "
+        f"from epoch {change['at_epoch']}"
+    )
+
+
+def _steered_before(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The changes earlier resumes made (run.json's ``steered``), well-formed ones only."""
+    listed = run.get("steered")
+    if not isinstance(listed, list):
+        return []
+    return [
+        c
+        for c in listed
+        if isinstance(c, dict) and c.get("setting") in STEERS and type(c.get("at_epoch")) is int
+    ]
+
+
+def _in_effect(stored: dict[str, Any], changes: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
+    """The value of each steering setting the epochs before ``epoch`` were decided under: the
+    last of ``changes`` made before it, else the value the run started with (the first change's
+    ``from``), else the ``stored`` one. A change from ``epoch`` on was made by a resume whose
+    epochs are done again now: it no longer stands."""
+    values = dict(stored)
+    for key in STEERS:
+        mine = sorted((c for c in changes if c["setting"] == key), key=lambda c: c["at_epoch"])
+        if mine:
+            values[key] = mine[0]["from"]
+        for change in mine:
+            if change["at_epoch"] < epoch:
+                values[key] = change["to"]
+    return values
+
+
+def _replay_steered(
+    loop: LoopState, records: list[dict[str, Any]], changes: list[dict[str, Any]]
+) -> None:
+    """Replay ``records`` into ``loop`` (built with today's settings), each epoch under the
+    value of every steering setting it was decided with: the first change's ``from`` before it,
+    each change's ``to`` from its ``at_epoch`` on; today's values after the last record."""
+    final = {key: getattr(loop, key) for key in STEERS if hasattr(loop, key)}
+    ordered = sorted(changes, key=lambda c: c["at_epoch"])
+    for key in final:
+        first = next((c for c in ordered if c["setting"] == key), None)
+        if first is not None:
+            setattr(loop, key, first["from"])
+    for record in records:
+        while ordered and record["epoch"] >= ordered[0]["at_epoch"]:
+            change = ordered.pop(0)
+            if change["setting"] in final:
+                setattr(loop, change["setting"], change["to"])
+        replay(loop, [record])
+    for key, value in final.items():
+        setattr(loop, key, value)
+
+
+def schedule_jump(
+    loop: LoopState, kept: list[dict[str, Any]], more: tuple[int, int], start: int
+) -> str | None:
+    """What a run given more epochs (``more``: before, now) says when its learning-rate schedule
+    spans ``--epochs``: the factor the old curve gave ``start``, the one the curve over the new
+    count gives it (``loop`` replayed), and why; None when the schedule does not span them."""
+    schedule = loop.schedule
+    decided = [r for r in kept if r["kind"] == "epoch"]
+    if schedule is None or not schedule.spans_epochs or not decided:
+        return None
+    before = decided[-1].get("next_lr_factor")
+    if not isinstance(before, int | float) or isinstance(before, bool):
+        return None
+    return (
+        f"learning-rate factor {before:.4g} -> {loop.lr_factor:.4g} at epoch {start}: the "
+        f"{schedule.spec} schedule spans --epochs, now {more[1]} where it was {more[0]}, so the "
+        "run continues on the curve over the new count"
+    )
 
 
 def _read(path: Path, limit: int, what: str) -> bytes | None:
@@ -305,11 +406,15 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
             "over from epoch 0"
         )
     kept = [r for r in records if resume is not None and r["epoch"] <= resume]
-    replay(loop, kept)
+    start = 0 if resume is None else resume + 1
+    earlier = _steered_before(run)
+    standing_changes = [c for c in earlier if c["at_epoch"] < start]
+    now_steered = steered(_in_effect(stored, earlier, start), current, start)
+    steered_all = standing_changes + now_steered
+    _replay_steered(loop, kept, steered_all)
     extended_from = None
     if more is not None:
         extended_from = more[0]
-        start = 0 if resume is None else resume + 1
         extensions = [
             *extensions,
             {
@@ -319,6 +424,10 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
                 "had_finished": result is not None,
             },
         ]
+    if more is not None and kept:
+        jump = schedule_jump(loop, kept, more, start)
+        if jump is not None:
+            notes.append(jump)
     if resume is None and records:
         notes.append("no usable checkpoint: the run starts again from epoch 0")
     return RunState(
@@ -328,7 +437,12 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         notes=notes,
         extended_from=extended_from,
         extensions=extensions,
-        carry=None if more is not None else carry_from(config, records, run.get("run_id")),
+        steered=steered_all,
+        steered_now=now_steered,
+        # running workers are taken back only to go on as they were decided
+        carry=None
+        if more is not None or now_steered
+        else carry_from(config, records, run.get("run_id")),
     )
 
 

@@ -29,6 +29,11 @@ class RunState:
     # the epochs the run had, when this resume gives it more (a finished run trained further)
     extensions: list[dict[str, Any]] = field(default_factory=list)
     # every time the run was given more epochs, oldest first: run.json and result.json keep it
+    steered: list[dict[str, Any]] = field(default_factory=list)
+    # every change of a setting that steers what comes next (resume.steered), oldest first, of
+    # the epochs that stand: run.json and result.json keep it
+    steered_now: list[dict[str, Any]] = field(default_factory=list)
+    # the changes this resume makes, to be said as it starts
     carry: Carry | None = None
     # where running workers are taken back by a restarted coordinator (not for a resume from a
     # checkpoint by workers started again); None: the journal holds no decision to carry on from

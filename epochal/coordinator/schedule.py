@@ -68,6 +68,12 @@ class Schedule:
         )
 
     @property
+    def spans_epochs(self) -> bool:
+        """Whether the factors depend on the run's epoch count (``cosine`` spans it): a run
+        given more epochs continues on another curve."""
+        return self.name == "cosine"
+
+    @property
     def spec(self) -> str:
         if not self.params:
             return self.name

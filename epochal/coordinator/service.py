@@ -482,8 +482,8 @@ class Coordinator(Recording):
                 self._upkeep.prune(checkpoint_dir, epochs)
             case Finished(summary=summary):
                 self._outcome = summary
-            case Aborted(reason=reason):
-                self._outcome = RunAborted(reason)
+            case Aborted(reason=reason, needs_fix=needs_fix):
+                self._outcome = RunAborted(reason, needs_fix=needs_fix)
 
     # ------------------------------------------------------------------ the clock
 

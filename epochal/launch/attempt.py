@@ -177,6 +177,8 @@ class Attempt:
         """In such a run, the worker that failed first."""
         self.summary: RunSummary | None = None
         self.reason = ""
+        self.needs_fix = False
+        """The run was aborted by a configuration or data error: no restart mends it."""
         self.stuck: list[int] = []
         """The workers still running when the wait for them ended, killed."""
         self.codes: list[int] = []
@@ -324,7 +326,7 @@ class Attempt:
             self.failed_first = await wait_plain(self.procs, self.watchers, self.abort_exit)
 
     def _aborted(self, exc: RunAborted) -> None:
-        self.reason = exc.reason
+        self.reason, self.needs_fix = exc.reason, exc.needs_fix
         self.relay.stop()
         # still connecting when the rendezvous was aborted (another worker's model or --monitor,
         # say): nothing tells them, and they have nothing to keep
@@ -362,6 +364,8 @@ class Attempt:
             return Outcome(status, self.reason, unfinished=summary is None)
         if summary is None:
             say(f"FAILED: the run was aborted (the reason is above){killed}{hidden}", logging.ERROR)
+            if self.needs_fix:  # a restart would stop on the same error
+                return Outcome(EXIT_FAILED, self.reason, unfinished=True, needs_fix=True)
             return Outcome(EXIT_FAILED, self.reason, retry=True, unfinished=True)
         if stuck:
             say(

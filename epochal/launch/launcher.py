@@ -26,6 +26,7 @@ from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.environment import ABORT_GRACE_ENV, DEFAULT_ABORT_GRACE, env_seconds
 from epochal.launch.attempt import EXIT_OK, Attempt, say
 from epochal.launch.preload import Preload, preload_modules, worker_threads
+from epochal.launch.rerun import FIX_LINE
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, child_environment, ensure_configured
 from epochal.observe import RunObserver
@@ -78,7 +79,8 @@ async def launch(
     print their full tracebacks (``EPOCHAL_VERBOSE=1``) where they would print one line.
     ``observers`` watch every attempt (see :func:`run_observed`, which makes and closes them).
     A run that ends unfinished (aborted, interrupted) says ``resume_command`` last, the command
-    line that continues it.
+    line that continues it; one stopped by a configuration or data error says what to fix
+    instead (:data:`~epochal.launch.rerun.FIX_LINE`), since a resume would repeat the error.
     """
     ensure_configured()
     modules = preload_modules()  # a bad EPOCHAL_PRELOAD is said before anything starts
@@ -128,7 +130,9 @@ async def launch(
         status = await restarting(attempt, max_restarts, restart=restart, give_up=give_up)
     finally:
         preload.close()
-    if resume_command and outcomes and outcomes[-1].unfinished:
+    if outcomes and outcomes[-1].needs_fix:
+        say(FIX_LINE, logging.ERROR)
+    elif resume_command and outcomes and outcomes[-1].unfinished:
         say(f"to resume: {resume_command}", logging.WARNING)
     return status
 

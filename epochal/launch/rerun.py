@@ -7,8 +7,10 @@ run) that the command can continue: one that has not finished, or one that finis
 its epochs and is now given more. The newest is the one whose ``run.json`` was written last
 (``started``, rewritten by each attempt). A new run started while such a run is there says so,
 and an interrupted or failed run ends with :func:`resume_command`, the exact command that
-continues it. Everything read here goes through :mod:`epochal.observe.runfiles` (regular files
-only, within their size bounds); a directory that cannot be read is passed over.
+continues it; a run stopped by a configuration or data error, which a resume would repeat, ends
+with :data:`FIX_LINE` instead. Everything read here goes through
+:mod:`epochal.observe.runfiles` (regular files only, within their size bounds); a directory that
+cannot be read is passed over.
 """
 
 from __future__ import annotations
@@ -170,3 +172,11 @@ def resume_command(argv: Sequence[str], run_dir: Path, *, tail: int = 0) -> str:
             options.append(word)
     line = [*words[: start + 1], "--resume", "--run-dir", str(run_dir), *options, *words[end:]]
     return f"{program()} {shlex.join(line)}"
+
+
+FIX_LINE = (
+    "to fix: the configuration or data error the reason above names (a resume would stop on it "
+    "again); once it is fixed, the same command runs"
+)
+"""The last line of a run stopped by a configuration or data error: the reason, said once just
+above, names what to change; a resume command would only repeat the error."""

@@ -26,6 +26,9 @@ class Outcome:
     """A failure a restart may mend (the run resumes from its last committed checkpoint)."""
     unfinished: bool = False
     """The run stopped before it finished (aborted, interrupted): its run directory resumes it."""
+    needs_fix: bool = False
+    """The run stopped on a configuration or data error (:attr:`RunAborted.needs_fix`): neither a
+    restart nor a resume mends it; the user fixes it and runs the same command again."""
 
 
 async def restarting(

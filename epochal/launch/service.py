@@ -21,6 +21,7 @@ from epochal.coordinator.attach import attach_hint, local_address
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.service import Coordinator
 from epochal.errors import ConfigError, RunAborted
+from epochal.launch.rerun import FIX_LINE
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR
 from epochal.observe import RunObserver
@@ -125,6 +126,8 @@ async def _serve_runs(
         except RunAborted as exc:
             if received:
                 return Outcome(128 + received[0])
+            if exc.needs_fix:  # a restart would stop on the same error
+                return Outcome(1, exc.reason, needs_fix=True)
             return Outcome(1, exc.reason, retry=True)
 
     async def restart(n: int, failed: Outcome) -> None:
@@ -146,8 +149,16 @@ async def _serve_runs(
     def give_up(failed: Outcome) -> None:
         coordinator.log(f"FAILED: {counted(options.max_restarts, 'restart')} used up")
 
-    status = await restarting(attempt, options.max_restarts, restart=restart, give_up=give_up)
-    if status != 0 and coordinator.finished is None:
+    outcomes: list[Outcome] = []
+
+    async def noted(n: int) -> Outcome:
+        outcomes.append(await attempt(n))
+        return outcomes[-1]
+
+    status = await restarting(noted, options.max_restarts, restart=restart, give_up=give_up)
+    if outcomes and outcomes[-1].needs_fix:
+        COORDINATOR.error(FIX_LINE)
+    elif status != 0 and coordinator.finished is None:
         say_how_to_resume(COORDINATOR.warning, options.resume_command)
     return status
 

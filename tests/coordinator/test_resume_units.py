@@ -26,12 +26,14 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.resume import (
+    STEERS,
     config_record,
     differences,
     inspect,
     last_world_size,
     script_identity,
     start_fresh,
+    steered_line,
 )
 from epochal.coordinator.runstate import RunState, prunable
 from epochal.coordinator.schedule import parse_schedule
@@ -454,17 +456,20 @@ REFUSED: dict[str, tuple[Any, str]] = {
         "exponential:gamma=0.5",
         f"--lr-schedule is 'exponential:gamma=0.5' now but {SCHEDULE!r} in the run",
     ),
-    "patience": (None, "--patience is not set now but 3 in the run"),
-    "min_delta": (0.5, "--min-delta is 0.5 now but 0.0 in the run"),
     "best_from": (0, "--best-from is 0 now but 1 in the run"),
     "monitor": ("accuracy", "--monitor is 'accuracy' now but 'loss' in the run"),
     "monitor_mode": ("max", "--monitor-mode is 'max' now but 'min' in the run"),
     "restore_best": (False, "is False now but True in the run"),
-    "checkpoint_every": (2, "--checkpoint-every is 2 now but 1 in the run"),
     "checkpoint_dir": (
         "elsewhere",
         "--checkpoint-dir is '{tmp}/elsewhere' now but not set in the run",
     ),
+}
+# settings that only steer what comes next: (new value, what the resume says of the change)
+STEERED: dict[str, tuple[Any, str]] = {
+    "patience": (None, "patience: 3 -> not set from epoch 4"),
+    "min_delta": (0.5, "min-delta: 0.0 -> 0.5 from epoch 4"),
+    "checkpoint_every": (2, "checkpoint-every: 1 -> 2 from epoch 4"),
 }
 MAY_CHANGE: dict[str, Any] = {
     "run_dir": "moved",
@@ -489,8 +494,9 @@ MAY_CHANGE: dict[str, Any] = {
 
 def test_every_setting_is_either_refused_or_allowed_to_change():
     names = {f.name for f in dataclasses.fields(CoordinatorConfig)}
-    assert set(REFUSED) | set(MAY_CHANGE) == names
+    assert set(REFUSED) | set(MAY_CHANGE) | set(STEERED) == names
     assert not set(REFUSED) & set(MAY_CHANGE)
+    assert set(STEERED) == STEERS
 
 
 def changed(tmp_path: Path, name: str, value: Any) -> CoordinatorConfig:
@@ -512,10 +518,10 @@ def test_a_changed_setting_is_refused_naming_the_flag_and_both_values(tmp_path: 
 
 def test_several_changed_settings_are_all_named(tmp_path: Path):
     write_run(make_config(tmp_path), epochs_done=2, checkpoints=[1])
-    message = refusal(make_config(tmp_path, epochs=9, smoothing=1.0, patience=None))
+    message = refusal(make_config(tmp_path, epochs=9, smoothing=1.0, best_from=0))
     assert "--epochs is 9 now but 10 in the run" in message
     assert "--smoothing is 1.0 now but 0.5 in the run" in message
-    assert "--patience is not set now but 3 in the run" in message
+    assert "--best-from is 0 now but 1 in the run" in message
 
 
 # The message names the flag that exists on the command line (--no-restore-best).
@@ -540,6 +546,57 @@ def test_a_setting_a_resume_may_change_is_let_change(tmp_path: Path, name: str):
     assert state.notes == []
 
 
+@pytest.mark.parametrize("name", sorted(STEERED))
+def test_a_setting_that_steers_what_comes_next_may_change_and_is_said(tmp_path: Path, name: str):
+    write_run(make_config(tmp_path), epochs_done=5, checkpoints=[1, 3])
+    value, said = STEERED[name]
+    state = look(make_config(tmp_path, **{name: value}))
+    assert state.resume_epoch == 3
+    assert [steered_line(c) for c in state.steered_now] == [said]
+    assert state.steered == state.steered_now
+    assert state.carry is None  # running workers go on as decided: they start again instead
+
+
+def test_a_patience_set_on_resume_says_not_set_and_applies_from_the_resumed_epoch(tmp_path: Path):
+    original = make_config(tmp_path, patience=None)
+    records = write_run(original, epochs_done=6, checkpoints=[1, 3, 5])
+    state = look(make_config(tmp_path, patience=0))
+    assert [steered_line(c) for c in state.steered_now] == ["patience: not set -> 0 from epoch 6"]
+    # the epochs already decided are replayed as they were decided, without early stopping:
+    # under patience 0, epoch 3 (no improvement) would have stopped the run
+    decided = [r for r in records if r["kind"] == "epoch"]
+    assert [o.stop for o in state.loop.history] == [r["stop"] for r in decided] == [False] * 6
+    assert state.loop.patience == 0  # and it steers every epoch from 6 on
+
+
+def test_changes_of_earlier_resumes_are_kept_and_replayed(tmp_path: Path):
+    # started without patience, resumed at epoch 4 with --patience 0, now at 6 with 4
+    write_run(make_config(tmp_path, patience=0), epochs_done=6, checkpoints=[1, 3, 5])
+    run_json = tmp_path / "run" / "run.json"
+    run = json.loads(run_json.read_text())
+    run["steered"] = [{"setting": "patience", "from": None, "to": 0, "at_epoch": 4}]
+    run_json.write_text(json.dumps(run))
+    again = look(make_config(tmp_path, patience=4))
+    assert [steered_line(c) for c in again.steered] == [
+        "patience: not set -> 0 from epoch 4",
+        "patience: 0 -> 4 from epoch 6",
+    ]
+    # epoch 3 (no improvement) was decided without patience: patience 0 would have stopped it
+    assert [o.stop for o in again.loop.history] == [False] * 6
+    assert again.loop.patience == 4
+
+
+def test_a_change_made_by_a_resume_whose_epochs_are_redone_no_longer_stands(tmp_path: Path):
+    write_run(make_config(tmp_path, patience=0), epochs_done=4, checkpoints=[1, 3])
+    run_json = tmp_path / "run" / "run.json"
+    run = json.loads(run_json.read_text())
+    run["steered"] = [{"setting": "patience", "from": None, "to": 0, "at_epoch": 4}]
+    run_json.write_text(json.dumps(run))
+    again = look(make_config(tmp_path, patience=4))
+    assert [steered_line(c) for c in again.steered] == ["patience: not set -> 4 from epoch 4"]
+    assert [o.stop for o in again.loop.history] == [False] * 4
+
+
 @pytest.mark.parametrize(
     ("stored", "current", "expected"),
     [
@@ -554,7 +611,12 @@ def test_a_setting_a_resume_may_change_is_let_change(tmp_path: Path, name: str):
         ({"token": "a", "backend": "nccl"}, {"token": "b", "backend": "gloo"}, []),
         ({}, {"best_from": 2}, ["--best-from is 2 now but not set in the run"]),
         ({"old_setting": 1}, {}, ["--old-setting is not set now but 1 in the run"]),
-        ({"patience": None}, {"patience": 5}, ["--patience is 5 now but not set in the run"]),
+        ({"patience": None}, {"patience": 5}, []),  # it steers what comes next: steered()
+        (
+            {"checkpoint_dir": None},
+            {"checkpoint_dir": "/ck"},
+            ["--checkpoint-dir is '/ck' now but not set in the run"],
+        ),
         ({"world_size": 2}, {"world_size": 4}, []),  # a resume at another size
         (
             {"smoothing": 0.5, "epochs": 6},
@@ -660,6 +722,32 @@ def test_an_unfinished_run_given_more_epochs_resumes_as_always(tmp_path: Path):
         {"from_epochs": 10, "to_epochs": 12, "at_epoch": 4, "had_finished": False}
     ]
     assert state.loop == hand_loop(4, epochs=12)
+
+
+def cosine_loop(epochs: int) -> LoopState:
+    return LoopState(epochs=epochs, schedule=parse_schedule("cosine", epochs))
+
+
+def test_a_cosine_run_given_more_epochs_says_how_its_factor_jumps(tmp_path: Path):
+    before = make_config(tmp_path, epochs=8, lr_schedule="cosine")
+    write_run(before, epochs_done=6, checkpoints=[5], state=cosine_loop(8))
+    state = look(make_config(tmp_path, epochs=14, lr_schedule="cosine"))
+    old = cosine_loop(8)
+    new = cosine_loop(14)
+    for epoch, (train, valid) in enumerate(ROWS[:6]):
+        old.update(epoch, train, valid, validates=True)
+        new.update(epoch, train, valid, validates=True)
+    assert new.lr_factor > 2 * old.lr_factor  # the jump said
+    assert (
+        f"learning-rate factor {old.lr_factor:.4g} -> {new.lr_factor:.4g} at epoch 6: the "
+        "cosine:min=0 schedule spans --epochs, now 14 where it was 8, so the run continues on "
+        "the curve over the new count"
+    ) in state.notes
+
+
+def test_a_schedule_that_does_not_span_the_epochs_says_nothing_when_given_more(tmp_path: Path):
+    write_run(make_config(tmp_path), epochs_done=5, checkpoints=[1, 3])
+    assert look(make_config(tmp_path, epochs=12)).notes == []
 
 
 def test_earlier_extensions_are_kept(tmp_path: Path):

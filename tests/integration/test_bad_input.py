@@ -45,6 +45,27 @@ def test_uneven_batch_counts_abort_naming_each_rank(spawn: Spawner, tmp_path: Pa
     assert output.count("rank 1 has 3 train batches") == 1, output
     assert "Traceback" not in output
     assert len(output.splitlines()) <= 8, output
+    assert_ends_with_the_fix(output, "epoch 0: rank 0 has 4, rank 1 has 3 train batches")
+
+
+def assert_ends_with_the_fix(output: str, reason: str) -> None:
+    """A configuration or data error ends with what to fix (the ``reason`` said once, just
+    above), never with a resume command that would stop on the same error again."""
+    lines = output.rstrip("\n").splitlines()
+    assert lines[-1] == (
+        "[epochal] to fix: the configuration or data error the reason above names (a resume "
+        "would stop on it again); once it is fixed, the same command runs"
+    ), output
+    assert reason in lines[-3], output  # "run aborted: ...", then "FAILED: ..."
+    assert "to resume" not in output, output
+
+
+def test_a_data_error_is_not_restarted(spawn: Spawner, tmp_path: Path):
+    # a restart resumes the same data and stops on the same error: none is spent on it
+    code, output, _ = run_broken(spawn, tmp_path, "uneven", "--max-restarts", "2")
+    assert code == 1, output
+    assert "restart 1 of 2" not in output and "restarts used up" not in output, output
+    assert_ends_with_the_fix(output, "epoch 0: rank 0 has 4, rank 1 has 3 train batches")
 
 
 def test_verbose_shows_the_workers_tracebacks(spawn: Spawner, tmp_path: Path):
@@ -66,6 +87,7 @@ def test_mismatched_model_is_refused_naming_the_parameter(spawn: Spawner, tmp_pa
     assert code == 1, output
     assert "the workers' models differ: parameter 'weight' has shape" in output
     assert "(1, 5)" in output and "(2, 5)" in output
+    assert_ends_with_the_fix(output, "the workers' models differ")
 
 
 def test_a_failing_rank_stops_the_others(spawn: Spawner, tmp_path: Path):
@@ -79,6 +101,10 @@ def test_a_failing_rank_stops_the_others(spawn: Spawner, tmp_path: Path):
     assert "[rank1]:" not in output, output
     assert " 1 lines " not in output, output
     assert "Connection closed by peer" not in output.split("run aborted:")[1].split("\n", 1)[1]
+    # a crash: resuming from the last checkpoint recovers from it
+    last = output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("[epochal] to resume: "), output
+    assert "--resume --run-dir" in last and "to fix" not in output, output
 
 
 def test_bad_flags_are_usage_errors(spawn: Spawner):
@@ -210,4 +236,5 @@ def test_a_misspelt_monitor_is_refused_when_the_workers_join_naming_the_metrics(
     assert "epoch 0 [" not in output and "train 0." not in output, output
     journal = (run_dir / "epochs.jsonl").read_text()
     assert journal == "", journal
+    assert_ends_with_the_fix(output, said)
     spawn.assert_none_left()

@@ -247,6 +247,8 @@ def test_restarts_used_up_give_a_clear_final_error(spawn, tmp_path):
     assert code == 1
     assert "FAILED: 1 restart used up; the last failure:" in output
     assert "InjectedFault" in output
+    # a failure beyond the restarts: resuming from the last checkpoint recovers from it
+    assert output.rstrip("\n").splitlines()[-1].startswith("[epochal] to resume: "), output
     spawn.assert_none_left()
 
 
