@@ -68,3 +68,12 @@ def parse_address(text: str) -> tuple[str, int]:
             "or 0.0.0.0:9400 for a scraper on another machine"
         )
     return host, int(port)
+
+
+def address_arg(text: str) -> str:
+    """An address option's value (``--metrics-address``), checked: HOST:PORT or PORT."""
+    try:
+        parse_address(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from epochal.argtypes import (
+    address_arg,
     nonnegative_int,
     parse_address,
     positive_int,
@@ -53,15 +54,6 @@ def _monitor_arg(text: str) -> str:
         return check_monitor(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def metrics_address(text: str) -> str:
-    """``--metrics-address``'s value, checked: HOST:PORT or PORT."""
-    try:
-        parse_address(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 STALL_ABORT = 2 * DEFAULT_COLLECTIVE_TIMEOUT
@@ -354,7 +346,7 @@ class CoordinatorConfig:
         metadata=setting(
             help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on loopback)",
             on_resume="may_change",
-            flag=Flag(WATCHING, metavar="HOST:PORT", type=metrics_address, shown="none"),
+            flag=Flag(WATCHING, metavar="HOST:PORT", type=address_arg, shown="none"),
         ),
     )
     status: bool = field(

@@ -105,7 +105,10 @@ class Joining:
                     peer, reason, "refused"
                 )
             case Fatal(reason=reason):  # the run's configuration: a resume would meet it again
-                return [Send(peer, Abort(reason=clip(reason))), *self._state.abort(reason, needs_fix=True)]
+                return [
+                    Send(peer, Abort(reason=clip(reason))),
+                    *self._state.abort(reason, needs_fix=True),
+                ]
             case Differs(reference=ref):
                 other = Member(peer, hello)
                 asks, outcome = self._state.models.differ(
@@ -231,7 +234,10 @@ class Joining:
         match outcome:
             case Differ(difference=difference, peer=peer):
                 reason = models_differ(difference)
-                return [Send(peer, Abort(reason=clip(reason))), *self._state.abort(reason, needs_fix=True)]
+                return [
+                    Send(peer, Abort(reason=clip(reason))),
+                    *self._state.abort(reason, needs_fix=True),
+                ]
             case Checked(problem=str(problem)):
                 return self._state.abort(problem)
             case Checked(note=note):

@@ -149,7 +149,7 @@ class Inquiry:
 
 
 class ModelRecord(Protocol):
-    """The run directory's record of its model (:class:`~.resume.ModelFile`)."""
+    """The run directory's record of its model (:class:`~.ModelFile`)."""
 
     def needs_list(self, fingerprint: Fingerprint) -> bool:
         """Whether a worker's parameter list is needed to record or compare the model."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from epochal.coordinator import oslimits, resume
+from epochal.coordinator import oslimits, resume, steering
 from epochal.coordinator.actions import Journal, RunPhase, RunSummary
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.feed import ObserverFeed, snapshot
@@ -78,7 +78,7 @@ class Recording:
             info["steered"] = state.steered
         self._journal.start(info)
         for change in state.steered_now:
-            self._log(resume.steered_line(change))
+            self._log(steering.steered_line(change))
         if state.extended_from is not None:
             self._log(
                 f"training the run in {run_dir} further: {state.extended_from} epochs before, "

@@ -18,25 +18,30 @@ import json
 import os
 import shlex
 import shutil
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.actions import RunSummary
-from epochal.coordinator.carry import carry_from, replay
+from epochal.coordinator.carry import carry_from
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.directories import check_directories
 from epochal.coordinator.journal import check_record
 from epochal.coordinator.loop import LoopState
-from epochal.coordinator.models import describe_difference, describe_fingerprints
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.runstate import RunState
+from epochal.coordinator.steering import (
+    STEERS,
+    in_effect,
+    replay_steered,
+    schedule_jump,
+    steered,
+    steered_before,
+)
 from epochal.errors import ConfigError
-from epochal.files import NotRegular, read_regular, write_atomic
+from epochal.files import NotRegular, read_regular
 from epochal.manifest import checkpoint_path, file_digest, verify_checkpoint
-from epochal.protocol import Fingerprint, ParamSpec
 from epochal.rundir import (
     EPOCHS_FILE,
     JOURNAL_LIMIT,
@@ -60,11 +65,6 @@ before they were recorded, or workers started by hand, leave them unknown)."""
 
 _MAY_GROW = {name for name, s in _SETTINGS.items() if s.on_resume == "may_grow"}
 """Settings a resume may raise (the run is trained further) but not lower."""
-
-STEERS = frozenset(name for name, s in _SETTINGS.items() if s.on_resume == "steers")
-"""Settings that only steer decisions still to come: a resume may change them from the epoch it
-starts at (:func:`steered`), and the epochs before it are replayed under the values they were
-decided with."""
 
 
 def _called(key: str) -> str:
@@ -126,102 +126,6 @@ def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
             shorter = " (a run may be given more, never fewer)" if key in _MAY_GROW else ""
             out.append(f"{flag} is {now} now but {then} in the run{shorter}")
     return out
-
-
-def _plain(value: Any) -> str:
-    """A setting's value as a person reads it: ``not set`` for an option left out."""
-    return "not set" if value is None else str(value)
-
-
-def steered(stored: dict[str, Any], current: dict[str, Any], at_epoch: int) -> list[dict[str, Any]]:
-    """The settings that only steer what comes next (:data:`STEERS`) which this resume changes,
-    each as the record run.json keeps: ``setting``, ``from``, ``to`` and ``at_epoch``, the first
-    epoch decided under the new value."""
-    return [
-        {"setting": key, "from": stored.get(key), "to": current.get(key), "at_epoch": at_epoch}
-        for key in sorted(STEERS)
-        if key in stored and stored.get(key) != current.get(key)
-    ]
-
-
-def steered_line(change: dict[str, Any]) -> str:
-    """What a resume says of one change :func:`steered` found: ``patience: not set -> 5 from
-    epoch 9``."""
-    name = str(change["setting"]).replace("_", "-")
-    return (
-        f"{name}: {_plain(change['from'])} -> {_plain(change['to'])} "
-        f"from epoch {change['at_epoch']}"
-    )
-
-
-def _steered_before(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The changes earlier resumes made (run.json's ``steered``), well-formed ones only."""
-    listed = run.get("steered")
-    if not isinstance(listed, list):
-        return []
-    return [
-        c
-        for c in listed
-        if isinstance(c, dict) and c.get("setting") in STEERS and type(c.get("at_epoch")) is int
-    ]
-
-
-def _in_effect(stored: dict[str, Any], changes: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
-    """The value of each steering setting the epochs before ``epoch`` were decided under: the
-    last of ``changes`` made before it, else the value the run started with (the first change's
-    ``from``), else the ``stored`` one. A change from ``epoch`` on was made by a resume whose
-    epochs are done again now: it no longer stands."""
-    values = dict(stored)
-    for key in STEERS:
-        mine = sorted((c for c in changes if c["setting"] == key), key=lambda c: c["at_epoch"])
-        if mine:
-            values[key] = mine[0]["from"]
-        for change in mine:
-            if change["at_epoch"] < epoch:
-                values[key] = change["to"]
-    return values
-
-
-def _replay_steered(
-    loop: LoopState, records: list[dict[str, Any]], changes: list[dict[str, Any]]
-) -> None:
-    """Replay ``records`` into ``loop`` (built with today's settings), each epoch under the
-    value of every steering setting it was decided with: the first change's ``from`` before it,
-    each change's ``to`` from its ``at_epoch`` on; today's values after the last record."""
-    final = {key: getattr(loop, key) for key in STEERS if hasattr(loop, key)}
-    ordered = sorted(changes, key=lambda c: c["at_epoch"])
-    for key in final:
-        first = next((c for c in ordered if c["setting"] == key), None)
-        if first is not None:
-            setattr(loop, key, first["from"])
-    for record in records:
-        while ordered and record["epoch"] >= ordered[0]["at_epoch"]:
-            change = ordered.pop(0)
-            if change["setting"] in final:
-                setattr(loop, change["setting"], change["to"])
-        replay(loop, [record])
-    for key, value in final.items():
-        setattr(loop, key, value)
-
-
-def schedule_jump(
-    loop: LoopState, kept: list[dict[str, Any]], more: tuple[int, int], start: int
-) -> str | None:
-    """What a run given more epochs (``more``: before, now) says when its learning-rate schedule
-    spans ``--epochs``: the factor the old curve gave ``start``, the one the curve over the new
-    count gives it (``loop`` replayed), and why; None when the schedule does not span them."""
-    schedule = loop.schedule
-    decided = [r for r in kept if r["kind"] == "epoch"]
-    if schedule is None or not schedule.spans_epochs or not decided:
-        return None
-    before = decided[-1].get("next_lr_factor")
-    if not isinstance(before, int | float) or isinstance(before, bool):
-        return None
-    return (
-        f"learning-rate factor {before:.4g} -> {loop.lr_factor:.4g} at epoch {start}: the "
-        f"{schedule.spec} schedule spans --epochs, now {more[1]} where it was {more[0]}, so the "
-        "run continues on the curve over the new count"
-    )
 
 
 def _read(path: Path, limit: int, what: str) -> bytes | None:
@@ -407,11 +311,11 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         )
     kept = [r for r in records if resume is not None and r["epoch"] <= resume]
     start = 0 if resume is None else resume + 1
-    earlier = _steered_before(run)
+    earlier = steered_before(run)
     standing_changes = [c for c in earlier if c["at_epoch"] < start]
-    now_steered = steered(_in_effect(stored, earlier, start), current, start)
+    now_steered = steered(in_effect(stored, earlier, start), current, start)
     steered_all = standing_changes + now_steered
-    _replay_steered(loop, kept, steered_all)
+    replay_steered(loop, kept, steered_all)
     extended_from = None
     if more is not None:
         extended_from = more[0]
@@ -444,88 +348,6 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         if more is not None or now_steered
         else carry_from(config, records, run.get("run_id")),
     )
-
-
-MODEL_FILE_LIMIT = 64 * 1024 * 1024
-"""Largest model.json read back (MAX_PARAMS entries with long names take a few tens of MiB)."""
-
-
-class ModelFile:
-    """The run's model as ``model.json`` in the run directory records it: its fingerprint and,
-    when they could be had, its entries, so that a resume with another model is refused naming
-    the first entry that differs.
-
-    The workers' hellos carry only fingerprints, so the entries come from a worker asked for them
-    (:mod:`.models`); :meth:`needs_list` says when they are needed, :meth:`check` compares or
-    records.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.path = run_dir / MODEL_FILE
-
-    def needs_list(self, fingerprint: Fingerprint) -> bool:
-        """Whether a worker's entries are needed: to record the model (no model.json yet), or
-        to name how it differs from the recorded one (same torch version, another digest)."""
-        try:
-            stored, params = self._read()
-        except FileNotFoundError:
-            return True
-        except (OSError, ValueError, KeyError, TypeError):
-            return False  # check() says it is unreadable
-        if stored.digest == fingerprint.digest:
-            return False
-        return stored.torch_version == fingerprint.torch_version and params is not None
-
-    def check(
-        self, fingerprint: Fingerprint, params: Sequence[ParamSpec] | None = None
-    ) -> str | None:
-        """Record the run's model (with ``params``, the workers' entries, when given), or say how
-        it differs from the one recorded: by its first differing entry when both lists are
-        known, else by torch version or digest."""
-        try:
-            stored, stored_params = self._read()
-        except FileNotFoundError:
-            self._write(fingerprint, params)
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return f"{self.path} is unreadable ({exc}): use another --run-dir, or --fresh"
-        if stored.digest == fingerprint.digest:
-            return None
-        theirs, ours = "the run directory's model", "the workers' model"
-        if stored_params is not None and params is not None:
-            diff = describe_difference(stored_params, params, theirs, ours)
-        else:
-            diff = describe_fingerprints(stored, fingerprint, theirs, ours)
-        return (
-            f"the run directory {self.run_dir} holds a run of another model: {diff}; use another "
-            "--run-dir for this model, or --fresh to replace that run"
-        )
-
-    def _read(self) -> tuple[Fingerprint, tuple[ParamSpec, ...] | None]:
-        data = json.loads(read_regular(self.path, MODEL_FILE_LIMIT))
-        if not isinstance(data, dict):
-            raise TypeError(f"it holds a {type(data).__name__}, not an object")
-        listed = data.get("params")
-        params = (
-            None
-            if listed is None
-            else tuple(
-                ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"]) for p in listed
-            )
-        )
-        # written before fingerprints counted their entries: the list's length
-        entries = data["entries"] if "entries" in data or params is None else len(params)
-        fingerprint = Fingerprint(
-            digest=data["digest"], torch_version=data["torch_version"], entries=entries
-        )
-        return fingerprint, params
-
-    def _write(self, fingerprint: Fingerprint, params: Sequence[ParamSpec] | None) -> None:
-        record: dict[str, Any] = asdict(fingerprint)
-        if params is not None:
-            record["params"] = [asdict(p) for p in params]
-        write_atomic(self.path, json.dumps(record))
 
 
 def start_fresh(config: CoordinatorConfig, checkpoint_dir: Path | None) -> None:

@@ -30,7 +30,7 @@ class RunState:
     extensions: list[dict[str, Any]] = field(default_factory=list)
     # every time the run was given more epochs, oldest first: run.json and result.json keep it
     steered: list[dict[str, Any]] = field(default_factory=list)
-    # every change of a setting that steers what comes next (resume.steered), oldest first, of
+    # every change of a setting that steers what comes next (steering.steered), oldest first, of
     # the epochs that stand: run.json and result.json keep it
     steered_now: list[dict[str, Any]] = field(default_factory=list)
     # the changes this resume makes, to be said as it starts

@@ -43,6 +43,7 @@ from epochal.coordinator.intake import Intake
 from epochal.coordinator.journal import Journal as RunJournal
 from epochal.coordinator.journal import JournalError
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.modelfile import ModelFile
 from epochal.coordinator.outbox import Outbox
 from epochal.coordinator.recording import Recording
 from epochal.coordinator.router import LINGER_MS, RECEIVE_HWM, open_router
@@ -211,7 +212,7 @@ class Coordinator(Recording):
             self._state,
             run_id=self.run_id,
             now=time.monotonic(),
-            model_record=None if run_dir is None else resume.ModelFile(run_dir),
+            model_record=None if run_dir is None else ModelFile(run_dir),
             rendezvous_note=self._rendezvous_note,
         )
         self._intake.attach(self._machine)

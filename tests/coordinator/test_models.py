@@ -20,6 +20,7 @@ import tests.conftest
 from epochal.coordinator import CoordinatorConfig, resume
 from epochal.coordinator.actions import Action, Log, Send
 from epochal.coordinator.machine import RunMachine
+from epochal.coordinator.modelfile import ModelFile
 from epochal.coordinator.models import (
     LIST_TIMEOUT,
     describe_difference,
@@ -219,8 +220,8 @@ def test_hellos_meanwhile_are_admitted_but_the_store_waits_for_the_verdict():
 # ----------------------------------------------------------------------------- the run directory
 
 
-def model_file(tmp_path: Path) -> resume.ModelFile:
-    return resume.ModelFile(tmp_path)
+def model_file(tmp_path: Path) -> ModelFile:
+    return ModelFile(tmp_path)
 
 
 def join_both(m: RunMachine, now: float = 0.0) -> tuple[list[Action], str]:

@@ -26,17 +26,16 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.resume import (
-    STEERS,
     config_record,
     differences,
     inspect,
     last_world_size,
     script_identity,
     start_fresh,
-    steered_line,
 )
 from epochal.coordinator.runstate import RunState, prunable
 from epochal.coordinator.schedule import parse_schedule
+from epochal.coordinator.steering import STEERS, steered_line
 from epochal.errors import ConfigError
 from epochal.manifest import checkpoint_path, signed, verify_checkpoint, write_manifest
 
