@@ -128,7 +128,8 @@ def test_the_check_counts_prose_only(tmp_path: Path) -> None:
         f"| {long} |\n|---|\n\n"  # a table
         f"<!-- {long}\n(a (b)) -->\n\n"  # HTML
         "!!! note\n    A short note, `f(g(x))` in code, [a link](https://x.org/y).\n\n"
-        f"Line {' '.join(['word'] * 60)}\n{' '.join(['word'] * 60)} [text](page.md#a-long-anchor)\n\n"
+        f"Line {' '.join(['word'] * 60)}\n"
+        f"{' '.join(['word'] * 60)} [text](page.md#a-long-anchor)\n\n"
         "- a short item\n"
         f"- {' '.join(['word'] * 100)}\n  {' '.join(['word'] * 30)}\n\n"
         "1. one (two\n   (three))\n",
