@@ -30,10 +30,10 @@ from epochal.protocol import (
     Phase,
     Welcome,
 )
-from epochal.worker import reattaching
 from epochal.worker.control.exits import failure_reason
 from epochal.worker.control.rendezvous import StillRunning
 from epochal.worker.session import Session
+from epochal.worker.sessionparts import reattach
 from epochal.worker.training.results import EpochContext, LossSum
 
 FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
@@ -200,7 +200,7 @@ def test_a_stalled_coordinator_s_queued_decision_carries_the_go_the_worker_goes_
         assert client.queued is not None
         raise StillRunning(client.queued)
 
-    monkeypatch.setattr(reattaching, "rendezvous", say_hello_again)
+    monkeypatch.setattr(reattach, "rendezvous", say_hello_again)
     seen: list[tuple[int, int, float]] = []
     session(client, reattach_timeout=5.0).run_epochs(trainer(seen), batches=(4, None))
     assert seen == [(0, 4, 1.0), (1, 4, 0.5), (2, 4, 0.5)]
