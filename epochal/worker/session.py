@@ -7,6 +7,11 @@ announces batch counts, waits for Go, runs them, reports the loss sums and follo
 One exchange lies between two trainings: each loss report carries this rank's batch counts for
 the next epoch, and each decision that does not stop the run carries the next epoch's Go. Only
 the first epoch of a run (or of a resume) is announced on its own (``epoch_ready`` -> ``go``).
+
+The session is a thin owner: what it knows of the run is one
+:class:`~epochal.worker.sessionparts.standing.Standing`, and each concern is a part it holds and
+calls (:mod:`epochal.worker.sessionparts`): the exchange with the coordinator, checkpoints,
+re-attaching to a restarted coordinator, a new world after a lost rank.
 """
 
 from __future__ import annotations
@@ -15,37 +20,28 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from epochal.errors import (
-    CoordinatorLost,
-    EpochalError,
-    RunAborted,
-)
+from epochal.errors import CoordinatorLost, EpochalError, RunAborted
 from epochal.protocol import (
     Awaiting,
-    Checkpointed,
     Decision,
     Done,
-    EpochReady,
     EpochReport,
     Failed,
     Finish,
     Go,
     Hello,
-    Joined,
     Phase,
     Regroup,
-    SnapshotScope,
+    Restore,
     Welcome,
     clip,
 )
 from epochal.worker import faults
-from epochal.worker.checkpointing import Checkpointing
 from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.control.client import ControlClient, RegroupNow
@@ -55,9 +51,13 @@ from epochal.worker.control.progress import CpuProgress, thread_cpu
 from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.control.worlds import Rejoin
 from epochal.worker.dataplane.sockets import GroupSockets
-from epochal.worker.reattaching import Reattaching, TakenBack
 from epochal.worker.regroup.leave import close_group
-from epochal.worker.regrouping import Regrouping
+from epochal.worker.sessionparts.course import Batches, Course, Training
+from epochal.worker.sessionparts.exchange import Exchange
+from epochal.worker.sessionparts.reattach import KeptWhereItWas, Reattach, TakenBack
+from epochal.worker.sessionparts.savepoints import Savepoints
+from epochal.worker.sessionparts.standing import Standing
+from epochal.worker.sessionparts.worldchange import WorldChange
 from epochal.worker.training.replicas import weights_checksum
 from epochal.worker.training.results import (
     EpochContext,
@@ -71,7 +71,7 @@ from epochal.worker.training.results import (
 __all__ = ["EpochContext", "EpochRecord", "LossSum", "Rejoin", "RunResult", "Session"]
 
 
-class Session(Checkpointing, Reattaching, Regrouping):
+class Session:
     """One worker's membership in a run: rank, world, the control client and the process group."""
 
     def __init__(
@@ -89,53 +89,94 @@ class Session(Checkpointing, Reattaching, Regrouping):
         sockets: GroupSockets | None = None,
     ) -> None:
         self.client = client
-        self._sockets = sockets if sockets is not None else GroupSockets({})
-        # the process group's connections, shut when this rank leaves it for a new world
         self.model = model
         # the model whose weights every rank compares after each epoch (the one given to join);
         # None: nothing compared
-        self.rank = welcome.rank
-        self.world_size = welcome.world_size
-        self.backend = welcome.backend
         self.device = device
-        self._store = store  # rank 0 hosts it: it must live as long as the process group
-        self._hello = hello
-        self._endpoint = endpoint
-        self._reattach_timeout = reattach_timeout
-        self._store_timeout = store_timeout
+        standing = Standing.welcomed(welcome, store)
+        self._standing = standing
+        self._exchange = Exchange(client, standing)
+        self._savepoints = Savepoints(standing)
+        self._reattach = Reattach(
+            client,
+            standing,
+            hello=hello,
+            endpoint=endpoint,
+            timeout=reattach_timeout,
+            store_timeout=store_timeout,
+        )
+        self._world = WorldChange(
+            client,
+            standing,
+            device,
+            sockets=sockets if sockets is not None else GroupSockets({}),
+            endpoint=endpoint,
+            store_timeout=store_timeout,
+        )
         self._closed = False
         self._learning_rate: Callable[[], float] | None = None
         self._ran_epochs = False  # run_epochs was called: this run's epochs are epochal's
-        self._asked: EpochReady | EpochReport | None = None
-        # the epoch_ready or epoch_report whose answer this rank awaits (sent again to a restarted
-        # coordinator that takes it back where it is)
-        self._saved: int | None = None
-        # the epoch of the last checkpoint this rank committed (rank 0; sent again likewise)
-        self._decided: int | None = None
-        # the last epoch whose decision this rank has (one sent again is skipped)
         client.busy = CpuProgress(thread_cpu(threading.get_ident()))
         # until run_epochs: a loop of the script's own, whose progress is the CPU it uses
-        client.rank = self.rank
-        self._adopt(welcome)
+        client.rank = standing.rank
+        client.on_regroup = self._world.leave_now  # see WorldChange.leave_now
 
-    def _adopt(self, welcome: Welcome) -> None:
-        self.run_id = welcome.run_id
-        self.generation = welcome.generation
-        self.client.on_regroup = self._leave_now  # see _leave_now
-        self.restore = welcome.restore
-        # how this world's members take the state of start_epoch (Restore): "peers" means
-        # newcomers joined, and every rank takes rank 0's state over the data plane
-        self.elastic = welcome.elastic
-        # the run goes on without a lost rank: each epoch's start is kept (Rejoin)
-        self.start_epoch = welcome.start_epoch
-        self.epochs = welcome.epochs
-        self.resume_epoch = welcome.resume_epoch
-        self._replica_check = welcome.replica_check
-        self.checkpointer = (
-            Checkpointer(Path(welcome.checkpoint_dir), rank=self.rank, run_id=self.run_id)
-            if welcome.checkpoint_dir
-            else None
-        )
+    # ------------------------------------------------------------------ what it knows
+
+    @property
+    def rank(self) -> int:
+        """This rank, in the world it is in now."""
+        return self._standing.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the world this rank is in now."""
+        return self._standing.world_size
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend (gloo, nccl)."""
+        return self._standing.backend
+
+    @property
+    def run_id(self) -> str:
+        """The run's id, as the coordinator that runs it now says it."""
+        return self._standing.run_id
+
+    @property
+    def generation(self) -> int:
+        """The world's number: 0 for the run's first, one more for each change."""
+        return self._standing.generation
+
+    @property
+    def restore(self) -> str:
+        """How this world's members take the state of :attr:`start_epoch` (a Restore)."""
+        return self._standing.restore
+
+    @property
+    def elastic(self) -> bool:
+        """The run goes on without a lost rank (``--min-workers``)."""
+        return self._standing.elastic
+
+    @property
+    def start_epoch(self) -> int:
+        """The epoch this world (or the resumed run) starts at."""
+        return self._standing.start_epoch
+
+    @property
+    def epochs(self) -> int:
+        """The run's number of epochs at most."""
+        return self._standing.epochs
+
+    @property
+    def resume_epoch(self) -> int | None:
+        """The epoch whose checkpoint the run resumes from; None: a fresh start."""
+        return self._standing.resume_epoch
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """This rank's checkpoints of the run; None: the run keeps none."""
+        return self._standing.checkpointer
 
     # ------------------------------------------------------------------ the loop
 
@@ -144,7 +185,7 @@ class Session(Checkpointing, Reattaching, Regrouping):
         train_epoch: Callable[[EpochContext], LossSum],
         valid_epoch: Callable[[EpochContext], LossSum] | None = None,
         *,
-        batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
+        batches: Batches,
         on_best: Callable[[int], None] | None = None,
         state: Stateful | None = None,
         rejoin: Rejoin | None = None,
@@ -176,53 +217,14 @@ class Session(Checkpointing, Reattaching, Regrouping):
         coordinator's epoch line shows (``lr 0.05``) and its journal keeps. Without it the line
         shows the coordinator's factor (``lr x1``).
         """
+        training = Training(train_epoch, valid_epoch, batches, on_best, rejoin)
         self._learning_rate = learning_rate
         self._ran_epochs = True
         self.client.busy = None  # from here on the epochs' steps say the progress
-        curve: list[EpochRecord] = []
+        course = Course(self.start_epoch, state)
         try:
-            curve = self._resume(state)
-            epoch = self.start_epoch
-            stopped = False
-            go: Go | None = None  # the Go the last decision carried; None: announce the epoch
-            while True:
-                try:
-                    if stopped:  # after the last epoch decided, not in one past it
-                        self.client.at(Phase.FINISHING, epoch - 1)
-                        finish = self._expect(Finish)
-                        break
-                    outcome = self._epoch(
-                        epoch, go, train_epoch, valid_epoch, batches, state, curve, rejoin, on_best
-                    )
-                except TakenBack:  # by a restarted coordinator: go on from its checkpoint
-                    self._resume(state)
-                    epoch, stopped, go = self.start_epoch, False, None
-                    curve = [r for r in curve if r.epoch < epoch]
-                    continue
-                except RegroupNow as now:
-                    regroup: Regroup | None = now.regroup
-                    error: BaseException | None = now
-                except (RunAborted, KeyboardInterrupt, CoordinatorLost):
-                    raise
-                except Exception as exc:
-                    if not self.elastic or rejoin is None:
-                        raise
-                    regroup, error = self._broken(epoch, exc), exc
-                else:
-                    regroup = error = None
-                if regroup is not None:  # outside the handler, which holds the old group
-                    epoch, restored = self._regroup(regroup, rejoin, error)
-                    error = None
-                    state = restored if restored is not None else state
-                    stopped, go = False, None
-                    curve = [r for r in curve if r.epoch < epoch]
-                    continue
-                if isinstance(outcome, Finish):  # a resumed run that had already stopped
-                    finish = outcome
-                    break
-                decision = outcome
-                stopped, go = decision.stop, decision.go
-                epoch += 1
+            course.curve = self._savepoints.resume(state)
+            finish = self._follow(training, course)
             self.client.send(Done())
         except (RunAborted, KeyboardInterrupt):
             raise
@@ -238,36 +240,65 @@ class Session(Checkpointing, Reattaching, Regrouping):
             epochs_run=finish.epochs_run,
             rank=self.rank,
             world_size=self.world_size,
-            curve=curve,
+            curve=course.curve,
         )
 
-    def _epoch(
-        self,
-        epoch: int,
-        go: Go | None,
-        train_epoch: Callable[[EpochContext], LossSum],
-        valid_epoch: Callable[[EpochContext], LossSum] | None,
-        batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
-        state: Stateful | None,
-        curve: list[EpochRecord],
-        rejoin: Rejoin | None,
-        on_best: Callable[[int], None] | None,
-    ) -> Decision | Finish:
-        """One epoch's exchange with the coordinator; Finish when the run is over instead. The
-        decided epoch joins ``curve`` (and ``on_best`` keeps it) before the checkpoint the
-        decision may ask for: a change of world that breaks the checkpoint's collectives keeps
-        what was decided.
+    def _follow(self, training: Training, course: Course) -> Finish:
+        """Follow the coordinator's epochs from ``course`` until its Finish: each epoch decided,
+        a restarted coordinator's resume, a new world after a lost rank."""
+        while True:
+            error: BaseException | None
+            try:
+                outcome = self._next(training, course)
+            except TakenBack:  # by a restarted coordinator: go on from its checkpoint
+                self._savepoints.resume(course.state)
+                course.restart(self.start_epoch)
+                continue
+            except RegroupNow as now:
+                regroup, error = now.regroup, now
+            except (RunAborted, KeyboardInterrupt, CoordinatorLost):
+                raise
+            except Exception as exc:
+                if not self.elastic or training.rejoin is None:
+                    raise
+                regroup, error = self._world.broken(course.epoch, exc), exc
+            else:
+                if isinstance(outcome, Finish):
+                    return outcome
+                course.advance(outcome)
+                continue
+            # outside the handler, which holds the old group
+            self._regroup(regroup, training.rejoin, error, course)
+            error = None  # its frames may hold the old group
 
-        ``go``: the Go of ``epoch`` the previous decision carried; None (the first epoch of a run
-        or of a resume): the epoch is announced with an epoch_ready and its Go awaited."""
-        if go is None:
-            self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
-            self._ask(_ready(epoch, batches, valid_epoch, self.generation, rejoin))
-            answer = self._expect(Go, Finish)
-            self._asked = None
-            if isinstance(answer, Finish):
-                return answer
-            go = answer
+    def _next(self, training: Training, course: Course) -> Decision | Finish:
+        """The next step of the run: the Finish once the last epoch is decided, else the next
+        epoch run and decided (or the Finish of a resumed run that had already stopped)."""
+        if course.stopped:  # after the last epoch decided, not in one past it
+            self.client.at(Phase.FINISHING, course.epoch - 1)
+            finish: Finish = self._expect(Finish)
+            return finish
+        go = course.go if course.go is not None else self._announce(training, course.epoch)
+        if isinstance(go, Finish):
+            return go
+        started = time.monotonic()
+        train, valid = self._train(training, course.epoch, go)
+        decision = self._report(training, course.epoch, train, valid)
+        self._conclude(training, course, go, decision, time.monotonic() - started)
+        return decision
+
+    def _announce(self, training: Training, epoch: int) -> Go | Finish:
+        """The first epoch of a run or of a resume: announced with an epoch_ready; its Go (or
+        the Finish of a run that had already stopped)."""
+        self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
+        self._exchange.ask(training.ready(epoch, self.generation))
+        answer: Go | Finish = self._expect(Go, Finish)
+        self._exchange.answered()
+        return answer
+
+    def _train(self, training: Training, epoch: int, go: Go) -> tuple[LossSum, LossSum]:
+        """Run ``epoch`` as its ``go`` says: the training code's train and validation; their loss
+        sums."""
         ctx = EpochContext(
             epoch=go.epoch,
             train_batches=go.train_batches,
@@ -277,16 +308,19 @@ class Session(Checkpointing, Reattaching, Regrouping):
             world_size=self.world_size,
             session=self,
         )
-        started = time.monotonic()
         self.client.at(Phase.TRAIN, epoch)
-        train = train_epoch(ctx)
+        train = training.train_epoch(ctx)
         valid = LossSum(0.0, 0)
-        if valid_epoch is not None and go.valid_batches > 0:
+        if training.valid_epoch is not None and go.valid_batches > 0:
             self.client.at(Phase.VALIDATE, epoch)
-            valid = valid_epoch(ctx)
+            valid = training.valid_epoch(ctx)
+        return train, valid
+
+    def _report(self, training: Training, epoch: int, train: LossSum, valid: LossSum) -> Decision:
+        """Report ``epoch``'s losses, with the next epoch's counts; the coordinator's Decision."""
         # the report says that it waits
         self.client.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
-        self._ask(
+        self._exchange.ask(
             EpochReport(
                 epoch=epoch,
                 train_loss_sum=float(train.total),
@@ -297,9 +331,7 @@ class Session(Checkpointing, Reattaching, Regrouping):
                 valid_metrics=wire_metrics("validation", valid),
                 # the next epoch's counts, so that the decision can carry its Go
                 ready=(
-                    _ready(epoch + 1, batches, valid_epoch, self.generation, rejoin)
-                    if epoch + 1 < self.epochs
-                    else None
+                    training.ready(epoch + 1, self.generation) if epoch + 1 < self.epochs else None
                 ),
                 checksum=self._checksum(),
                 generation=self.generation,
@@ -308,27 +340,34 @@ class Session(Checkpointing, Reattaching, Regrouping):
         )
         faults.hit("epoch-end", rank=self.rank, epoch=epoch)
         decision: Decision = self._expect(Decision)
-        self._decided = decision.epoch
-        if not decision.stop:  # after a stop it waits for the finish: the report says where
-            self._asked = None
-        record = EpochRecord(
-            epoch=decision.epoch,
-            train_loss=decision.train_loss,
-            valid_loss=decision.valid_loss,
-            smoothed_loss=decision.smoothed_loss,
-            lr_factor=go.lr_factor,
-            seconds=time.monotonic() - started,
-            metrics=metric_values(decision),
-        )
-        curve.append(record)
-        if decision.is_best and on_best is not None:
-            on_best(decision.epoch)
-        if decision.checkpoint and state is not None:
-            self.client.at(Phase.CHECKPOINT, epoch)
-            self._save(decision.epoch, state, curve)
-        if decision.gather:  # newcomers join before the next epoch: the state onto rank 0 first
-            self._gather(decision.epoch + 1, rejoin)
+        self._exchange.decided(decision)
         return decision
+
+    def _conclude(
+        self, training: Training, course: Course, go: Go, decision: Decision, seconds: float
+    ) -> None:
+        """Follow ``decision``. The decided epoch joins the curve (and ``on_best`` keeps it)
+        before the checkpoint the decision may ask for: a change of world that breaks the
+        checkpoint's collectives keeps what was decided."""
+        course.curve.append(
+            EpochRecord(
+                epoch=decision.epoch,
+                train_loss=decision.train_loss,
+                valid_loss=decision.valid_loss,
+                smoothed_loss=decision.smoothed_loss,
+                lr_factor=go.lr_factor,
+                seconds=seconds,
+                metrics=metric_values(decision),
+            )
+        )
+        if decision.is_best and training.on_best is not None:
+            training.on_best(decision.epoch)
+        if decision.checkpoint and course.state is not None:
+            self.client.at(Phase.CHECKPOINT, course.epoch)
+            if self._savepoints.save(decision.epoch, course.state, course.curve):
+                self._exchange.committed(decision.epoch)
+        if decision.gather:  # newcomers join before the next epoch: the state onto rank 0 first
+            self._gather(decision.epoch + 1, training.rejoin)
 
     def _gather(self, epoch: int, rejoin: Rejoin | None) -> None:
         """Collective in this world, as a decision asks: this rank's part of the state ``epoch``
@@ -343,6 +382,25 @@ class Session(Checkpointing, Reattaching, Regrouping):
         self.client.at(Phase.CHECKPOINT, epoch - 1)
         rejoin.gather(epoch)
 
+    def _regroup(
+        self,
+        regroup: Regroup,
+        rejoin: Rejoin | None,
+        error: BaseException | None,
+        course: Course,
+    ) -> None:
+        """Leave the broken world (``error``: what broke the epoch), meet the next, rebuild over
+        it and restore the start of the epoch it redoes; ``course`` goes on from there, with the
+        state the rebuild returned (if any)."""
+        moved = self._world.move(regroup, rejoin, error)
+        state = moved.state if moved.state is not None else course.state
+        if moved.welcome.restore == Restore.CHECKPOINT:
+            assert moved.welcome.resume_epoch is not None  # the coordinator's rule (Welcome)
+            self._savepoints.load_for_world(moved.welcome.resume_epoch, moved.state)
+        self._world.arrived(moved)
+        course.state = state
+        course.restart(moved.welcome.start_epoch)
+
     def _rate(self) -> float | None:
         """The optimizer's learning rate for the epoch report; None when not known or not a
         finite number (a scheduler's tensor rate is read as a number)."""
@@ -353,60 +411,46 @@ class Session(Checkpointing, Reattaching, Regrouping):
 
     def _checksum(self) -> int | None:
         """This rank's weights' checksum for its epoch report, when the run compares them."""
-        if not self._replica_check or self.model is None:
+        if not self._standing.replica_check or self.model is None:
             return None
         return weights_checksum(self.model)
 
-    def _ask(self, message: EpochReady | EpochReport) -> None:
-        """Send ``message``, whose answer this rank now awaits."""
-        self._asked = message
-        self.client.send(message)
-
-    def _send_again(self) -> list[str]:
-        """A restarted coordinator took this rank back where it is: send again what it awaits
-        an answer to, and (rank 0) its last checkpoint's commit; what was sent, for the log."""
-        sent = []
-        if self._saved is not None:
-            self.client.send(Checkpointed(epoch=self._saved))
-            sent.append(f"the commit of the checkpoint of epoch {self._saved}")
-        asked = self._asked
-        if asked is not None:
-            self.client.send(asked)
-            what = "report" if isinstance(asked, EpochReport) else "ready"
-            sent.append(f"its {what} of epoch {asked.epoch}")
-        return sent
-
-    def fail(self, exc: BaseException) -> None:
-        """Tell the coordinator this rank cannot go on, so every other rank stops too."""
-        self.client.send(Failed(reason=clip(failure_reason(exc))))
-
     def _expect(self, *kinds: type[Any]) -> Any:
+        """The next message that is one of ``kinds``, re-attaching when the coordinator is lost
+        meanwhile (see :meth:`Exchange.sort` for what is skipped)."""
         while True:
             try:
                 message = self.client.receive()
             except CoordinatorLost as lost:
-                message = self._reattach(lost, kinds)
-            decided = self._decided
-            if (
-                isinstance(message, Decision)
-                and Decision not in kinds
-                and decided is not None
-                and message.epoch <= decided
-            ):
-                continue  # sent again by a restarted coordinator that took this rank back
-            if isinstance(message, kinds):
-                return message
-            if isinstance(message, Regroup):
-                if message.generation > self.generation:
-                    raise RegroupNow(message)
-                continue  # taken already (between two batches)
-            if isinstance(message, Welcome | Joined):
-                continue  # an answer to a retried hello
-            expected = " or ".join(k.__name__ for k in kinds)
-            raise EpochalError(
-                f"expected {expected} from the coordinator, got {type(message).__name__}: "
-                "the worker and the coordinator are out of step (mixed epochal versions?)"
-            )
+                message = self._reattach.reattach(lost, kinds)  # TakenBack: resume
+                if isinstance(message, KeptWhereItWas):
+                    self._reattach.said_again(self._exchange.say_again())
+                    continue  # the answer awaited comes from the restarted coordinator
+            answer = self._exchange.sort(message, kinds)
+            if answer is not None:
+                return answer
+
+    # ------------------------------------------------------------------ checkpoints, the end
+
+    def load_checkpoint(self, epoch: int, state: Stateful) -> None:
+        """Collective: load ``epoch``'s committed checkpoint into ``state`` (RNGs untouched).
+
+        Raises :class:`~epochal.worker.checkpoints.checkpoint.CheckpointCorrupt` (nothing loaded)
+        when the checkpoint does not match its manifest.
+        """
+        self._savepoints.load(epoch, state)
+
+    def restore_best(self, result: RunResult, state: Stateful) -> RunResult:
+        """Collective: load the best epoch's checkpoint into ``state`` at the end of the run.
+
+        A damaged checkpoint is never loaded: ``state`` keeps the last epoch's weights, and the
+        returned result says so in ``weights_note`` (also printed), rather than claiming the best.
+        """
+        return self._savepoints.restore_best(result, state)
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the coordinator this rank cannot go on, so every other rank stops too."""
+        self.client.send(Failed(reason=clip(failure_reason(exc))))
 
     def close(self, *, finished: bool = True) -> None:
         """Leave the process group and stop the control client. Safe to call twice.
@@ -445,24 +489,3 @@ class Session(Checkpointing, Reattaching, Regrouping):
 
     def __exit__(self, kind: object, *exc: object) -> None:
         self.close(finished=kind is None)
-
-
-def _ready(
-    epoch: int,
-    batches: tuple[int, int | None] | Callable[[int], tuple[int, int | None]],
-    valid_epoch: Callable[[EpochContext], LossSum] | None,
-    generation: int,
-    rejoin: Rejoin | None,
-) -> EpochReady:
-    """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
-    validation function), what its copy of the epoch's start holds and whether it gathers its
-    state for newcomers (``rejoin``: how its training loop follows a change of world)."""
-    train_batches, valid_batches = batches(epoch) if callable(batches) else batches
-    return EpochReady(
-        epoch,
-        train_batches,
-        None if valid_epoch is None else valid_batches,
-        generation,
-        snapshots=(SnapshotScope.WHOLE if rejoin is None else rejoin.scope).value,
-        gathers=rejoin is not None and rejoin.gather is not None,
-    )

@@ -30,10 +30,10 @@ from epochal.protocol import (
     Phase,
     Welcome,
 )
-from epochal.worker import reattaching
 from epochal.worker.control.exits import failure_reason
 from epochal.worker.control.rendezvous import StillRunning
 from epochal.worker.session import Session
+from epochal.worker.sessionparts import reattach
 from epochal.worker.training.results import EpochContext, LossSum
 
 FP = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
@@ -200,7 +200,7 @@ def test_a_stalled_coordinator_s_queued_decision_carries_the_go_the_worker_goes_
         assert client.queued is not None
         raise StillRunning(client.queued)
 
-    monkeypatch.setattr(reattaching, "rendezvous", say_hello_again)
+    monkeypatch.setattr(reattach, "rendezvous", say_hello_again)
     seen: list[tuple[int, int, float]] = []
     session(client, reattach_timeout=5.0).run_epochs(trainer(seen), batches=(4, None))
     assert seen == [(0, 4, 1.0), (1, 4, 0.5), (2, 4, 0.5)]
@@ -271,3 +271,38 @@ def test_a_session_left_by_an_exception_or_after_its_epochs_says_no_early_done()
     s.run_epochs(trainer([]), batches=(4, None))
     s.close()
     assert [type(m).__name__ for m in client.sent].count("Done") == 1
+
+
+def test_a_restarted_coordinator_that_keeps_the_worker_where_it_was_hears_its_report_again(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    client = ScriptedClient(epochs=2, lost_at=0)  # the decision of epoch 0 never comes
+
+    def restarted(*args: Any, answers: tuple[type[Any], ...] = (), **kw: Any) -> Any:
+        client.lost_at = None  # the restarted coordinator answers what it is sent again
+        welcome = Welcome(
+            rank=0,
+            world_size=1,
+            run_id="r2",
+            backend="gloo",
+            store_host="127.0.0.1",
+            store_port=1,
+            start_epoch=0,
+            epochs=client.epochs,
+            resume_epoch=None,
+            checkpoint_dir="",
+            session="t" * 43,
+            liveness=Liveness(),
+            carry_on=True,
+        )
+        return welcome, None
+
+    monkeypatch.setattr(reattach, "rendezvous", restarted)
+    seen: list[tuple[int, int, float]] = []
+    s = session(client, reattach_timeout=5.0)
+    result = s.run_epochs(trainer(seen), batches=(4, None))
+    # nothing is redone: the report of epoch 0 is sent again, and its decision's go followed
+    assert seen == [(0, 4, 1.0), (1, 4, 0.5)] and result.epochs_run == 2
+    reports = [m.epoch for m in client.sent if isinstance(m, EpochReport)]
+    assert reports == [0, 0, 1]
+    assert s.run_id == "r2"  # what the session knows follows the coordinator that took it back

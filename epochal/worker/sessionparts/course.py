@@ -1,0 +1,66 @@
+"""The course of a session's epoch loop: what the training code gave
+:meth:`~epochal.worker.session.Session.run_epochs` (:class:`Training`) and where the loop is
+(:class:`Course`), so that each step of the loop takes these two rather than a long argument list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from epochal.protocol import Decision, EpochReady, Go, SnapshotScope
+from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.control.worlds import Rejoin
+from epochal.worker.training.results import EpochContext, EpochRecord, LossSum
+
+Batches = tuple[int, int | None] | Callable[[int], tuple[int, int | None]]
+"""A rank's (train, validation) batch counts, or a function of the epoch returning them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """What the training code gave :meth:`Session.run_epochs` (see there)."""
+
+    train_epoch: Callable[[EpochContext], LossSum]
+    valid_epoch: Callable[[EpochContext], LossSum] | None
+    batches: Batches
+    on_best: Callable[[int], None] | None
+    rejoin: Rejoin | None
+
+    def ready(self, epoch: int, generation: int) -> EpochReady:
+        """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
+        validation function), what its copy of the epoch's start holds and whether it gathers
+        its state for newcomers (``rejoin``: how its training loop follows a change of world)."""
+        batches, rejoin = self.batches, self.rejoin
+        train_batches, valid_batches = batches(epoch) if callable(batches) else batches
+        return EpochReady(
+            epoch,
+            train_batches,
+            None if self.valid_epoch is None else valid_batches,
+            generation,
+            snapshots=(SnapshotScope.WHOLE if rejoin is None else rejoin.scope).value,
+            gathers=rejoin is not None and rejoin.gather is not None,
+        )
+
+
+@dataclass(slots=True)
+class Course:
+    """Where the epoch loop is: the epoch next (or, once stopped, the one after the last), the
+    Go the last decision carried (None: announce the epoch), the curve so far and the state a
+    checkpoint holds."""
+
+    epoch: int
+    state: Stateful | None
+    curve: list[EpochRecord] = field(default_factory=list)
+    go: Go | None = None
+    stopped: bool = False
+
+    def advance(self, decision: Decision) -> None:
+        """The epoch is decided: on to the next, with the Go the decision carried."""
+        self.stopped, self.go = decision.stop, decision.go
+        self.epoch += 1
+
+    def restart(self, epoch: int) -> None:
+        """Run again from ``epoch`` (a resume, a new world), announced; the curve up to it."""
+        self.epoch, self.stopped, self.go = epoch, False, None
+        self.curve = [r for r in self.curve if r.epoch < epoch]
