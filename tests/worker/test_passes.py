@@ -5,36 +5,15 @@ loader positioned mid-pass that loads nothing before the position."""
 from __future__ import annotations
 
 import itertools
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from epochal.errors import ConfigError
 from epochal.position import DataPosition, batches_per_pass, position_at, split
 from epochal.worker.training.passes import PassSampler
-
-
-class Recorded(Dataset[int]):
-    """Sample ``i`` is ``i``; every ``__getitem__`` is noted in a file of the loading process,
-    so loads in a DataLoader's worker processes are seen too."""
-
-    def __init__(self, samples: int, log_dir: Path) -> None:
-        self.samples = samples
-        self.log_dir = log_dir
-
-    def __len__(self) -> int:
-        return self.samples
-
-    def __getitem__(self, index: int) -> int:
-        with open(self.log_dir / f"{os.getpid()}.log", "a") as log:
-            log.write(f"{index}\n")
-        return index
-
-    def loaded(self) -> list[int]:
-        return [int(x) for p in self.log_dir.glob("*.log") for x in p.read_text().split()]
+from tests.worker.recorded import Recorded
 
 
 def samplers(world: int, position: DataPosition, **kwargs) -> list[PassSampler]:
