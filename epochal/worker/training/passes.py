@@ -1,0 +1,116 @@
+"""A batch sampler that reads the run's data position: :class:`PassSampler`.
+
+It turns a :class:`~epochal.position.DataPosition` into this rank's batches of a map-style
+dataset, by the math in ``epochal/position.py``: pass ``p``'s permutation is
+``torch.randperm(n, generator=torch.Generator().manual_seed(seed + p))`` (the identity without
+shuffling), the same on every rank and the one ``DistributedSampler`` draws; global batch ``k``
+is ``perm[k*B : (k+1)*B]``; this rank takes ``[rank::world]`` of it. Starting at a position costs
+one permutation (O(n), milliseconds for a million samples) and a slice: no sample is loaded and
+no earlier batch is drawn.
+
+The sampler does not count what was consumed: a ``DataLoader`` with workers draws batches ahead
+of training, so the sampler's own count would run ahead of the steps taken. The trainer counts
+its steps and derives the position (:func:`~epochal.position.position_at`), then sets it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+from epochal.errors import ConfigError
+from epochal.position import (
+    DataPosition,
+    advance,
+    batch_bounds,
+    batches_before,
+    batches_per_pass,
+    check_world,
+)
+
+
+class PassSampler(Sampler[list[int]]):
+    """This rank's batches of a pass over ``data`` (a sized dataset, or its length), from a
+    :class:`DataPosition`.
+
+    ``global_batch`` is fixed for the run, whatever the world size; ``world`` must divide it
+    (:func:`~epochal.position.check_world` says which sizes do). With ``endless`` the iteration
+    does not stop at the end of a pass: the next pass, with its own shuffle, follows, so an
+    epoch of N steps takes its N batches across a pass boundary. ``len()`` is the batches left
+    in the current pass from the position either way.
+    """
+
+    def __init__(
+        self,
+        data: Sized | int,
+        *,
+        global_batch: int,
+        rank: int,
+        world: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        endless: bool = False,
+    ) -> None:
+        self.samples = data if isinstance(data, int) else len(data)
+        self.batches = batches_per_pass(self.samples, global_batch, drop_last=drop_last)
+        check_world(world, global_batch, samples=self.samples, drop_last=drop_last)
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank {rank} is outside a world of {world} workers")
+        self.global_batch = global_batch
+        self.rank = rank
+        self.world = world
+        self.seed = seed
+        self.shuffle = shuffle
+        self.endless = endless
+        self.position = DataPosition(0, 0, seed)
+        self._perm: tuple[int, torch.Tensor] | None = None  # (pass, its permutation)
+
+    def set_position(self, position: DataPosition) -> None:
+        """Start the next iteration at ``position`` (a pass's end is the next pass's start)."""
+        if position.seed != self.seed:
+            raise ConfigError(
+                f"the data position has seed {position.seed}, this sampler {self.seed}: build "
+                f"the sampler with seed={position.seed}, the run's data seed"
+            )
+        # normalises batch == K to the next pass's 0, and refuses a batch past the pass
+        self.position = advance(position, 0, self.batches)
+
+    def permutation(self, data_pass: int) -> torch.Tensor:
+        """Pass ``data_pass``'s order of the sample indices, the same on every rank."""
+        if self._perm is not None and self._perm[0] == data_pass:
+            return self._perm[1]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + data_pass)
+            perm = torch.randperm(self.samples, generator=generator)
+        else:
+            perm = torch.arange(self.samples)
+        self._perm = (data_pass, perm)
+        return perm
+
+    def global_batch_indices(self, position: DataPosition) -> torch.Tensor:
+        """Every rank's samples of the global batch at ``position``, in permutation order."""
+        start, stop = batch_bounds(position.batch, self.samples, self.global_batch)
+        return self.permutation(position.data_pass)[start:stop]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position = self.position
+        while True:
+            perm = self.permutation(position.data_pass)
+            for batch in range(position.batch, self.batches):
+                start, stop = batch_bounds(batch, self.samples, self.global_batch)
+                yield perm[start + self.rank : stop : self.world].tolist()
+            if not self.endless:
+                return
+            position = DataPosition(position.data_pass + 1, 0, self.seed)
+
+    def __len__(self) -> int:
+        return self.batches - self.position.batch
+
+    def consumed(self) -> int:
+        """Global batches the run consumed to stand at the set position (for the trainer's
+        step counter on a resume)."""
+        return batches_before(self.position, self.batches)
