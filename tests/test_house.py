@@ -18,12 +18,8 @@ ROOT = Path(epochal.__file__).parent
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
-ALLOWED = frozenset(
-    {
-        # being split
-        "worker/session.py",
-    }
-)
+ALLOWED: frozenset[str] = frozenset()
+# none now: a module being split is named here until it is
 """Modules whose offences are not counted yet, by path under ``epochal/``: each is being split,
 and leaves this list once it is (:func:`test_every_allowed_module_still_offends`)."""
 
