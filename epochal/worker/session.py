@@ -230,6 +230,9 @@ class Session:
             raise
         except BaseException as exc:
             self.fail(exc)
+            word = self._exchange.word_on(exc)  # a lost peer: what caused it, said instead
+            if word is not None:
+                raise word from exc
             raise
         finally:  # the training code's: it may hold a wrapper and, through it, the process group
             self._learning_rate = None

@@ -113,3 +113,10 @@ def failure_reason(exc: BaseException) -> str:
     if words is None:
         return said
     return f"{words}; the {type(exc).__name__} it raised is in this worker's output"
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is the data plane losing a peer: the consequence of something that
+    happened elsewhere, which another rank or the coordinator names."""
+    said = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return isinstance(exc, Exception) and in_words(said) is not None

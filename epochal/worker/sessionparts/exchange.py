@@ -10,9 +10,10 @@ is the session's, which re-attaches when the coordinator is lost in between.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from epochal.errors import EpochalError
+from epochal.errors import EpochalError, RunAborted
 from epochal.protocol import (
     Checkpointed,
     Decision,
@@ -23,6 +24,7 @@ from epochal.protocol import (
     Welcome,
 )
 from epochal.worker.control.client import ControlClient, RegroupNow
+from epochal.worker.control.exits import lost_peer
 from epochal.worker.sessionparts.standing import Standing
 
 
@@ -98,3 +100,22 @@ class Exchange:
             f"expected {expected} from the coordinator, got {type(message).__name__}: "
             "the worker and the coordinator are out of step (mixed epochal versions?)"
         )
+
+    def word_on(self, failure: BaseException) -> RunAborted | None:
+        """The coordinator's word on ``failure``, this rank's error just reported, when that is
+        the data plane losing a peer: a consequence, whose cause is another rank's failure (the
+        coordinator's abort names it) or the coordinator's own silence (every rank's heartbeats
+        notice it at once; the first to leave breaks its peers' collectives). Waits up to the
+        abort grace for the abort or the silence, to say it instead of the consequence; None for
+        any other error, or when no word came in time."""
+        if not lost_peer(failure):
+            return None
+        deadline = time.monotonic() + self._client.abort_grace
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self._client.receive(timeout=left)  # anything else is of the epoch that broke
+            except RunAborted as word:  # CoordinatorLost too: the silence
+                return word
+            except TimeoutError:
+                return None
+        return None
