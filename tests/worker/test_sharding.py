@@ -56,7 +56,7 @@ def test_train_sets_the_epoch_of_the_sampler_and_of_the_batch_sampler_as_the_gui
     # training loader's sampler and batch_sampler, wherever one has the method
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from epochal.worker.training.train import _set_epoch
+    from epochal.worker.training.fitting import _set_epoch
 
     data = list(range(40))
     by_sampler = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1))
