@@ -10,12 +10,18 @@ sockets that appear while the group is made (Linux: ``/proc/self/fd``) and :meth
 shut` shuts them down: every peer's pending receive then fails at once, "connection closed by
 peer", as if this rank had died, while this process and its control connection live on. The
 group object itself is abandoned (a few buffers per change of world).
+
+``init_process_group`` also wraps ``sys.excepthook`` in one that prefixes every line with the
+rank (``[rank2]:``), and the next group wraps that again: :meth:`GroupSockets.opened_by` notes the
+hook it found, and :func:`restore_excepthook` puts it back when the group is left, so that a
+traceback after a regroup carries the rank of the world the process is in, once.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,6 +29,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _FDS = "/proc/self/fd"
+
+_hook_before_group: list[object] = []
+"""The ``sys.excepthook`` found when the current group was formed, and the one it installed
+(empty: none formed through :meth:`GroupSockets.opened_by`, or left since)."""
 
 
 def socket_inodes() -> dict[int, int]:
@@ -52,8 +62,10 @@ class GroupSockets:
     def opened_by(cls, make: Callable[[], T]) -> tuple[T, GroupSockets]:
         """Run ``make`` (``init_process_group``) and note the sockets that appeared meanwhile."""
         before = socket_inodes()
+        hook = sys.excepthook
         made = make()
         after = socket_inodes()
+        _hook_before_group[:] = [hook, sys.excepthook]
         new = {fd: inode for fd, inode in after.items() if before.get(fd) != inode}
         return made, cls(new)
 
@@ -80,3 +92,11 @@ class GroupSockets:
             finally:
                 dup.close()
         return shut
+
+
+def restore_excepthook() -> None:
+    """Put back the ``sys.excepthook`` that was there before the current group was formed, if the
+    group's own is still the one in place (a hook installed since is left alone)."""
+    if _hook_before_group and sys.excepthook is _hook_before_group[1]:
+        sys.excepthook = _hook_before_group[0]  # type: ignore[assignment]
+    _hook_before_group.clear()
