@@ -171,6 +171,12 @@ class FullySharded(Strategy):
         from epochal.worker.training.unshard import unshard
 
         unshard(self.model)
+        self._release_mesh()  # the model is whole and plain: the group may close when destroyed
+
+    def _release_mesh(self) -> None:
+        if self._mesh is not None:
+            torchinternals.release_mesh(self._mesh)
+            self._mesh = None
 
     def release_group(self) -> None:
         """The parameters are DTensors over the group's mesh, and the optimizer holds them: the
@@ -183,9 +189,7 @@ class FullySharded(Strategy):
             kind, kwargs = type(self.optimizer), constructor_kwargs(self.optimizer)
             self.optimizer.state.clear()
             drop_shards(self.model)
-            if self._mesh is not None:
-                torchinternals.release_mesh(self._mesh)
-                self._mesh = None
+            self._release_mesh()
             params = dict(self.model.named_parameters())
             self.optimizer = kind(
                 [{**hyper, "params": [params[n] for n in names]} for hyper, names in groups],
