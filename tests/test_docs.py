@@ -134,3 +134,30 @@ def test_slugs_are_the_ones_mkdocs_gives(tmp_path: Path) -> None:
         "a-custom-loop-epochaljoin-and-run_epochs",
         "title_1",
     }
+
+
+def _torch_range() -> str:
+    """The torch requirement in pyproject.toml, without its name: ``>=2.13,<2.15``."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
+    return spec.removeprefix("torch").strip()
+
+
+def test_the_readme_and_the_install_page_give_pyprojects_torch_range() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    wanted = _torch_range()
+    # the releases named in words: "torch 2.13 and 2.14" for >=2.13,<2.15
+    supported = [
+        f"2.{minor}" for minor in range(100) if SpecifierSet(wanted).contains(f"2.{minor}.0")
+    ]
+    assert supported, f"pyproject's torch range {wanted!r} admits no 2.x release"
+    for page in (README, DOCS / "install.md"):
+        text = " ".join(page.read_text().split())
+        assert f"torch{wanted}" in text, f"{page.name} does not say torch{wanted} (pyproject.toml)"
+        said = f"torch {' and '.join(supported)}" if len(supported) <= 2 else None
+        assert said is None or said in text, f"{page.name} does not say {said!r}"
+        for pin in re.findall(r"torch==([\d.]+)", text):
+            assert SpecifierSet(wanted).contains(pin), f"{page.name} pins torch=={pin}, outside"

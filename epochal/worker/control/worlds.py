@@ -23,6 +23,7 @@ import torch.distributed as dist
 from epochal.protocol import OpenStore, Regroup, SnapshotScope, StoreReady, Welcome
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.rendezvous import StoreRef
+from epochal.worker.dataplane.sockets import restore_excepthook
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key
 from epochal.worker.options import advertised_host
 
@@ -57,6 +58,7 @@ def leave_group() -> None:
     if not dist.is_initialized():
         return
     gc.collect()  # wrappers dropped by the training code, and the frames of a caught error
+    restore_excepthook()  # the group's rank prefix would be the old world's
     try:
         dist.destroy_process_group()
     except Exception:  # a broken group may fail to tear down; its sockets close with it

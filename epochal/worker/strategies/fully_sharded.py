@@ -22,6 +22,7 @@ from torch import nn
 
 from epochal.errors import ConfigError
 from epochal.protocol import SnapshotScope
+from epochal.worker.dataplane import torchinternals
 from epochal.worker.strategies.base import (
     Mode,
     Strategy,
@@ -111,6 +112,9 @@ class FullySharded(Strategy):
         )
         for unit in [*units, model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=opts.reshard_after_forward)
+        # DTensor's caches keep the mesh for the life of the process: release_group makes it
+        # drop the group, or the group would stay open after it is destroyed
+        self._mesh: DeviceMesh | None = mesh
         if _on_meta(model):
             _materialize(model, layout.device)
         params = dict(model.named_parameters())
@@ -167,6 +171,12 @@ class FullySharded(Strategy):
         from epochal.worker.training.unshard import unshard
 
         unshard(self.model)
+        self._release_mesh()  # the model is whole and plain: the group may close when destroyed
+
+    def _release_mesh(self) -> None:
+        if self._mesh is not None:
+            torchinternals.release_mesh(self._mesh)
+            self._mesh = None
 
     def release_group(self) -> None:
         """The parameters are DTensors over the group's mesh, and the optimizer holds them: the
@@ -179,6 +189,7 @@ class FullySharded(Strategy):
             kind, kwargs = type(self.optimizer), constructor_kwargs(self.optimizer)
             self.optimizer.state.clear()
             drop_shards(self.model)
+            self._release_mesh()
             params = dict(self.model.named_parameters())
             self.optimizer = kind(
                 [{**hyper, "params": [params[n] for n in names]} for hyper, names in groups],
