@@ -78,10 +78,22 @@ class Outbox:
             peers = tuple(peer for peer in peers if self.understood(peer, message))
         data = self._encode(message)
         cut = faults.cut(message)  # a test's kill between two sends of a decision
-        for peer in peers if cut is None else peers[:1]:
-            await self.send_frame(peer, data)
+        await self._each(peers if cut is None else peers[:1], data)
         if cut is not None:
             faults.die(cut)
+
+    async def _each(self, peers: tuple[bytes, ...], data: bytes) -> None:
+        """``data`` to every one of ``peers``: two plain sends each, with no coroutine per peer,
+        which at thousands of peers cost half as much again as the sends themselves."""
+        assert self._socket is not None and self._io is not None, "attach a socket first"
+        send, more, last = self._io.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        for peer in peers:
+            try:
+                send(peer, more)  # a message is queued whole or not at all: only this waits
+            except zmq.Again:  # not for a ROUTER as configured here; if ever, wait as asyncio would
+                await self._socket.send_multipart([peer, data])
+                continue
+            send(data, last)
 
     async def send_frame(self, peer: bytes, data: bytes) -> None:
         """One encoded frame to ``peer``."""
