@@ -63,6 +63,8 @@ class EpochPlan:
             whole = self.pass_batches * self.global_batch
             fields["data_pass"] = at.data_pass
             fields["data_offset"] = data_offset(at, whole, self.global_batch)
+            fields["pass_batches"] = self.pass_batches  # for the share of the pass done
+            fields["global_batch"] = self.global_batch
         return fields
 
 
