@@ -150,3 +150,10 @@ def test_usage_errors_read_as_without_a_settings_file(capsys):
     err = usage_error(capsys, "coordinator", "--epochs", "0")
     assert "--world-size N" in err and "[--world-size N]" not in err  # still shown as required
     assert "argument --epochs: must be >= 1, got 0" in err
+
+
+def test_a_settings_file_sets_the_steps_per_epoch(tmp_path):
+    script = write(tmp_path / "train.py", "")
+    config = write(tmp_path / "s.toml", "steps_per_epoch = 40\n")
+    args, _ = parse("run", "--nproc", "2", "--config", str(config), str(script))
+    assert args.steps_per_epoch == 40

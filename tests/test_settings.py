@@ -73,6 +73,7 @@ def test_the_generated_flags_default_to_the_fields_defaults(command: list[str]):
 def test_every_flag_reaches_its_field():
     values = {
         "epochs": ("7", 7),
+        "steps_per_epoch": ("50", 50),
         "job": ("exp", "exp"),
         "batch_policy": ("truncate", "truncate"),
         "smoothing": ("0.5", 0.5),

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from epochal.coordinator.config import BatchPolicy
+from epochal.position import data_offset, position_at
+from epochal.protocol import EpochReady
 
 
 class PolicyViolation(Exception):
@@ -24,14 +26,46 @@ class BatchCounts:
 
     train: int
     valid: int | None
+    pass_batches: int | None = None
+    # the global batches of one pass over its training data (runs with steps per epoch); None:
+    # not known
+    global_batch: int | None = None
+    # the samples of one global batch; None: not known
+
+    @classmethod
+    def of(cls, ready: EpochReady) -> BatchCounts:
+        """What ``ready`` announces."""
+        return cls(ready.train_batches, ready.valid_batches, ready.pass_batches, ready.global_batch)
 
 
 @dataclass(frozen=True, slots=True)
 class EpochPlan:
-    """How many batches every rank runs this epoch (``valid_batches`` 0: no validation)."""
+    """How many batches every rank runs this epoch (``valid_batches`` 0: no validation), and
+    the shape of a pass every rank announced (None: not known)."""
 
     train_batches: int
     valid_batches: int
+    pass_batches: int | None = None
+    global_batch: int | None = None
+
+    def position(self, epoch: int, steps_per_epoch: int | None) -> dict[str, int]:
+        """The epoch record's data fields once ``epoch`` is trained: the global optimizer
+        ``steps`` of an epoch, and, where the pass's shape is known, the pass the run stands
+        in (``data_pass``) and the samples of that pass consumed (``data_offset``). Every epoch
+        trains the same batches, so ``epoch + 1`` epochs consumed that many times
+        ``train_batches`` global batches. Empty where an epoch is one pass."""
+        if steps_per_epoch is None:
+            return {}
+        fields = {"steps": steps_per_epoch}
+        if self.pass_batches is not None and self.global_batch is not None:
+            at = position_at((epoch + 1) * self.train_batches, self.pass_batches)
+            # every batch but a pass's last is full, so K*B bounds the pass's samples
+            whole = self.pass_batches * self.global_batch
+            fields["data_pass"] = at.data_pass
+            fields["data_offset"] = data_offset(at, whole, self.global_batch)
+            fields["pass_batches"] = self.pass_batches  # for the share of the pass done
+            fields["global_batch"] = self.global_batch
+        return fields
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -108,4 +142,25 @@ def plan_epoch(counts: Mapping[int, BatchCounts], policy: BatchPolicy) -> EpochP
             "batches, or run with --batch-policy truncate"
         )
     valid_batches = 0 if without_valid else min(v for v in valid.values() if v is not None)
-    return EpochPlan(train_batches=min(train.values()), valid_batches=valid_batches)
+    shape = _pass_shape(counts)
+    return EpochPlan(min(train.values()), valid_batches, *shape)
+
+
+def _pass_shape(counts: Mapping[int, BatchCounts]) -> tuple[int | None, int | None]:
+    """The (global batches per pass, samples per global batch) every rank announced, or
+    PolicyViolation naming each rank's: ranks that disagree read different data positions."""
+    shapes = {r: (c.pass_batches, c.global_batch) for r, c in counts.items()}
+    if len(set(shapes.values())) == 1:
+        return next(iter(shapes.values()))
+    groups: dict[tuple[int | None, int | None], list[int]] = defaultdict(list)
+    for rank, shape in shapes.items():
+        groups[shape].append(rank)
+    said = ", ".join(
+        f"{format_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} "
+        + ("no known pass" if k is None else f"{k} global batches of {b or '?'} samples a pass")
+        for (k, b), ranks in sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
+    )
+    raise PolicyViolation(
+        f"{said}: every rank must read the same data, in global batches of the same size "
+        "(the same dataset, batch size and drop_last on every rank)"
+    )

@@ -4,7 +4,6 @@ The command line's run options are generated from its fields (:mod:`epochal.sett
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from epochal.argtypes import (
     seconds,
     seconds_or_never,
 )
+from epochal.coordinator.monitoring import check_monitor, monitor_arg
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.environment import DEFAULT_COLLECTIVE_TIMEOUT
 from epochal.errors import ConfigError
@@ -27,7 +27,6 @@ from epochal.protocol.messages import (
     HEARTBEAT_TIMEOUT,
     Liveness,
     check_job_name,
-    check_metric_name,
 )
 from epochal.rundir import CHECKPOINTS_DIR
 from epochal.settings import CHECKPOINTS, FAILURES, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
@@ -37,23 +36,6 @@ BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 MonitorMode = Literal["min", "max"]
 MONITOR_MODES: tuple[MonitorMode, ...] = ("min", "max")
-
-
-def check_monitor(name: str) -> str:
-    """``name`` if ``--monitor`` may name it (``loss`` or a metric name), else ConfigError."""
-    if name == "loss":
-        return name
-    try:
-        return check_metric_name(name)
-    except ValueError as exc:
-        raise ConfigError(f"--monitor {name!r}: {exc}") from None
-
-
-def _monitor_arg(text: str) -> str:
-    try:
-        return check_monitor(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 STALL_ABORT = 2 * DEFAULT_COLLECTIVE_TIMEOUT
@@ -111,6 +93,15 @@ class CoordinatorConfig:
             flag=Flag(RUN_POLICY, metavar="E", type=positive_int),
         ),
     )
+    steps_per_epoch: int | None = field(
+        default=None,
+        metadata=setting(
+            help="an epoch is N global optimizer steps, whatever a pass over the data holds: "
+            "validation, checkpoints and every decision come every N steps, and the data goes on "
+            "where the last epoch left it",
+            flag=Flag(RUN_POLICY, metavar="N", type=positive_int, shown="one pass"),
+        ),
+    )
     job: str = field(
         default=DEFAULT_JOB,
         metadata=setting(
@@ -147,7 +138,7 @@ class CoordinatorConfig:
             help="what picks the best epoch, early stopping and the plateau schedule: loss, or "
             "the name of a metric the workers report (train(metrics=...)); of the validation "
             "split when the run validates, else of the training split",
-            flag=Flag(RUN_POLICY, metavar="NAME", type=_monitor_arg),
+            flag=Flag(RUN_POLICY, metavar="NAME", type=monitor_arg),
             on_resume="when_known",  # a run recorded before it existed monitored the loss (min)
         ),
     )
@@ -379,6 +370,9 @@ class CoordinatorConfig:
             raise ConfigError(f"world size must be >= 1, got {self.world_size}")
         if self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
+        steps = self.steps_per_epoch
+        if steps is not None and (type(steps) is not int or steps < 1):
+            raise ConfigError(f"steps_per_epoch must be a whole number >= 1, got {steps!r}")
         try:
             check_job_name(self.job)
         except ValueError as exc:

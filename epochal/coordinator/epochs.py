@@ -61,7 +61,7 @@ class Epochs:
         self._state.rates[rank] = report.lr
         if report.ready is not None:
             ready = report.ready
-            self._state.next_counts[rank] = BatchCounts(ready.train_batches, ready.valid_batches)
+            self._state.next_counts[rank] = BatchCounts.of(ready)
             self._state.copies[peer] = ready
 
     def start_epoch(self, now: float) -> list[Action]:
@@ -98,7 +98,12 @@ class Epochs:
         plan = plan_epoch(counts, self._state.config.batch_policy)
         self._state.validates = plan.valid_batches > 0  # every rank has validation data
         validate_now = self._state.validates and self._state.config.validates(epoch)
-        self._state.plan = EpochPlan(plan.train_batches, plan.valid_batches if validate_now else 0)
+        self._state.plan = EpochPlan(
+            plan.train_batches,
+            plan.valid_batches if validate_now else 0,
+            plan.pass_batches,
+            plan.global_batch,
+        )
         return Go(
             epoch=epoch,
             train_batches=self._state.plan.train_batches,
@@ -158,6 +163,7 @@ class Epochs:
             validates=state.validates, checkpoint=checkpoint, plan=plan, seconds=seconds
         )
         record.update(world_size=len(state.members), generation=state.generation)
+        record.update(plan.position(state.epoch, state.config.steps_per_epoch))
         actions: list[Action] = [Journal("epoch", record)]
         said = Log(
             format_epoch_line(outcome, state.config.epochs, seconds, monitor=state.config.monitor)

@@ -283,6 +283,7 @@ class Joining:
             restore=self._restore_for(peer),
             elastic=self._state.config.elastic,
             understands=understood(),
+            steps_per_epoch=self._state.config.steps_per_epoch,
         )
 
     def _restored_checkpoint(self) -> int | None:

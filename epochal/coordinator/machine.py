@@ -370,7 +370,7 @@ class RunMachine:
                 return []  # of an older world: its epoch is being redone
             case EpochReady() if state.phase is RunPhase.READY and message.epoch == state.epoch:
                 self.watchdog.note_waiting(rank, message.epoch, Awaiting.GO, now)
-                state.ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                state.ready[rank] = BatchCounts.of(message)
                 state.copies[peer] = message
                 if len(state.ready) == len(state.members):
                     return self._epochs.start_epoch(now)

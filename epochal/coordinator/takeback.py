@@ -161,6 +161,7 @@ class TakingBack:
             elastic=self._state.config.elastic,
             carry_on=True,
             understands=understood(),
+            steps_per_epoch=self._state.config.steps_per_epoch,
         )
 
     def _carry_backend(self, member: Member) -> str:
@@ -192,7 +193,7 @@ class TakingBack:
                 # it had the decision and gathered: its ready waits for a go (the newcomers the
                 # dead coordinator held are gone, so the world stays as it is)
                 self._state.copies[peer] = message
-                self._state.ready[rank] = BatchCounts(message.train_batches, message.valid_batches)
+                self._state.ready[rank] = BatchCounts.of(message)
                 return self._is_back(now, rank)
             case EpochReady() if (
                 decision is None and carry.go is not None and message.epoch == carry.epoch

@@ -206,6 +206,8 @@ class Prometheus(RunObserver):
             ("epochal_valid_loss", "valid_loss", "Last validated epoch's validation loss."),
             (f"epochal_smoothed_{monitor}", "smoothed_loss", smoothed),
             ("epochal_best_epoch", "best_epoch", _BEST_EPOCH),
+            ("epochal_data_pass", "data_pass", "The pass over the data the last epoch ended in."),
+            ("epochal_data_offset", "data_offset", "Samples of that pass consumed by then."),
         ):
             value = _number(record.get(key))
             if value is not None:

@@ -45,6 +45,15 @@ INTERVAL = 2.0
 a start and the end are written at once)."""
 
 _LAST_FIELDS = ("epoch", "train_loss", "valid_loss", "smoothed_loss", "lr_factor", "lr", "seconds")
+_POSITION_FIELDS = (
+    "train_batches",
+    "steps",
+    "data_pass",
+    "data_offset",
+    "pass_batches",
+    "global_batch",
+)
+"""What a run with steps per epoch keeps of its last epoch besides: where the data stands."""
 
 
 class StatusFile(RunObserver):
@@ -164,6 +173,7 @@ class StatusFile(RunObserver):
             self._write()
             return
         self._data["last"] = {k: record.get(k) for k in _LAST_FIELDS}
+        self._data["last"].update({k: record[k] for k in _POSITION_FIELDS if k in record})
         self._data["best_epoch"] = record.get("best_epoch")
         self._data["best_loss"] = record.get("best_loss")
         self._write()
@@ -256,6 +266,29 @@ def _epoch_line(record: Mapping[str, Any], monitor: str) -> str:
         + lr
         + (f"  {seconds:.2f}s" if _is_number(seconds) else "")
     )
+
+
+def _data_line(record: Mapping[str, Any], ranks: list[Any]) -> list[str]:
+    """Runs with steps per epoch: the step the epoch under way is at (the slowest training
+    rank's) and where the data stands after the last epoch, with the share of its pass done."""
+    steps, batches = record.get("steps"), record.get("train_batches")
+    if not _is_number(steps):
+        return []
+    line = f"epochs of {_t(steps)} steps"
+    done = [
+        r["step"]
+        for r in ranks
+        if isinstance(r, dict) and r.get("phase") == "train" and _is_number(r.get("step"))
+    ]
+    if done and _is_number(batches) and batches > 0:
+        line += f", step {int(min(done) * steps // batches)}/{_t(steps)} of this one"
+    at, offset = record.get("data_pass"), record.get("data_offset")
+    k, size = record.get("pass_batches"), record.get("global_batch")
+    if _is_number(at) and _is_number(offset):
+        line += f"; data: pass {_t(at)}, {_t(offset)} samples in"
+        if _is_number(k) and _is_number(size) and k > 0 and size > 0:
+            line += f" ({offset / size / k:.0%} of the pass)"
+    return [line]
 
 
 def _epochs(count: Any) -> str:
@@ -354,6 +387,8 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         lines.append(_epoch_line(records[-1], monitor))
     elif isinstance(live.get("last"), dict):
         lines.append(_epoch_line(live["last"], monitor))
+    last = records[-1] if records else _obj(live.get("last"))
+    lines += _data_line(last, _list(live.get("ranks")) if result is None else [])
     lines += world_lines(journal)
     if status is not None:
         events = [e for e in _list(status.get("events")) if isinstance(e, dict)]

@@ -40,6 +40,11 @@ TAGS = {
     "valid_batches": "batches/valid",
     "world_size": "world/size",
     "generation": "world/generation",
+    "steps": "data/steps_per_epoch",
+    "data_pass": "data/pass",
+    "data_offset": "data/offset",
+    "pass_batches": "data/pass_batches",
+    "global_batch": "data/global_batch",
 }
 """The tag of each known field; any other numeric field NAME of a record (or entry of its
 ``metrics`` object) is written as ``metrics/NAME``. With ``--monitor NAME`` (a metric) the

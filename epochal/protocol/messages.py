@@ -154,6 +154,12 @@ class EpochReady(WorkerMessage):
     gathers: bool = False
     # (6.4) this rank's training code gathers its part of the whole state onto rank 0 when a
     # decision asks (Decision.gather): a world of shards then grows over the data plane
+    pass_batches: Positive | None = None
+    # (6.6) runs with steps per epoch: the global batches of one pass over the training data
+    # (this rank's loader's batches per pass), which every rank must agree on; None: not known
+    # (a stream), or an epoch is one pass
+    global_batch: Positive | None = None
+    # (6.6) the samples of one global batch, every rank's together; None: not known
 
 
 @message
@@ -312,6 +318,9 @@ class Welcome(CoordinatorMessage):
     # checkpointed); the coordinator answers from its journal, and no epoch is redone
     understands: _Annotated[tuple[TypeName, ...], Items(MAX_OPTIONAL_TYPES)] = ()
     # the optional message types the coordinator understands (6.5): the worker sends it no other
+    steps_per_epoch: Positive | None = None
+    # (6.6) an epoch is this many global optimizer steps, the data going on across epochs;
+    # None: an epoch is one pass over the data
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":

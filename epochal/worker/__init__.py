@@ -11,6 +11,7 @@ from epochal.worker.options import JoinOptions
 from epochal.worker.session import Session
 from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
 from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.training.passes import batches
 from epochal.worker.training.placement import LayeredModel
 from epochal.worker.training.results import EpochContext, EpochRecord, LossSum, RunResult
 from epochal.worker.training.sharding import ShardSampler
@@ -30,6 +31,7 @@ __all__ = [
     "ShardSampler",
     "Strategy",
     "TrainState",
+    "batches",
     "fit",
     "initialize_on_rank",
     "join",

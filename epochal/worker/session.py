@@ -52,7 +52,7 @@ from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.control.worlds import Rejoin
 from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.regroup.leave import close_group
-from epochal.worker.sessionparts.course import Batches, Course, Training
+from epochal.worker.sessionparts.course import Batches, Course, PassShape, Training
 from epochal.worker.sessionparts.exchange import Exchange
 from epochal.worker.sessionparts.reattach import KeptWhereItWas, Reattach, TakenBack
 from epochal.worker.sessionparts.savepoints import Savepoints
@@ -169,6 +169,11 @@ class Session:
         return self._standing.epochs
 
     @property
+    def steps_per_epoch(self) -> int | None:
+        """An epoch's global optimizer steps (``--steps-per-epoch``); None: one pass."""
+        return self._standing.steps_per_epoch
+
+    @property
     def resume_epoch(self) -> int | None:
         """The epoch whose checkpoint the run resumes from; None: a fresh start."""
         return self._standing.resume_epoch
@@ -190,6 +195,7 @@ class Session:
         state: Stateful | None = None,
         rejoin: Rejoin | None = None,
         learning_rate: Callable[[], float] | None = None,
+        passes: PassShape | None = None,
     ) -> RunResult:
         """Run epochs until the coordinator says stop, then wait for Finish.
 
@@ -215,9 +221,10 @@ class Session:
         ``learning_rate()`` is the rate the optimizer holds now (``lambda:
         optimizer.param_groups[0]["lr"]``); asked when each epoch is reported, it is what the
         coordinator's epoch line shows (``lr 0.05``) and its journal keeps. Without it the line
-        shows the coordinator's factor (``lr x1``).
+        shows the coordinator's factor (``lr x1``). ``passes()`` is the training data's (global
+        batches of a pass, samples of a global batch), for the journal's data position.
         """
-        training = Training(train_epoch, valid_epoch, batches, on_best, rejoin)
+        training = Training(train_epoch, valid_epoch, batches, on_best, rejoin, passes)
         self._learning_rate = learning_rate
         self._ran_epochs = True
         self.client.busy = None  # from here on the epochs' steps say the progress

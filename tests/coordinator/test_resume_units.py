@@ -447,6 +447,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
     ),
     "script_digest": ("cd" * 32, f"the script's SHA-256 is {'cd' * 32!r} now but"),
     "epochs": (9, "--epochs is 9 now but 10 in the run"),
+    "steps_per_epoch": (40, "--steps-per-epoch is 40 now but not set in the run"),
     "job": ("other", "--job is 'other' now but 'epochal' in the run"),
     "batch_policy": ("truncate", "--batch-policy is 'truncate' now but 'error' in the run"),
     "smoothing": (0.25, "--smoothing is 0.25 now but 0.5 in the run"),

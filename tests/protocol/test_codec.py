@@ -493,6 +493,8 @@ def test_the_next_epoch_travels_as_a_nested_message_map_on_either_path():
         "generation": 0,
         "snapshots": "whole",
         "gathers": False,
+        "pass_batches": None,
+        "global_batch": None,
     }
     assert frame_of(GOES_ON)["go"] == {
         "epoch": 4,

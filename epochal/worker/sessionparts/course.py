@@ -15,6 +15,8 @@ from epochal.worker.training.results import EpochContext, EpochRecord, LossSum
 
 Batches = tuple[int, int | None] | Callable[[int], tuple[int, int | None]]
 """A rank's (train, validation) batch counts, or a function of the epoch returning them."""
+PassShape = Callable[[], tuple[int | None, int | None]]
+"""The (global batches of a pass, samples of a global batch) of a rank's training data."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,7 @@ class Training:
     batches: Batches
     on_best: Callable[[int], None] | None
     rejoin: Rejoin | None
+    passes: PassShape | None = None
 
     def ready(self, epoch: int, generation: int) -> EpochReady:
         """This rank's batch counts for ``epoch`` in world ``generation`` (valid None: it has no
@@ -33,6 +36,7 @@ class Training:
         its state for newcomers (``rejoin``: how its training loop follows a change of world)."""
         batches, rejoin = self.batches, self.rejoin
         train_batches, valid_batches = batches(epoch) if callable(batches) else batches
+        pass_batches, global_batch = (None, None) if self.passes is None else self.passes()
         return EpochReady(
             epoch,
             train_batches,
@@ -40,6 +44,8 @@ class Training:
             generation,
             snapshots=(SnapshotScope.WHOLE if rejoin is None else rejoin.scope).value,
             gathers=rejoin is not None and rejoin.gather is not None,
+            pass_batches=pass_batches,
+            global_batch=global_batch,
         )
 
 

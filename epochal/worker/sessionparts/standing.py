@@ -43,6 +43,8 @@ class Standing:
     # every rank reports its weights' checksum after each epoch
     checkpointer: Checkpointer | None
     # this rank's checkpoints of the run; None: the run keeps none
+    steps_per_epoch: int | None = None
+    # an epoch is this many global optimizer steps; None: one pass over the data
 
     @classmethod
     def welcomed(cls, welcome: Welcome, store: StoreRef) -> Standing:
@@ -61,6 +63,7 @@ class Standing:
             resume_epoch=welcome.resume_epoch,
             replica_check=welcome.replica_check,
             checkpointer=_checkpointer(welcome),
+            steps_per_epoch=welcome.steps_per_epoch,
         )
 
     def adopt(self, welcome: Welcome) -> None:
@@ -76,6 +79,7 @@ class Standing:
         self.resume_epoch = welcome.resume_epoch
         self.replica_check = welcome.replica_check
         self.checkpointer = _checkpointer(welcome)
+        self.steps_per_epoch = welcome.steps_per_epoch
 
 
 def _checkpointer(welcome: Welcome) -> Checkpointer | None:

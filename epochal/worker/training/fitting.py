@@ -32,14 +32,17 @@ from epochal.worker.strategies import to_device, wrap
 from epochal.worker.strategies.base import Strategy
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.training.elastic import elastic_scope
+from epochal.worker.training.feeding import Feed
 from epochal.worker.training.initialization import initialize_on_rank
+from epochal.worker.training.passes import PassBatches
+from epochal.worker.training.positioning import has_len
 from epochal.worker.training.results import EpochContext, LossSum, RunResult
 
 if TYPE_CHECKING:
     from epochal.worker.training.train import FitOptions
 
 Loader = Iterable[Any]
-LoaderArg = Loader | Callable[[int, int], Loader]
+LoaderArg = Loader | PassBatches | Callable[[int, int], Loader]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor | float, int]]
 """``metric(outputs, targets) -> (sum over the batch's samples, sample count)``: for accuracy
@@ -85,14 +88,21 @@ def _progress_enabled(rank: int, progress: bool | None) -> bool:
 
 
 def _resolve(loader: LoaderArg | None, session: Session, what: str) -> Loader | None:
+    """``loader`` for this rank and world size. A train loader without len() (a stream) needs
+    steps per epoch, which say where its epochs end."""
     if loader is None:
         return None
+    steps = session.steps_per_epoch if what == "train" else None
+    if isinstance(loader, PassBatches):
+        return loader.loader(session.rank, session.world_size, endless=steps is not None)
     if callable(loader) and not isinstance(loader, Sized):
         loader = loader(session.rank, session.world_size)
-    if not isinstance(loader, Sized):
+    if not has_len(loader) and steps is None:
+        more = " or run with --steps-per-epoch N" if what == "train" else ""
         raise ConfigError(
-            f"the {what} loader has no len(): epochal checks every rank's batch count before an "
-            "epoch starts, so give it a sized loader (a DataLoader over a map-style dataset)"
+            f"the {what} loader has no len() (a stream?): an epoch of one pass cannot end where "
+            "every rank's does, so give it a sized loader (a DataLoader over a map-style "
+            f"dataset){more}"
         )
     return loader
 
@@ -136,6 +146,7 @@ class Fitting:
         self.loss_fn = loss_fn
         self.options = options
         self.train_data, self.valid_data = self._loaders()
+        self.feed = self._feed()
         self.device = session.device
         if options.initialize is not None and session.resume_epoch is None:
             # a resume loads its weights
@@ -179,6 +190,7 @@ class Fitting:
             state=self.strategy.state,
             rejoin=Rejoin(self._leave, self._rebuild, self.scope, self._gather),
             learning_rate=lambda: self.optimizer.param_groups[0]["lr"],
+            passes=None if self.feed is None else lambda: self.feed.shape(),  # type: ignore[union-attr]
         )
         if result.restore_best and result.best_epoch is not None:
             if self.best_state is not None:
@@ -193,6 +205,13 @@ class Fitting:
         train_data = _resolve(self.train_loader, self.session, "train")
         assert train_data is not None
         return train_data, _resolve(self.valid_loader, self.session, "validation")
+
+    def _feed(self) -> Feed | None:
+        """With steps per epoch, the training batches across epochs; None: an epoch is a pass."""
+        steps = self.session.steps_per_epoch
+        if steps is None:
+            return None
+        return Feed(self.train_data, steps * self.options.accumulate, self.session.world_size)
 
     def _build(self) -> Strategy:
         options, mode = self.options, self.options.mode
@@ -250,7 +269,8 @@ class Fitting:
             self.start = (ctx.epoch, Snapshot.take(strategy))
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * ctx.lr_factor
-        _set_epoch(self.train_data, ctx.epoch)
+        if self.feed is None:
+            _set_epoch(self.train_data, ctx.epoch)
         strategy.begin_epoch()
         strategy.module.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -263,7 +283,8 @@ class Fitting:
             bar = tqdm(
                 total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False, dynamic_ncols=True
             )
-        for step, batch in enumerate(self.train_data):
+        data = self.train_data if self.feed is None else self.feed.epoch(ctx.epoch)
+        for step, batch in enumerate(data):
             if step == ctx.train_batches:
                 break
             ctx.check()
@@ -346,6 +367,8 @@ class Fitting:
 
     def _counts(self, epoch: int) -> tuple[int, int | None]:
         valid = None if self.valid_data is None else len(self.valid_data)  # type: ignore[arg-type]
+        if self.feed is not None:
+            return self.feed.batches_per_epoch, valid
         return len(self.train_data), valid  # type: ignore[arg-type]
 
     def _leave(self, error: BaseException | None) -> None:
@@ -369,4 +392,5 @@ class Fitting:
             self._from_peers(newcomer=False)
         self.gathered = None  # of the old world: sent now, or of no use (a loss came first)
         self.train_data, self.valid_data = self._loaders()
+        self.feed = self._feed()  # the new rank's share, put at the epoch's position when it runs
         return self.strategy.state

@@ -15,10 +15,12 @@ its steps and derives the position (:func:`~epochal.position.position_at`), then
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from epochal.errors import ConfigError
 from epochal.position import (
@@ -78,6 +80,10 @@ class PassSampler(Sampler[list[int]]):
         # normalises batch == K to the next pass's 0, and refuses a batch past the pass
         self.position = advance(position, 0, self.batches)
 
+    def set_epoch(self, epoch: int) -> None:
+        """An epoch that is one pass: start pass ``epoch`` from its first batch."""
+        self.set_position(DataPosition(epoch, 0, self.seed))
+
     def permutation(self, data_pass: int) -> torch.Tensor:
         """Pass ``data_pass``'s order of the sample indices, the same on every rank."""
         if self._perm is not None and self._perm[0] == data_pass:
@@ -114,3 +120,74 @@ class PassSampler(Sampler[list[int]]):
         """Global batches the run consumed to stand at the set position (for the trainer's
         step counter on a resume)."""
         return batches_before(self.position, self.batches)
+
+
+_OWN = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+"""DataLoader arguments :func:`batches` decides itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassBatches:
+    """A dataset to read in global batches of a fixed size, each rank its share: what
+    :func:`batches` returns and :func:`~epochal.worker.training.train.fit` turns into this
+    rank's ``DataLoader`` over a :class:`PassSampler` once the rank and world are known."""
+
+    dataset: Sized
+    global_batch: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+    # further DataLoader arguments (num_workers, collate_fn, pin_memory, ...)
+
+    def loader(self, rank: int, world: int, *, endless: bool = False) -> DataLoader[Any]:
+        """Rank ``rank``'s loader in a world of ``world``: ConfigError naming the world sizes
+        that split the global batch evenly when ``world`` does not."""
+        sampler = PassSampler(
+            self.dataset,
+            global_batch=self.global_batch,
+            rank=rank,
+            world=world,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            endless=endless,
+        )
+        return DataLoader(self.dataset, batch_sampler=sampler, **self.options)  # type: ignore[arg-type]
+
+
+def batches(
+    dataset: Sized,
+    *,
+    global_batch: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    **dataloader_kwargs: Any,
+) -> PassBatches:
+    """``dataset`` read in global batches of ``global_batch`` samples, every rank together.
+
+    Give it to :func:`epochal.train` as a loader: each rank reads its strided share of each
+    global batch, so the batches, and the result, do not depend on the world size, which must
+    divide ``global_batch`` (refused before training otherwise, naming the sizes that do). Pass
+    ``p`` shuffles with ``seed + p``. With ``--steps-per-epoch`` a pass runs on across epochs,
+    and a resume, at any world size that divides ``global_batch``, starts at the next batch
+    without loading the samples before it. ``dataloader_kwargs`` go to ``DataLoader``
+    (``num_workers``, ``collate_fn``, ...), except the batching ones, which this decides.
+    """
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+        raise ConfigError(
+            f"batches() reads a map-style dataset, with len(); got a "
+            f"{type(dataset).__name__}: pass a stream's own DataLoader to train() instead, "
+            "with --steps-per-epoch"
+        )
+    if type(global_batch) is not int or global_batch < 1:
+        raise ConfigError(f"global_batch must be a whole number >= 1, got {global_batch!r}")
+    given = sorted(set(dataloader_kwargs) & set(_OWN))
+    if given:
+        raise ConfigError(
+            f"batches() decides {', '.join(given)} itself: pass global_batch=, shuffle= and "
+            "drop_last= instead"
+        )
+    batches_per_pass(len(dataset), global_batch, drop_last=drop_last)  # an empty pass refused
+    return PassBatches(dataset, global_batch, shuffle, seed, drop_last, dict(dataloader_kwargs))

@@ -43,6 +43,16 @@ class _Skipped(Sampler[T]):
         return max(0, len(self.inner) - self.skip)
 
 
+def has_len(loader: object) -> bool:
+    """Whether ``len(loader)`` answers: a ``DataLoader`` over a stream (an ``IterableDataset``)
+    has ``__len__`` but raises TypeError from it unless the stream has one."""
+    try:
+        len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 def _set_epoch(sampler: object, data_pass: int) -> None:
     set_epoch = getattr(sampler, "set_epoch", None)
     if callable(set_epoch):

@@ -1,0 +1,73 @@
+"""A worker script for epochs of N steps: a tiny regression whose loss function writes the
+sample ids of each training batch, one line a batch (``world rank id id ...``), to a file of
+its own process.
+
+``--style sampler`` reads a loader of the script's own, per rank, with a DistributedSampler
+(4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import epochal
+
+
+class Lookup(nn.Module):
+    """A linear model of the features of the sample ids it is given."""
+
+    def __init__(self, features: torch.Tensor) -> None:
+        super().__init__()
+        self.features = features
+        self.linear = nn.Linear(features.shape[1], 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.features[ids]).squeeze(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--style", choices=("sampler", "passes"), default="sampler")
+    parser.add_argument("--samples", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(args.samples, 4)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(args.samples)
+    ids = torch.arange(args.samples)
+    data = TensorDataset(ids, ids)  # (inputs, targets): both the sample's id
+    model = Lookup(x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out / f"ids-{os.getpid()}.txt").open("a", buffering=1)
+
+    def sampler_loader(rank: int, world: int) -> DataLoader:
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=7)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    def loss_fn(out: torch.Tensor, batch_ids: torch.Tensor) -> torch.Tensor:
+        if model.training:
+            where = f"{dist.get_world_size()} {dist.get_rank()} "
+            log.write(where + " ".join(map(str, batch_ids.tolist())) + "\n")
+        return nn.functional.mse_loss(out, y[batch_ids])
+
+    loader = sampler_loader
+    if args.style == "passes":
+        loader = epochal.batches(data, global_batch=12, seed=7)
+    result = epochal.train(model, optimizer, loader, None, loss_fn)
+    torch.save(
+        {"model": model.state_dict(), "epochs": [r.epoch for r in result.curve]},
+        args.out / f"rank{result.rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
