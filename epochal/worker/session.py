@@ -237,8 +237,7 @@ class Session:
             raise
         except BaseException as exc:
             self.fail(exc)
-            word = self._exchange.word_on(exc)  # a lost peer: what caused it, said instead
-            if word is not None:
+            if (word := self._exchange.word_on(exc)) is not None:  # a lost peer: say its cause
                 raise word from exc
             raise
         finally:  # the training code's: it may hold a wrapper and, through it, the process group
