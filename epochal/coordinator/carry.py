@@ -39,8 +39,9 @@ class Carry:
     # every standing journal record: the journal is kept whole when the run carries on
     world_size: int
     generation: int
-    run_id: str
-    # the run id the workers know (run.json's; a restarted coordinator keeps it)
+    attempt_id: str
+    # the id the running workers know the run by (run.json's; a coordinator that takes them back
+    # keeps it: see .attempts)
 
     @property
     def stopped(self) -> bool:
@@ -78,12 +79,14 @@ def sent_message(text: Any) -> Message | None:
 
 
 def carry_from(
-    config: CoordinatorConfig, records: list[dict[str, Any]], run_id: Any
+    config: CoordinatorConfig,
+    records: list[dict[str, Any]],
+    attempt_id: str | None,
 ) -> Carry | None:
     """Where a restarted coordinator may take running workers back (see :class:`Carry`): after
     the journal's last decision or go; None when it holds none, or a world was forming."""
     last = next((r for r in reversed(records) if r["kind"] in ("epoch", "go", "world")), None)
-    if last is None or last["kind"] == "world" or not isinstance(run_id, str):
+    if last is None or last["kind"] == "world" or attempt_id is None:
         return None
     sent = last.get("next") if last["kind"] == "epoch" else last
     if not isinstance(sent, dict):
@@ -108,7 +111,7 @@ def carry_from(
         records=records,
         world_size=int(last.get("world_size", config.world_size)),
         generation=int(last.get("generation", 0)),
-        run_id=run_id,
+        attempt_id=attempt_id,
     )
 
 

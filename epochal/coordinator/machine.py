@@ -90,11 +90,13 @@ class RunMachine:
         now: float,
         model_record: ModelRecord | None = None,
         rendezvous_note: Callable[[], str] = lambda: "",
+        attempt_id: str | None = None,
     ) -> None:
         self._state = facts = MachineState.start(
             config,
             state,
             run_id=run_id,
+            attempt_id=attempt_id or run_id,
             now=now,
             model_record=model_record,
             rendezvous_note=rendezvous_note,

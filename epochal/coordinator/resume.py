@@ -24,6 +24,7 @@ from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.actions import RunSummary
+from epochal.coordinator.attempts import workers_id
 from epochal.coordinator.carry import carry_from
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.directories import check_directories
@@ -276,12 +277,21 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
 
     Every file is read only when it is a regular file within its size bound (never through a
     link, never blocking on a FIFO): a refusal names the file."""
+    check_directories(None, checkpoint_dir)
+    run = None if config.run_dir is None else _stored_run(config.run_dir)
+    state = _inspect(config, checkpoint_dir, run)
+    state.run_file = run
+    return state
+
+
+def _inspect(
+    config: CoordinatorConfig, checkpoint_dir: Path | None, run: dict[str, Any] | None
+) -> RunState:
+    """:func:`inspect`, once run.json was read (``run``: None when there is none)."""
     run_dir = config.run_dir
     loop = LoopState.from_config(config)
-    check_directories(None, checkpoint_dir)
     if run_dir is None:
         return RunState(loop=loop)
-    run = _stored_run(run_dir)
     if run is None:
         _refuse_orphan_journal(run_dir)
         return RunState(loop=loop)
@@ -346,7 +356,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         # running workers are taken back only to go on as they were decided
         carry=None
         if more is not None or now_steered
-        else carry_from(config, records, run.get("run_id")),
+        else carry_from(config, records, workers_id(run)),
     )
 
 

@@ -68,7 +68,7 @@ class TakingBack:
         return (
             carry is not None
             and self._state.phase is RunPhase.RENDEZVOUS
-            and hello.run_id == carry.run_id
+            and hello.run_id == carry.attempt_id
             and hello.rank_hint is not None
             and (self.taking_back or not self._state.rendezvous.members)
         )
@@ -146,7 +146,7 @@ class TakingBack:
         return Welcome(
             rank=rank,
             world_size=carry.world_size,
-            run_id=self._state.run_id,
+            run_id=self._state.attempt_id,
             backend=self._carry_backend(member),
             store_host=member.hello.host,  # not used: the worker keeps its store
             store_port=1,

@@ -191,7 +191,7 @@ class Attempt:
                 self._preload_failed, said=lambda line: say(line, logging.INFO)
             )
         for index in range(self.nproc):
-            await self._start(index, f"{self.coordinator.run_id}/local-{index}")
+            await self._start(index, f"{self.coordinator.attempt.attempt_id}/local-{index}")
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal, signum)
@@ -289,7 +289,7 @@ class Attempt:
         deadline = loop.time() + self.config.heartbeat_timeout
         while self.coordinator.in_world(gone) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        worker_id = f"{self.coordinator.run_id}/local-{index}/{n}"
+        worker_id = f"{self.coordinator.attempt.attempt_id}/local-{index}/{n}"
         proc = await self._start(index, worker_id)
         position = self.procs.index(proc)  # _start() appended it
         self.spare_positions.append(position)

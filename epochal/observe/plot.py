@@ -57,6 +57,7 @@ _KNOWN = {
     "valid_batches",
     "world_size",
     "generation",
+    "attempt",
 }
 """Fields of an epoch record drawn in their own way (or not at all: bookkeeping)."""
 

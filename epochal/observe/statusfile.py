@@ -312,7 +312,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
     monitor = monitor_of(live if "monitor" in live else _obj(run.get("config")))
     smoothed = f"smoothed {_t(monitor)}"
     lines = []
-    head = f"run {_t(run_id or '?')} in {_t(run_dir)}: "
+    head = f"run {_t(run_id or '?')}{_attempt(run, result)} in {_t(run_dir)}: "
     if result is not None and result.get("status") == "finished":
         lines.append(
             head + f"finished after {_epochs(result.get('epochs_run'))}, best epoch "
@@ -365,6 +365,13 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         if result is None and ranks:
             lines.append(rank_table([r for r in ranks if isinstance(r, dict)]))
     return "\n".join(lines)
+
+
+def _attempt(run: Mapping[str, Any], result: Mapping[str, Any] | None) -> str:
+    """``, attempt 2,``: which attempt of the run run.json (the newest's), else result.json
+    names; nothing for a run written before attempts were numbered."""
+    number = run.get("attempt", (result or {}).get("attempt"))
+    return f", attempt {_t(number)}," if type(number) is int else ""
 
 
 _RESTORED = {
