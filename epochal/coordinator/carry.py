@@ -14,6 +14,7 @@ from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
+from epochal.coordinator.schedule import Schedule
 from epochal.errors import MalformedMessage
 from epochal.protocol import Decision, Go, Message, decode, encode
 
@@ -82,9 +83,11 @@ def carry_from(
     config: CoordinatorConfig,
     records: list[dict[str, Any]],
     attempt_id: str | None,
+    schedule: Schedule | None = None,
 ) -> Carry | None:
     """Where a restarted coordinator may take running workers back (see :class:`Carry`): after
-    the journal's last decision or go; None when it holds none, or a world was forming."""
+    the journal's last decision or go; None when it holds none, or a world was forming. The loop
+    is replayed under ``schedule`` (the run's, as resumes kept it), else the config's."""
     last = next((r for r in reversed(records) if r["kind"] in ("epoch", "go", "world")), None)
     if last is None or last["kind"] == "world" or attempt_id is None:
         return None
@@ -101,6 +104,7 @@ def carry_from(
             return None
         decision, go, epoch = None, message, last["epoch"]
     loop = LoopState.from_config(config)
+    loop.schedule = schedule or loop.schedule
     replay(loop, records)
     return Carry(
         epoch=epoch,

@@ -4,7 +4,6 @@ The command line's run options are generated from its fields (:mod:`epochal.sett
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from epochal.argtypes import (
     seconds,
     seconds_or_never,
 )
+from epochal.coordinator.monitor import check_monitor, monitor_arg
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.environment import DEFAULT_COLLECTIVE_TIMEOUT
 from epochal.errors import ConfigError
@@ -27,7 +27,6 @@ from epochal.protocol.messages import (
     HEARTBEAT_TIMEOUT,
     Liveness,
     check_job_name,
-    check_metric_name,
 )
 from epochal.rundir import CHECKPOINTS_DIR
 from epochal.settings import CHECKPOINTS, FAILURES, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
@@ -37,23 +36,6 @@ BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 MonitorMode = Literal["min", "max"]
 MONITOR_MODES: tuple[MonitorMode, ...] = ("min", "max")
-
-
-def check_monitor(name: str) -> str:
-    """``name`` if ``--monitor`` may name it (``loss`` or a metric name), else ConfigError."""
-    if name == "loss":
-        return name
-    try:
-        return check_metric_name(name)
-    except ValueError as exc:
-        raise ConfigError(f"--monitor {name!r}: {exc}") from None
-
-
-def _monitor_arg(text: str) -> str:
-    try:
-        return check_monitor(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 STALL_ABORT = 2 * DEFAULT_COLLECTIVE_TIMEOUT
@@ -147,7 +129,7 @@ class CoordinatorConfig:
             help="what picks the best epoch, early stopping and the plateau schedule: loss, or "
             "the name of a metric the workers report (train(metrics=...)); of the validation "
             "split when the run validates, else of the training split",
-            flag=Flag(RUN_POLICY, metavar="NAME", type=_monitor_arg),
+            flag=Flag(RUN_POLICY, metavar="NAME", type=monitor_arg),
             on_resume="when_known",  # a run recorded before it existed monitored the loss (min)
         ),
     )
@@ -174,6 +156,16 @@ class CoordinatorConfig:
             "exponential:gamma=G, cosine:min=M, linear:end=E or "
             "plateau:patience=P,factor=F,threshold=T,min=M; a factor <= 0 stops the run",
             flag=Flag(RUN_POLICY, metavar="SPEC"),
+        ),
+    )
+    keep_schedule: bool = field(
+        default=False,
+        metadata=setting(
+            help="when a resume gives the run more --epochs, keep a schedule that spans them "
+            "(cosine) on its curve over the epochs it had, and hold its last factor for those "
+            "added, where it would continue on the curve over the new count",
+            on_resume="may_change",
+            flag=Flag(RUN_POLICY),
         ),
     )
     patience: int | None = field(

@@ -34,9 +34,11 @@ from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.runstate import RunState
 from epochal.coordinator.steering import (
     STEERS,
+    extension,
     in_effect,
     replay_steered,
     schedule_jump,
+    schedule_of,
     steered,
     steered_before,
 )
@@ -325,19 +327,11 @@ def _inspect(
     standing_changes = [c for c in earlier if c["at_epoch"] < start]
     now_steered = steered(in_effect(stored, earlier, start), current, start)
     steered_all = standing_changes + now_steered
-    replay_steered(loop, kept, steered_all)
-    extended_from = None
+    extended_from = None if more is None else more[0]
     if more is not None:
-        extended_from = more[0]
-        extensions = [
-            *extensions,
-            {
-                "from_epochs": more[0],
-                "to_epochs": more[1],
-                "at_epoch": start,
-                "had_finished": result is not None,
-            },
-        ]
+        extensions = [*extensions, extension(config, extensions, more, start, result is not None)]
+    loop.schedule = schedule_of(config, extensions)  # kept by --keep-schedule, or over --epochs
+    replay_steered(loop, kept, steered_all)
     if more is not None and kept:
         jump = schedule_jump(loop, kept, more, start)
         if jump is not None:
@@ -356,7 +350,7 @@ def _inspect(
         # running workers are taken back only to go on as they were decided
         carry=None
         if more is not None or now_steered
-        else carry_from(config, records, workers_id(run)),
+        else carry_from(config, records, workers_id(run), loop.schedule),
     )
 
 

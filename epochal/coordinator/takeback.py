@@ -134,6 +134,7 @@ class TakingBack:
                 kept.add(carry.pending_checkpoint)
             for epoch in kept:
                 loop = LoopState.from_config(self._state.config)
+                loop.schedule = carry.loop.schedule  # as resumes kept it (steering.schedule_of)
                 replay(loop, [r for r in carry.records if r["epoch"] <= epoch])
                 self._state.loops_at[epoch] = loop
 
