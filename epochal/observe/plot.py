@@ -51,6 +51,7 @@ _KNOWN = {
     "best_epoch",
     "lr_factor",
     "next_lr_factor",
+    "lr",  # the initial rate times lr_factor: drawn once, as the factor on the second axis
     "seconds",
     "time",
     "train_batches",
