@@ -152,6 +152,7 @@ class StatusFile(RunObserver):
         )
         if snapshot.round_seconds is not None:
             self._data["round_seconds"] = snapshot.round_seconds
+        self._data["epoch_ends_in"] = snapshot.epoch_ends_in
 
     def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
         if self._ended:
@@ -283,7 +284,7 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
                 _t(r.get("host", "")),
                 _t(r.get("phase", "?")),
                 _t(r.get("epoch", "")),
-                _t(r.get("step", "")),
+                _step(r),
                 f"{idle:.1f} s" if _is_number(idle) else "-",
                 f"{heard:.1f} s ago" if _is_number(heard) else "-",
                 _t(r.get("where", "")),
@@ -294,6 +295,23 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
         for line in (header, *body)
     )
+
+
+def _step(rank: Mapping[str, Any]) -> str:
+    """A rank's step, of how many its phase of the epoch has when known: ``2246/4000``."""
+    step, steps = rank.get("step", ""), rank.get("steps")
+    return f"{_t(step)}/{_t(steps)}" if type(steps) is int else _t(step)
+
+
+def _epoch_end(status: Mapping[str, Any], now: float) -> list[str]:
+    """When the epoch under way ends, at the rate so far: one line while it runs, else none."""
+    left, taken = status.get("epoch_ends_in"), status.get("snapshot_time")
+    if status.get("state") != "running" or not (_is_number(left) and _is_number(taken)):
+        return []
+    return [
+        f"epoch {_t(status.get('epoch'))} ends in about {max(0.0, left - (now - taken)):.0f} s "
+        "(at the rate its slowest rank went so far)"
+    ]
 
 
 def describe(run_dir: Path, *, now: float | None = None) -> str:
@@ -336,6 +354,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
             )
         else:
             lines.append(f"{seen} by pid {_t(status.get('pid'))} on {_t(status.get('host'))}")
+            lines += _epoch_end(status, now)
     elif records:
         lines.append(
             head + f"{counted(len(records), 'epoch')} journaled, no result and no status.json (a "
