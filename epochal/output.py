@@ -114,6 +114,9 @@ class Relay:
         self.stopped = False
         """Set once the run is aborted or interrupted: what the workers print after is hidden."""
         self.hidden = 0
+        self.hidden_causes: list[str] = []
+        """The errors among the hidden lines that an abort's reason points to (a data-plane
+        error said in words, :func:`in_words`): ``RuntimeError``, once each."""
         self._held: list[_Held] = []
 
     def stream(self, prefix: str, rank: int | None = None) -> RankStream:
@@ -149,9 +152,16 @@ class Relay:
                     self.out.write(f"{held.prefix}{held.exception}\n")
                     self.hidden += len(held.lines) - 1
                     continue
-            self.hidden += len(held.lines)
+            self._hide(held)
         self._held.clear()
         self.out.flush()
+
+    def _hide(self, held: _Held) -> None:
+        self.hidden += len(held.lines)
+        if in_words(held.exception) is not None:
+            name = held.exception.partition(":")[0].rsplit(".", 1)[-1]
+            if name not in self.hidden_causes:
+                self.hidden_causes.append(name)
 
 
 class RankStream:

@@ -166,12 +166,17 @@ def field_options(cls: type[Any]) -> Iterator[Option]:
             help=spec.help,
             group=flag.group,
             default=f.default,
-            action="store_false" if flag.negated else "store",
+            action="store_false" if flag.negated else _switch_or_value(f.default),
             metavar=flag.metavar,
             type=flag.type,
             choices=flag.choices,
             shown=flag.shown,
         )
+
+
+def _switch_or_value(default: Any) -> Literal["store", "store_true"]:
+    """A boolean that is off unless asked for is a switch (``--keep-schedule``); else a value."""
+    return "store_true" if default is False else "store"
 
 
 def grouped(options: Iterable[Option]) -> list[Option]:

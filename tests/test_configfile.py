@@ -65,11 +65,12 @@ def test_an_option_the_file_does_not_give_stays_required(tmp_path, capsys):
 def test_keys_may_be_spelled_with_dashes_and_switches_take_booleans(tmp_path, script):
     config = write(
         tmp_path / "s.toml",
-        "stall-timeout = 90\nrestore_best = false\nfresh = true\nrun_dir = 'out/r1'\n",
+        "stall-timeout = 90\nrestore_best = false\nfresh = true\nrun_dir = 'out/r1'\n"
+        "keep_schedule = true\n",
     )
     args, _ = parse("run", "--nproc", "1", "--config", str(config), str(script))
     assert args.stall_timeout == 90.0
-    assert args.restore_best is False and args.fresh is True
+    assert args.restore_best is False and args.fresh is True and args.keep_schedule is True
     assert args.run_dir == Path("out/r1")
 
 

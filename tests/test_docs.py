@@ -19,6 +19,8 @@ from pathlib import Path
 import yaml
 from markdown.extensions.toc import slugify
 
+from tests.projectfiles import project_files
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 README = REPO / "README.md"
@@ -114,7 +116,11 @@ def test_every_page_of_the_guide_is_in_the_navigation() -> None:
     config = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))
     assert config["docs_dir"] == "docs"
     listed = set(nav_pages(config["nav"]))
-    pages = {page.relative_to(DOCS).as_posix() for page in DOCS.rglob("*.md")}
+    pages = {
+        page.relative_to(DOCS).as_posix()
+        for page in project_files(REPO)
+        if page.suffix == ".md" and DOCS in page.parents
+    }
     missing = sorted(pages - listed)
     assert not missing, f"pages of docs/ that mkdocs.yml's nav does not list: {missing}"
     absent = sorted(listed - pages)

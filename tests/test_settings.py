@@ -99,13 +99,14 @@ def test_every_flag_reaches_its_field():
         "min_workers": ("2", 2),
     }
     options = {o.dest: o for o in field_options(CoordinatorConfig)}
-    assert set(options) == {*values, "restore_best", "status", "replica_check"}
+    assert set(options) == {*values, "restore_best", "status", "replica_check", "keep_schedule"}
     argv = ["run", "--nproc", "2", "--no-restore-best", "--no-status", "--no-replica-check"]
+    argv.append("--keep-schedule")  # a switch that is off unless given
     for name, (text, _) in values.items():
         argv += [options[name].flag, text]
     config = _config(build_parser().parse_args([*argv, "s.py"]), 2, "", "RUN")
     assert config.restore_best is False and config.status is False
-    assert config.replica_check is False
+    assert config.replica_check is False and config.keep_schedule is True
     for name, (_, value) in values.items():
         assert getattr(config, name) == value, name
 

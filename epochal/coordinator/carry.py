@@ -14,6 +14,7 @@ from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
+from epochal.coordinator.schedule import Schedule
 from epochal.errors import MalformedMessage
 from epochal.protocol import Decision, Go, Message, decode, encode
 
@@ -39,8 +40,9 @@ class Carry:
     # every standing journal record: the journal is kept whole when the run carries on
     world_size: int
     generation: int
-    run_id: str
-    # the run id the workers know (run.json's; a restarted coordinator keeps it)
+    attempt_id: str
+    # the id the running workers know the run by (run.json's; a coordinator that takes them back
+    # keeps it: see .attempts)
 
     @property
     def stopped(self) -> bool:
@@ -78,12 +80,16 @@ def sent_message(text: Any) -> Message | None:
 
 
 def carry_from(
-    config: CoordinatorConfig, records: list[dict[str, Any]], run_id: Any
+    config: CoordinatorConfig,
+    records: list[dict[str, Any]],
+    attempt_id: str | None,
+    schedule: Schedule | None = None,
 ) -> Carry | None:
     """Where a restarted coordinator may take running workers back (see :class:`Carry`): after
-    the journal's last decision or go; None when it holds none, or a world was forming."""
+    the journal's last decision or go; None when it holds none, or a world was forming. The loop
+    is replayed under ``schedule`` (the run's, as resumes kept it), else the config's."""
     last = next((r for r in reversed(records) if r["kind"] in ("epoch", "go", "world")), None)
-    if last is None or last["kind"] == "world" or not isinstance(run_id, str):
+    if last is None or last["kind"] == "world" or attempt_id is None:
         return None
     sent = last.get("next") if last["kind"] == "epoch" else last
     if not isinstance(sent, dict):
@@ -98,6 +104,7 @@ def carry_from(
             return None
         decision, go, epoch = None, message, last["epoch"]
     loop = LoopState.from_config(config)
+    loop.schedule = schedule or loop.schedule
     replay(loop, records)
     return Carry(
         epoch=epoch,
@@ -108,7 +115,7 @@ def carry_from(
         records=records,
         world_size=int(last.get("world_size", config.world_size)),
         generation=int(last.get("generation", 0)),
-        run_id=run_id,
+        attempt_id=attempt_id,
     )
 
 

@@ -167,6 +167,16 @@ class CoordinatorConfig:
             flag=Flag(RUN_POLICY, metavar="SPEC"),
         ),
     )
+    keep_schedule: bool = field(
+        default=False,
+        metadata=setting(
+            help="when a resume gives the run more --epochs, keep a schedule that spans them "
+            "(cosine) on its curve over the epochs it had, and hold its last factor for those "
+            "added, where it would continue on the curve over the new count",
+            on_resume="may_change",
+            flag=Flag(RUN_POLICY),
+        ),
+    )
     patience: int | None = field(
         default=None,
         metadata=setting(

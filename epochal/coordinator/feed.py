@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from epochal.coordinator.actions import RunPhase
+from epochal.coordinator.batches import EpochPlan
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
 from epochal.coordinator.machine import RunMachine
@@ -66,10 +68,12 @@ def snapshot(
     heard = dog.last_seen
     members = machine.members
     ranks = []
+    plan = machine.plan if phase is RunPhase.RUNNING else None
     for rank, host, _, _, step, idle, where in dog.rows(now, members):
         rank_phase, rank_epoch = rank_at(dog.status.get(rank), phase, machine.epoch)
         row = (rank, host, rank_phase, rank_epoch, step, idle, where)
-        ranks.append(RankStatus.from_row(row, now - heard.get(members[rank].peer, now)))
+        said = RankStatus.from_row(row, now - heard.get(members[rank].peer, now))
+        ranks.append(replace(said, steps=phase_steps(plan, rank_phase, rank_epoch, machine.epoch)))
     return StatusSnapshot(
         run_id=run_id,
         state=phase.value,
@@ -82,7 +86,38 @@ def snapshot(
         ranks=ranks,
         refused=machine.refused,
         round_seconds=machine.round_seconds,
+        epoch_ends_in=epoch_ends_in(plan, ranks, now - machine.epoch_started),
     )
+
+
+def phase_steps(plan: EpochPlan | None, phase: str, epoch: int, run_epoch: int) -> int | None:
+    """How many steps a rank's ``phase`` of ``epoch`` has, when that is the epoch the run runs
+    by ``plan``: its train or its validation batches; None otherwise."""
+    if plan is None or epoch != run_epoch:
+        return None
+    if phase == Phase.TRAIN:
+        return plan.train_batches
+    if phase == Phase.VALIDATE:
+        return plan.valid_batches or None
+    return None
+
+
+def epoch_ends_in(plan: EpochPlan | None, ranks: list[RankStatus], elapsed: float) -> float | None:
+    """Seconds until the epoch under way ends (``elapsed`` seconds since it began), at the rate
+    its slowest rank in training or validation went so far, all batches counted alike; None
+    before such a rank made a step."""
+    if plan is None:
+        return None
+    done = [
+        rank.step + (plan.train_batches if rank.phase == Phase.VALIDATE else 0)
+        for rank in ranks
+        if rank.steps is not None  # training or validating this epoch: the others set no rate
+    ]
+    total = plan.train_batches + plan.valid_batches
+    slowest = min(done, default=0)
+    if slowest <= 0:
+        return None
+    return max(0.0, elapsed * (total - slowest) / slowest)
 
 
 SNAPSHOT_SHARE = 0.05

@@ -257,7 +257,7 @@ class Joining:
         self._state.members = [m for m in by_rank if m is not None]
         self._state.membership.form(tuple(self._state.members))
         self._state.set_phase(RunPhase.STORE, now)
-        return [Send(self._state.members[0].peer, OpenStore(run_id=self._state.run_id))]
+        return [Send(self._state.members[0].peer, OpenStore(run_id=self._state.attempt_id))]
 
     def welcome_for(self, peer: bytes) -> Welcome:
         assert self._state.store is not None
@@ -267,7 +267,7 @@ class Joining:
         return Welcome(
             rank=self._state.ranks[peer],
             world_size=len(self._state.members),
-            run_id=self._state.run_id,
+            run_id=self._state.attempt_id,
             backend=self._state.backend,
             store_host=self._state.store.host,
             store_port=self._state.store.port,

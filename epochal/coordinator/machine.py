@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from epochal.coordinator import runstate
 from epochal.coordinator.actions import Action, Broadcast, Log, RunPhase, Send
-from epochal.coordinator.batches import BatchCounts
+from epochal.coordinator.batches import BatchCounts, EpochPlan
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.epochs import Epochs
 from epochal.coordinator.finishing import Finishing
@@ -90,11 +90,13 @@ class RunMachine:
         now: float,
         model_record: ModelRecord | None = None,
         rendezvous_note: Callable[[], str] = lambda: "",
+        attempt_id: str | None = None,
     ) -> None:
         self._state = facts = MachineState.start(
             config,
             state,
             run_id=run_id,
+            attempt_id=attempt_id or run_id,
             now=now,
             model_record=model_record,
             rendezvous_note=rendezvous_note,
@@ -144,6 +146,16 @@ class RunMachine:
     def refused(self) -> int:
         """Hellos refused by the rendezvous (wrong job or token, surplus, duplicate)."""
         return self._state.refused
+
+    @property
+    def plan(self) -> EpochPlan | None:
+        """The batches every rank runs this epoch, as its Go said (None before the first Go)."""
+        return self._state.plan
+
+    @property
+    def epoch_started(self) -> float:
+        """When the epoch under way began, on the service's clock."""
+        return self._state.epoch_started
 
     @property
     def round_seconds(self) -> float | None:

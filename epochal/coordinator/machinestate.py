@@ -41,6 +41,9 @@ class MachineState:
 
     config: CoordinatorConfig
     run_id: str
+    # the run's, in what the user reads
+    attempt_id: str
+    # what this attempt's workers know the run by, in what they are sent (.attempts)
     run: runstate.RunState
     # what the run directory held when the coordinator started (journal, checkpoint, carry)
     loop: LoopState
@@ -116,6 +119,7 @@ class MachineState:
         run: runstate.RunState,
         *,
         run_id: str,
+        attempt_id: str,
         now: float,
         model_record: ModelRecord | None,
         rendezvous_note: Callable[[], str],
@@ -124,6 +128,7 @@ class MachineState:
         state = cls(
             config=config,
             run_id=run_id,
+            attempt_id=attempt_id,
             run=run,
             loop=run.loop,
             models=ModelChecks(model_record),

@@ -19,6 +19,7 @@ from typing import Any
 
 from epochal.coordinator import oslimits, resume, steering
 from epochal.coordinator.actions import Journal, RunPhase, RunSummary
+from epochal.coordinator.attempts import RunAttempt
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.feed import ObserverFeed, snapshot
 from epochal.coordinator.journal import Journal as RunJournal
@@ -36,6 +37,7 @@ class Recording:
 
     config: CoordinatorConfig
     run_id: str
+    attempt: RunAttempt
     endpoint: str | None
     _journal: RunJournal | None
     _state: RunState | None
@@ -65,6 +67,8 @@ class Recording:
         self._journal.rewrite(state.records if state.carry is None else state.carry.records)
         info: dict[str, Any] = {
             "run_id": self.run_id,
+            "attempt": self.attempt.number,
+            "attempt_id": self.attempt.attempt_id,  # what this attempt's workers know (.attempts)
             "endpoint": self.endpoint,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -130,7 +134,9 @@ class Recording:
     def _write(self, action: Journal) -> None:
         """Write the record, then tell the observers: an epoch's once every action of this turn
         is carried out (the decision is not held up for them), the result at once."""
-        record = {**action.record, "time": time.time()} if action.kind == "epoch" else action.record
+        record = {**action.record, "attempt": self.attempt.number}  # the attempt that wrote it
+        if action.kind == "epoch":
+            record["time"] = time.time()
         if action.kind == "result" and self._state is not None and self._state.extensions:
             record = {**record, "extended": self._state.extensions}  # as run.json says
         if action.kind == "result" and self._state is not None and self._state.steered:

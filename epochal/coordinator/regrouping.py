@@ -257,7 +257,7 @@ class Regrouping:
         actions.append(
             Send(
                 self._state.members[0].peer,
-                OpenStore(run_id=self._state.run_id, generation=self._state.generation),
+                OpenStore(run_id=self._state.attempt_id, generation=self._state.generation),
             )
         )
         return actions

@@ -24,6 +24,7 @@ from typing import Any
 
 from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.actions import RunSummary
+from epochal.coordinator.attempts import workers_id
 from epochal.coordinator.carry import carry_from
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.directories import check_directories
@@ -33,9 +34,11 @@ from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.runstate import RunState
 from epochal.coordinator.steering import (
     STEERS,
+    extension,
     in_effect,
     replay_steered,
     schedule_jump,
+    schedule_of,
     steered,
     steered_before,
 )
@@ -276,12 +279,21 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
 
     Every file is read only when it is a regular file within its size bound (never through a
     link, never blocking on a FIFO): a refusal names the file."""
+    check_directories(None, checkpoint_dir)
+    run = None if config.run_dir is None else _stored_run(config.run_dir)
+    state = _inspect(config, checkpoint_dir, run)
+    state.run_file = run
+    return state
+
+
+def _inspect(
+    config: CoordinatorConfig, checkpoint_dir: Path | None, run: dict[str, Any] | None
+) -> RunState:
+    """:func:`inspect`, once run.json was read (``run``: None when there is none)."""
     run_dir = config.run_dir
     loop = LoopState.from_config(config)
-    check_directories(None, checkpoint_dir)
     if run_dir is None:
         return RunState(loop=loop)
-    run = _stored_run(run_dir)
     if run is None:
         _refuse_orphan_journal(run_dir)
         return RunState(loop=loop)
@@ -315,19 +327,11 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
     standing_changes = [c for c in earlier if c["at_epoch"] < start]
     now_steered = steered(in_effect(stored, earlier, start), current, start)
     steered_all = standing_changes + now_steered
-    replay_steered(loop, kept, steered_all)
-    extended_from = None
+    extended_from = None if more is None else more[0]
     if more is not None:
-        extended_from = more[0]
-        extensions = [
-            *extensions,
-            {
-                "from_epochs": more[0],
-                "to_epochs": more[1],
-                "at_epoch": start,
-                "had_finished": result is not None,
-            },
-        ]
+        extensions = [*extensions, extension(config, extensions, more, start, result is not None)]
+    loop.schedule = schedule_of(config, extensions)  # kept by --keep-schedule, or over --epochs
+    replay_steered(loop, kept, steered_all)
     if more is not None and kept:
         jump = schedule_jump(loop, kept, more, start)
         if jump is not None:
@@ -346,7 +350,7 @@ def inspect(config: CoordinatorConfig, checkpoint_dir: Path | None) -> RunState:
         # running workers are taken back only to go on as they were decided
         carry=None
         if more is not None or now_steered
-        else carry_from(config, records, run.get("run_id")),
+        else carry_from(config, records, workers_id(run), loop.schedule),
     )
 
 

@@ -37,6 +37,8 @@ class RunState:
     carry: Carry | None = None
     # where running workers are taken back by a restarted coordinator (not for a resume from a
     # checkpoint by workers started again); None: the journal holds no decision to carry on from
+    run_file: dict[str, Any] | None = None
+    # run.json as the coordinator found it (None: a new run): the run's id and attempt (.attempts)
 
     @property
     def start_epoch(self) -> int:

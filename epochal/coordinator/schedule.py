@@ -13,7 +13,8 @@ Specs are written ``NAME`` or ``NAME:key=value,key=value``:
 ``constant``                                   factor 1 throughout (the default)
 ``step:every=N,gamma=G``                       ``G ** (epoch // N)``
 ``exponential:gamma=G``                        ``G ** epoch``
-``cosine:min=M``                               from 1 down to ``M`` over the run's epochs
+``cosine:min=M``                               from 1 down to ``M`` over the run's epochs (the
+                                               epochs it had, when kept: ``--keep-schedule``)
 ``linear:end=E``                               ``1 - epoch / E``: reaches 0 at epoch ``E`` and stops
 ``plateau:patience=P,factor=F,threshold=T,min=M``  multiply by ``F`` after ``P`` validated epochs
                                                without a relative improvement of ``T`` in the
@@ -52,6 +53,9 @@ class Schedule:
     epochs: int = 1
     given: frozenset[str] = field(default=frozenset(), compare=False)
     """The settings the spec named; the others are their defaults."""
+    held: bool = False
+    """The curve was kept over ``epochs`` when the run was given more (``--keep-schedule``): the
+    factor of its last epoch holds for the epochs after it."""
 
     def defaults_note(self) -> str | None:
         """One line naming the settings the spec left to their defaults (``step:every=2`` takes
@@ -96,7 +100,8 @@ class Schedule:
             case "exponential":
                 return float(p["gamma"] ** nxt)
             case "cosine":
-                progress = min(nxt, self.epochs) / self.epochs  # the last epoch stays above min
+                last = self.epochs - 1 if self.held else self.epochs
+                progress = min(nxt, last) / self.epochs  # the last epoch stays above min
                 return p["min"] + (1 - p["min"]) * (1 + math.cos(math.pi * progress)) / 2
             case "linear":
                 return 1.0 - nxt / p["end"]

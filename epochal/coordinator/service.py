@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from epochal.coordinator.actions import (
     RunSummary,
     Send,
 )
+from epochal.coordinator.attempts import RunAttempt, attempt_of, new_run_id
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.connections import Connections, connection_limits
 from epochal.coordinator.directories import check_directories
@@ -57,11 +57,6 @@ from epochal.protocol import MAX_FRAME_BYTES, Heartbeat, encode
 from epochal.security.curve import RefusedHandshakes, ServerSecurity
 
 __all__ = ["Coordinator", "RunPhase", "RunSummary", "new_run_id"]
-
-
-def new_run_id() -> str:
-    """A fresh, short, unique run id."""
-    return uuid.uuid4().hex[:12]
 
 
 def _log_line(line: str) -> None:
@@ -118,6 +113,7 @@ class Coordinator(Recording):
         self.bind_address = bind
         self.endpoint: str | None = None
         self.run_id = run_id or new_run_id()
+        self.attempt = RunAttempt.first(self.run_id)  # the run directory's may say otherwise
         self._log = log
         self._fresh = fresh
         self._security = security
@@ -202,15 +198,14 @@ class Coordinator(Recording):
         self._state = resume.inspect(self.config, checkpoint_dir)
         if self._workers_here:  # epochal run starts every worker anew: none to take back
             self._state.carry = None
-        if self._state.carry is not None:
-            # the run its workers are in, should they come back: also after a second restart,
-            # when some may not have heard this coordinator's id yet
-            self.run_id = self._state.carry.run_id
+        self.attempt = attempt_of(self._state, self.run_id)  # the run's id kept (.attempts)
+        self.run_id = self.attempt.run_id
         run_dir = self.config.run_dir
         self._machine = RunMachine(
             self.config,
             self._state,
             run_id=self.run_id,
+            attempt_id=self.attempt.attempt_id,
             now=time.monotonic(),
             model_record=None if run_dir is None else ModelFile(run_dir),
             rendezvous_note=self._rendezvous_note,

@@ -1,15 +1,19 @@
 """Settings that only steer decisions still to come (``--patience``, ``--min-delta``,
 ``--checkpoint-every``): what a resume that changes them records and says, and how the epochs
 decided before the change are replayed under the values they were decided with. Also what a run
-given more epochs says when its learning-rate schedule spans them."""
+given more epochs records and says when its learning-rate schedule spans them: it continues on the
+curve over the new count, or, with ``--keep-schedule``, keeps the curve it had and holds its last
+factor (run.json's ``extended`` records the span kept, so that every later resume keeps it too)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from epochal.coordinator.carry import replay
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
+from epochal.coordinator.schedule import Schedule
 from epochal.settings import settings
 
 _SETTINGS = settings(CoordinatorConfig)
@@ -96,12 +100,49 @@ def replay_steered(
         setattr(loop, key, value)
 
 
+def extension(
+    config: CoordinatorConfig,
+    earlier: list[dict[str, Any]],
+    more: tuple[int, int],
+    start: int,
+    had_finished: bool,
+) -> dict[str, Any]:
+    """What run.json's ``extended`` keeps of a resume that gives the run more epochs (``more``:
+    before, now) from epoch ``start``. With ``--keep-schedule`` and a schedule that spans the
+    epochs, also ``kept_span``: the epochs its curve is kept over (what an ``earlier`` one kept,
+    else the epochs the run had)."""
+    record: dict[str, Any] = {
+        "from_epochs": more[0],
+        "to_epochs": more[1],
+        "at_epoch": start,
+        "had_finished": had_finished,
+    }
+    if config.keep_schedule and config.schedule.spans_epochs:
+        record["kept_span"] = kept_span(earlier) or more[0]
+    return record
+
+
+def kept_span(extensions: list[dict[str, Any]]) -> int | None:
+    """The epochs the run's schedule keeps its curve over: the last extension's ``kept_span``;
+    None when the last one kept none (or the run was never given more epochs)."""
+    span = extensions[-1].get("kept_span") if extensions else None
+    return span if type(span) is int and span >= 1 else None
+
+
+def schedule_of(config: CoordinatorConfig, extensions: list[dict[str, Any]]) -> Schedule:
+    """The run's schedule: over ``--epochs``, or over the span an extension kept, its last
+    factor held after it (:func:`kept_span`)."""
+    span = kept_span(extensions)
+    schedule = config.schedule
+    return schedule if span is None else dataclasses.replace(schedule, epochs=span, held=True)
+
+
 def schedule_jump(
     loop: LoopState, kept: list[dict[str, Any]], more: tuple[int, int], start: int
 ) -> str | None:
     """What a run given more epochs (``more``: before, now) says when its learning-rate schedule
-    spans ``--epochs``: the factor the old curve gave ``start``, the one the curve over the new
-    count gives it (``loop`` replayed), and why; None when the schedule does not span them."""
+    spans ``--epochs``: the factor the old curve gave ``start``, the one it has now (``loop``
+    replayed), and why; None when the schedule does not span them."""
     schedule = loop.schedule
     decided = [r for r in kept if r["kind"] == "epoch"]
     if schedule is None or not schedule.spans_epochs or not decided:
@@ -109,8 +150,13 @@ def schedule_jump(
     before = decided[-1].get("next_lr_factor")
     if not isinstance(before, int | float) or isinstance(before, bool):
         return None
-    return (
+    said = (
         f"learning-rate factor {before:.4g} -> {loop.lr_factor:.4g} at epoch {start}: the "
         f"{schedule.spec} schedule spans --epochs, now {more[1]} where it was {more[0]}, so the "
-        "run continues on the curve over the new count"
     )
+    if schedule.held:
+        return said + (
+            f"run keeps its curve over {schedule.epochs} epochs (--keep-schedule) and holds its "
+            "last factor for the epochs added"
+        )
+    return said + "run continues on the curve over the new count"

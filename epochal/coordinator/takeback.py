@@ -68,7 +68,7 @@ class TakingBack:
         return (
             carry is not None
             and self._state.phase is RunPhase.RENDEZVOUS
-            and hello.run_id == carry.run_id
+            and hello.run_id == carry.attempt_id
             and hello.rank_hint is not None
             and (self.taking_back or not self._state.rendezvous.members)
         )
@@ -134,6 +134,7 @@ class TakingBack:
                 kept.add(carry.pending_checkpoint)
             for epoch in kept:
                 loop = LoopState.from_config(self._state.config)
+                loop.schedule = carry.loop.schedule  # as resumes kept it (steering.schedule_of)
                 replay(loop, [r for r in carry.records if r["epoch"] <= epoch])
                 self._state.loops_at[epoch] = loop
 
@@ -146,7 +147,7 @@ class TakingBack:
         return Welcome(
             rank=rank,
             world_size=carry.world_size,
-            run_id=self._state.run_id,
+            run_id=self._state.attempt_id,
             backend=self._carry_backend(member),
             store_host=member.hello.host,  # not used: the worker keeps its store
             store_port=1,

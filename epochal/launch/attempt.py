@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import signal
+from collections.abc import Sequence
 from typing import TextIO
 
 from epochal.coordinator import Coordinator, CoordinatorConfig, RunSummary
@@ -191,7 +192,7 @@ class Attempt:
                 self._preload_failed, said=lambda line: say(line, logging.INFO)
             )
         for index in range(self.nproc):
-            await self._start(index, f"{self.coordinator.run_id}/local-{index}")
+            await self._start(index, f"{self.coordinator.attempt.attempt_id}/local-{index}")
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal, signum)
@@ -289,7 +290,7 @@ class Attempt:
         deadline = loop.time() + self.config.heartbeat_timeout
         while self.coordinator.in_world(gone) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        worker_id = f"{self.coordinator.run_id}/local-{index}/{n}"
+        worker_id = f"{self.coordinator.attempt.attempt_id}/local-{index}/{n}"
         proc = await self._start(index, worker_id)
         position = self.procs.index(proc)  # _start() appended it
         self.spare_positions.append(position)
@@ -351,7 +352,7 @@ class Attempt:
     def _outcome(self) -> Outcome:
         """How the attempt ended, said in the launcher's last line."""
         summary, interrupted, slots = self.summary, self.interrupted, self.slots
-        hidden = hidden_note(self.relay.hidden)
+        hidden = hidden_note(self.relay.hidden, self.relay.hidden_causes)
         bound = self.bound
         if interrupted and summary is not None:
             bound = self.abort_exit  # the signal bounded a wait that had none
@@ -424,10 +425,22 @@ def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) 
     return Outcome(EXIT_FAILED, reason, retry=True)
 
 
-def hidden_note(hidden: int) -> str:
-    """What the launcher's last line adds about the ``hidden`` lines of worker output."""
+def hidden_note(hidden: int, causes: Sequence[str] = ()) -> str:
+    """What the launcher's last line adds about the ``hidden`` lines of worker output; ``causes``:
+    the errors among them that the abort's reason says are in a worker's output."""
     if hidden == 0:
         return ""
+    if causes:
+        named = " and ".join(causes)
+        if hidden == 1:
+            return (
+                f"; 1 line of worker output is hidden, the {named} the reason points to "
+                "(--verbose shows it)"
+            )
+        return (
+            f"; {hidden} lines of worker output are hidden, the {named} the reason points to "
+            "among them (--verbose shows them)"
+        )
     if hidden == 1:
         return "; 1 line of worker output that follows from it is hidden (--verbose shows it)"
     return (

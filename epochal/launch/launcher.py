@@ -175,9 +175,9 @@ async def _attempt(
     if coordinator.finished is not None:
         await coordinator.run()  # says that there is nothing to do
         return Outcome(EXIT_OK)
-    where = "" if config.run_dir is None else f" in {config.run_dir}"
+    where = "" if config.run_dir is None else f", in {config.run_dir}"
     say(
-        f"run {coordinator.run_id}{where}, coordinator at {endpoint}; "
+        f"{coordinator.attempt.named}{where}, coordinator at {endpoint}; "
         f"starting {counted(nproc, 'worker')}",
         logging.INFO,
     )

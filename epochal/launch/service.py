@@ -72,7 +72,7 @@ async def _serve(
     endpoint = await coordinator.start()
     print(f"epochal coordinator listening on {endpoint}", flush=True)
     if config.run_dir is not None:
-        COORDINATOR.info(f"epochal: run {coordinator.run_id} in {config.run_dir}")
+        COORDINATOR.info(f"epochal: {coordinator.attempt.named}, in {config.run_dir}")
     written: str | None = None
     address_file = options.address_file
     if address_file is not None:

@@ -66,6 +66,8 @@ class RankStatus:
     # the line its training code was executing, "file.py:12 in fn"
     last_heard: float
     # seconds since anything arrived from it
+    steps: int | None = None
+    # how many steps its phase of the epoch has (its train or validation batches); None: unknown
 
     @classmethod
     def from_row(
@@ -86,6 +88,7 @@ class RankStatus:
             "idle": round(self.idle, 3),
             "where": self.where,
             "last_heard": round(self.last_heard, 3),
+            **({} if self.steps is None else {"steps": self.steps}),
         }
 
 
@@ -108,6 +111,8 @@ class StatusSnapshot:
     # hellos refused so far by this coordinator (wrong job or token, surplus, duplicate)
     round_seconds: float | None = None
     # the last epoch's control round: from the first rank's loss report to the decision sent
+    epoch_ends_in: float | None = None
+    # seconds until the epoch under way ends, at the rate its slowest rank went so far
     time: float = field(default_factory=time.time)
 
 

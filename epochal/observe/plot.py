@@ -51,12 +51,14 @@ _KNOWN = {
     "best_epoch",
     "lr_factor",
     "next_lr_factor",
+    "lr",  # the initial rate times lr_factor: drawn once, as the factor on the second axis
     "seconds",
     "time",
     "train_batches",
     "valid_batches",
     "world_size",
     "generation",
+    "attempt",
 }
 """Fields of an epoch record drawn in their own way (or not at all: bookkeeping)."""
 

@@ -161,6 +161,7 @@ class StatusFile(RunObserver):
         )
         if snapshot.round_seconds is not None:
             self._data["round_seconds"] = snapshot.round_seconds
+        self._data["epoch_ends_in"] = snapshot.epoch_ends_in
 
     def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
         if self._ended:
@@ -316,7 +317,7 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
                 _t(r.get("host", "")),
                 _t(r.get("phase", "?")),
                 _t(r.get("epoch", "")),
-                _t(r.get("step", "")),
+                _step(r),
                 f"{idle:.1f} s" if _is_number(idle) else "-",
                 f"{heard:.1f} s ago" if _is_number(heard) else "-",
                 _t(r.get("where", "")),
@@ -327,6 +328,23 @@ def rank_table(ranks: list[dict[str, Any]]) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
         for line in (header, *body)
     )
+
+
+def _step(rank: Mapping[str, Any]) -> str:
+    """A rank's step, of how many its phase of the epoch has when known: ``2246/4000``."""
+    step, steps = rank.get("step", ""), rank.get("steps")
+    return f"{_t(step)}/{_t(steps)}" if type(steps) is int else _t(step)
+
+
+def _epoch_end(status: Mapping[str, Any], now: float) -> list[str]:
+    """When the epoch under way ends, at the rate so far: one line while it runs, else none."""
+    left, taken = status.get("epoch_ends_in"), status.get("snapshot_time")
+    if status.get("state") != "running" or not (_is_number(left) and _is_number(taken)):
+        return []
+    return [
+        f"epoch {_t(status.get('epoch'))} ends in about {max(0.0, left - (now - taken)):.0f} s "
+        "(at the rate its slowest rank went so far)"
+    ]
 
 
 def describe(run_dir: Path, *, now: float | None = None) -> str:
@@ -345,7 +363,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
     monitor = monitor_of(live if "monitor" in live else _obj(run.get("config")))
     smoothed = f"smoothed {_t(monitor)}"
     lines = []
-    head = f"run {_t(run_id or '?')} in {_t(run_dir)}: "
+    head = f"run {_t(run_id or '?')}{_attempt(run, result)} in {_t(run_dir)}: "
     if result is not None and result.get("status") == "finished":
         lines.append(
             head + f"finished after {_epochs(result.get('epochs_run'))}, best epoch "
@@ -369,6 +387,7 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
             )
         else:
             lines.append(f"{seen} by pid {_t(status.get('pid'))} on {_t(status.get('host'))}")
+            lines += _epoch_end(status, now)
     elif records:
         lines.append(
             head + f"{counted(len(records), 'epoch')} journaled, no result and no status.json (a "
@@ -400,6 +419,13 @@ def describe(run_dir: Path, *, now: float | None = None) -> str:
         if result is None and ranks:
             lines.append(rank_table([r for r in ranks if isinstance(r, dict)]))
     return "\n".join(lines)
+
+
+def _attempt(run: Mapping[str, Any], result: Mapping[str, Any] | None) -> str:
+    """``, attempt 2,``: which attempt of the run run.json (the newest's), else result.json
+    names; nothing for a run written before attempts were numbered."""
+    number = run.get("attempt", (result or {}).get("attempt"))
+    return f", attempt {_t(number)}," if type(number) is int else ""
 
 
 _RESTORED = {

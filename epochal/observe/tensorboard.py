@@ -53,7 +53,7 @@ as ``metrics/smoothed_NAME`` and ``metrics/best_NAME`` (:func:`monitored_tags`).
 change of world shows as a step in ``world/size`` (and ``world/generation``) at the epoch it
 redid at the new size."""
 
-_NOT_SCALARS = {"epoch", "time", "kind"}
+_NOT_SCALARS = {"epoch", "time", "kind", "attempt"}
 
 
 def monitored_tags(monitor: str) -> dict[str, str]:

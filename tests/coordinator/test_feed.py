@@ -20,12 +20,13 @@ from epochal.coordinator.feed import (
     STARTING,
     UNHEARD,
     ObserverFeed,
+    epoch_ends_in,
     rank_at,
     snapshot,
 )
 from epochal.coordinator.watchdog import RankStatus
 from epochal.observe import RunObserver, StatusSnapshot
-from epochal.protocol import Awaiting
+from epochal.protocol import Awaiting, Phase, Status
 from tests.coordinator.test_machine import last, ready, report, start
 
 RUNNING, READY, FINISHING = RunPhase.RUNNING, RunPhase.READY, RunPhase.FINISHING
@@ -70,6 +71,19 @@ def test_after_a_decision_the_header_and_every_rank_row_say_the_same_epoch() -> 
     seen = snapshot(machine, loop, "r1", machine.phase, 4.0)
     assert (seen.state, seen.epoch) == ("finishing", 2)
     assert {(r.phase, r.epoch) for r in seen.ranks} == {("finishing", 2)}
+
+
+def test_each_rank_row_says_how_many_steps_its_phase_has_and_when_the_epoch_ends() -> None:
+    run = start(epochs=3)
+    machine = run.machine
+    run.all(1.0, ready)  # epoch 0: 5 train batches, 2 validation batches on every rank
+    run.send(3.0, run.peers[0], Status(Phase.TRAIN, 0, 2, "train.py:9 in step"))
+    run.send(3.0, run.peers[1], Status(Phase.VALIDATE, 0, 1, "train.py:20 in check"))
+    seen = snapshot(machine, machine._loop, "r1", machine.phase, 3.0)
+    assert [(r.phase, r.step, r.steps) for r in seen.ranks] == [("train", 2, 5), ("validate", 1, 2)]
+    # the slowest rank did 2 of the epoch's 7 batches in the 2 s since its Go: 5 more take 5 s
+    assert seen.epoch_ends_in == pytest.approx(5.0)
+    assert epoch_ends_in(machine.plan, [], 2.0) is None  # no rank with a rate to go by
 
 
 class Heard(RunObserver):

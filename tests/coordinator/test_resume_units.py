@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -489,6 +490,7 @@ MAY_CHANGE: dict[str, Any] = {
     "min_workers": 2,
     "replica_check": False,
     "world_size": 3,  # the resume says so (recording's resume line), the checkpoint resharded
+    "keep_schedule": True,  # what it keeps is recorded when the run is given more epochs
 }
 
 
@@ -743,6 +745,50 @@ def test_a_cosine_run_given_more_epochs_says_how_its_factor_jumps(tmp_path: Path
         "cosine:min=0 schedule spans --epochs, now 14 where it was 8, so the run continues on "
         "the curve over the new count"
     ) in state.notes
+
+
+FALLING = [(1.0 / (epoch + 1), 1.0 / (epoch + 1)) for epoch in range(14)]
+"""Losses that improve every epoch: nothing stops a run early."""
+
+
+def test_keep_schedule_holds_the_last_factor_of_the_curve_the_run_had(tmp_path: Path):
+    before = make_config(tmp_path, epochs=8, lr_schedule="cosine")
+    write_run(before, epochs_done=8, checkpoints=[7], rows=FALLING, state=cosine_loop(8))
+    write_finished(before, 8)
+    state = look(make_config(tmp_path, epochs=14, lr_schedule="cosine", keep_schedule=True))
+    last = (1 + math.cos(math.pi * 7 / 8)) / 2  # what epoch 7, the last of 8, trained with
+    assert state.start_epoch == 8 and state.loop.lr_factor == pytest.approx(last)
+    assert state.extensions[-1]["kept_span"] == 8
+    assert (
+        f"learning-rate factor 0 -> {last:.4g} at epoch 8: the cosine:min=0 schedule spans "
+        "--epochs, now 14 where it was 8, so the run keeps its curve over 8 epochs "
+        "(--keep-schedule) and holds its last factor for the epochs added"
+    ) in state.notes
+    # the factor holds for the epochs added
+    loop = state.loop
+    for epoch in range(8, 13):
+        loop.update(epoch, 0.01, 0.01, validates=True)
+        assert loop.lr_factor == pytest.approx(last)
+
+
+def test_a_later_resume_of_a_run_that_kept_its_schedule_keeps_it(tmp_path: Path):
+    # the run above, killed in epoch 11 after the checkpoint of epoch 10; resumed with neither
+    # --keep-schedule nor more epochs, it goes on with the factor it held
+    kept = make_config(tmp_path, epochs=14, lr_schedule="cosine", keep_schedule=True)
+    held = LoopState(
+        epochs=14, schedule=dataclasses.replace(parse_schedule("cosine", 8), held=True)
+    )
+    write_run(kept, epochs_done=11, checkpoints=[7, 10], rows=FALLING, state=held)
+    extended = {"from_epochs": 8, "to_epochs": 14, "at_epoch": 8, "kept_span": 8}
+    run = json.loads((kept.run_dir / "run.json").read_text())
+    (kept.run_dir / "run.json").write_text(json.dumps({**run, "extended": [extended]}))
+    state = look(make_config(tmp_path, epochs=14, lr_schedule="cosine"))
+    assert state.start_epoch == 11 and state.notes == []
+    assert state.loop.lr_factor == pytest.approx((1 + math.cos(math.pi * 7 / 8)) / 2)
+    # given more epochs again without --keep-schedule, it continues on the curve over 20
+    state = look(make_config(tmp_path, epochs=20, lr_schedule="cosine"))
+    assert "kept_span" not in state.extensions[-1]
+    assert state.loop.lr_factor == pytest.approx((1 + math.cos(math.pi * 11 / 20)) / 2)
 
 
 def test_a_schedule_that_does_not_span_the_epochs_says_nothing_when_given_more(tmp_path: Path):

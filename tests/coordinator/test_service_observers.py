@@ -127,7 +127,7 @@ async def test_observers_hear_start_joins_epochs_and_end_in_order_and_nothing_af
     assert [(r["kind"], r["epoch"]) for r in records] == [
         (kind, epoch) for epoch in range(3) for kind in ("epoch", "checkpoint")
     ]
-    assert all("time" in r for r in records)
+    assert all("time" in r and r["attempt"] == 1 for r in records)
     # the records the observers got are the ones in the journal, but for the go of the first
     # epoch, which is kept for a restarted coordinator only
     lines = (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()
@@ -147,6 +147,7 @@ async def test_observers_hear_start_joins_epochs_and_end_in_order_and_nothing_af
             "best_epoch": 2,
             "best_loss": pytest.approx(1 / 3),
             "epochs_run": 3,
+            "attempt": 1,
         }
     ]
     # every snapshot came before the end; the owner, not the service, closes the observers
@@ -173,7 +174,7 @@ async def test_every_heartbeat_brings_a_snapshot_until_the_end(ctx):
     assert all(s.state == "rendezvous" and s.joined == 1 for s in statuses)
     assert recorder.names(statuses=True)[-1] == "on_end"
     assert recorder.args("on_end") == [
-        {"status": "aborted", "run_id": coordinator.run_id, "reason": "enough"}
+        {"status": "aborted", "run_id": coordinator.run_id, "reason": "enough", "attempt": 1}
     ]
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.projectfiles import project_files
+
 REPO = Path(__file__).resolve().parents[2]
 CONTAINER = REPO / "deploy" / "container"
 SHELLS = ("sh", "bash", "dash", "ksh")
@@ -28,19 +30,11 @@ def lint(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
 
 
-def shell_scripts() -> list[Path]:
-    """Tracked and new (not ignored) files that are shell scripts: by suffix or by shebang."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
+def shell_scripts(repo: Path = REPO) -> list[Path]:
+    """The project's files (:func:`project_files`) that are shell scripts: by suffix or by
+    shebang."""
     found = []
-    for name in filter(None, listed):
-        path = REPO / name.decode()
-        if not path.is_file():
-            continue
+    for path in project_files(repo):
         if path.suffix in (".sh", ".bash", ".sbatch"):
             found.append(path)
             continue
@@ -111,3 +105,29 @@ def test_the_quick_starts_virtual_environment_is_not_the_projects_to_lint() -> N
         check=False,
     )
     assert ignored.returncode == 0, ".venv/ is not in .gitignore: its scripts would be linted"
+
+
+def test_a_virtual_environment_in_the_clone_is_not_linted(tmp_path: Path) -> None:
+    # a clone with its own scripts, and environments made inside it: one under the quick start's
+    # name that this clone's .gitignore does not name, one under another name
+    repo = tmp_path / "clone"
+    broken = "#!/bin/bash\nrm -rf $DIR/*\n"
+    for name, text in {
+        "deploy/run.sh": "#!/bin/bash\necho ok\n",
+        ".venv/pyvenv.cfg": "home = /usr/bin\n",
+        ".venv/lib/python3.11/site-packages/tqdm/completion.sh": broken,
+        "venv/pyvenv.cfg": "home = /usr/bin\n",
+        "venv/bin/activate.sh": broken,
+        "tools/new.sh": "#!/bin/sh\necho new\n",  # not committed yet: still the project's
+    }.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "deploy/run.sh"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "scripts"], check=True)
+    names = [p.relative_to(repo).as_posix() for p in shell_scripts(repo)]
+    assert names == ["deploy/run.sh", "tools/new.sh"]
+    shellcheck = tool("shellcheck", "apt-get install shellcheck")
+    done = lint(shellcheck, "--severity=style", *(str(repo / n) for n in names))
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -32,7 +32,9 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.slow
 
 DEADLINE = RESUMABLE_DEADLINE
-STARTED = re.compile(r"\[epochal\] run (\w+) in (runs/\w+), coordinator at \S+; starting 2 workers")
+STARTED = re.compile(
+    r"\[epochal\] run (\w+), attempt 1, in (runs/\w+), coordinator at \S+; starting 2 workers"
+)
 """The launcher's first line: the run directory, under the directory it runs in."""
 
 RESUME = "to resume: "
@@ -70,9 +72,14 @@ def test_ctrl_c_says_where_the_run_is_and_the_command_that_resumes_it(spawn: Spa
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
     assert f"resuming {started[2]} at epoch" in output
-    assert f"in {started[2]}, coordinator at" in output
+    # the same run, its second attempt: one id in the first line, the journal and the result
+    assert f"run {run_id}, attempt 2, in {started[2]}, coordinator at" in output
     assert_same_result(reference, out)
     assert [p.name for p in (spawn.tmp / "runs").iterdir()] == [run_id]  # no second run
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["run_id"], result["attempt"]) == (run_id, 2)
+    attempts = [r["attempt"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]
+    assert attempts[0] == 1 and attempts[-1] == 2 and attempts == sorted(attempts), attempts
     spawn.assert_none_left()
 
 
@@ -158,7 +165,7 @@ def test_a_coordinator_says_its_run_directory_and_how_to_resume_it(spawn: Spawne
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith(LISTENING)
     said = proc.stdout.readline()
-    where = re.fullmatch(r"epochal: run (\w+) in (runs/\w+)\n", said)
+    where = re.fullmatch(r"epochal: run (\w+), attempt 1, in (runs/\w+)\n", said)
     assert where, said
     wait_for(lambda: catches(proc.pid, signal.SIGTERM), 30)  # serving: a stop is an abort
     os.killpg(proc.pid, signal.SIGTERM)
@@ -171,7 +178,7 @@ def test_a_coordinator_says_its_run_directory_and_how_to_resume_it(spawn: Spawne
     # --resume without --run-dir finds that run (the same command: a coordinator's)
     code, lines = coordinator_lines(spawn, "--epochs", "3", "--resume")
     assert code == 1, lines
-    assert re.fullmatch(rf"epochal: run \w+ in {where[2]}", lines[1]), lines
+    assert lines[1] == f"epochal: run {where[1]}, attempt 2, in {where[2]}", lines
     assert resume_words(lines[-1])[3] == where[2]
 
     # a new run says there is one to continue

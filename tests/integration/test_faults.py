@@ -217,6 +217,8 @@ def test_a_peer_lost_by_the_data_plane_is_said_in_words(spawn, tmp_path):
         assert f"failed: {PEER_LOST}; the RuntimeError it raised is in this worker's output" in (
             cause
         ), output
+        # and the last line, which counts the lines hidden, says that error is one of them
+        assert "the RuntimeError the reason points to" in output.splitlines()[-2], output
     assert " 1 lines " not in output, output
 
 

@@ -108,6 +108,12 @@ def test_relay_judges_a_workers_one_line_like_the_traceback_it_replaces():
     relay.release(known_reasons="rank 1 has 3 batches")
     assert out.getvalue() == "[rank 2] epochal.errors.JoinRefused: the workers' models differ\n"
     assert relay.hidden == 3
+    # the abort's reason said rank 3's RuntimeError is in its output: the last line says where
+    assert relay.hidden_causes == ["RuntimeError"]
+    assert hidden_note(relay.hidden, relay.hidden_causes) == (
+        "; 3 lines of worker output are hidden, the RuntimeError the reason points to among "
+        "them (--verbose shows them)"
+    )
 
 
 def test_relay_shows_a_cause_the_coordinator_did_not_give_once():
@@ -173,6 +179,10 @@ def test_the_hidden_lines_are_counted_in_words():
     )
     assert hidden_note(7) == (
         "; 7 lines of worker output that follow from it are hidden (--verbose shows them)"
+    )
+    assert hidden_note(1, ["RuntimeError"]) == (
+        "; 1 line of worker output is hidden, the RuntimeError the reason points to "
+        "(--verbose shows it)"
     )
 
 

@@ -3,10 +3,12 @@ tensorboard package's own reader and a real HTTP scrape."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
@@ -348,6 +350,29 @@ def test_status_names_the_monitored_value_it_shows(tmp_path: Path) -> None:
         .splitlines()[0]
         .endswith("finished after 1 epoch, best epoch 0 (smoothed accuracy 0.9000)")
     )
+
+
+def test_status_says_each_ranks_step_of_its_phase_and_when_the_epoch_ends(tmp_path: Path) -> None:
+    journal = Journal(tmp_path)
+    journal.start({"run_id": "run0", "config": {"epochs": 10}})
+    journal.close()
+    status = StatusFile(tmp_path)
+    status.on_start(start(tmp_path))
+    rows = [
+        dataclasses.replace(
+            RankStatus.from_row((0, "node1", "train", 1, 2246, 0.5, "train.py:40 in step"), 0.2),
+            steps=4000,
+        ),
+        RankStatus.from_row((1, "node2", "waiting", 0, 0, 3.0, "client.py:9 in wait"), 0.9),
+    ]
+    taken = time.time()
+    status.on_epoch(record(0), snapshot(1, ranks=rows, epoch_ends_in=95.0, time=taken))
+    lines = describe(tmp_path, now=taken + 5).splitlines()
+    assert "epoch 1 ends in about 90 s (at the rate its slowest rank went so far)" in lines
+    (row,) = [line for line in lines if line.startswith("0 ")]
+    assert row.split()[4] == "2246/4000"
+    (other,) = [line for line in lines if line.startswith("1 ")]
+    assert other.split()[4] == "0"  # a rank waiting has no steps to count
 
 
 def test_an_aborted_attempt_that_was_restarted_reads_as_live(tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ def test_further_metrics_are_every_other_number_in_the_records() -> None:
     assert found == {"accuracy": [(0, 0.5), (1, 0.7)], "f1": [(0, 0.4), (1, 0.6)]}
     # bookkeeping (batches, seconds, time, flags) is not a metric
     assert further_metrics([epoch_record(0)]) == {}
+    # the rate the optimizer held is the factor the second axis draws, not a metric again
+    assert further_metrics([epoch_record(0, lr=0.05), epoch_record(1, lr=0.025)]) == {}
 
 
 def test_a_curve_with_metrics_gets_a_second_panel(tmp_path: Path) -> None:
