@@ -121,6 +121,7 @@ class StandIn:
         self.device = torch.device("cpu") if device is None else device
         self.elastic, self.generation, self.restore = False, 0, "none"
         self.start_epoch = 0 if resume_epoch is None else resume_epoch + 1
+        self.steps_per_epoch: int | None = None  # an epoch is one pass
         self.client = SimpleNamespace(check=lambda: None)
 
 
@@ -158,6 +159,7 @@ class LocalSession(StandIn):
         state: Any,
         rejoin: Any = None,
         learning_rate: Any = None,
+        passes: Any = None,
     ) -> RunResult:
         start = 0
         if self.resume_epoch is not None:

@@ -99,6 +99,7 @@ class OneEpoch(StandIn):
         state: Any,
         rejoin: Any = None,
         learning_rate: Any = None,
+        passes: Any = None,
     ) -> RunResult:
         train_epoch(
             EpochContext(
