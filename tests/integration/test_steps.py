@@ -46,7 +46,7 @@ def batches_trained(out: Path) -> list[tuple[int, list[int]]]:
     for path in sorted(out.glob("ids-*.txt"), key=lambda p: p.stat().st_mtime):
         lines = [list(map(int, line.split())) for line in path.read_text().splitlines()]
         world, rank = lines[0][:2]
-        by_world.setdefault(world, {})[rank] = [line[2:] for line in lines]
+        by_world.setdefault(world, {})[rank] = [line[4:] for line in lines]
     out_batches = []
     for world, ranks in by_world.items():
         for i in range(min(len(r) for r in ranks.values())):
@@ -122,3 +122,49 @@ def test_resumed_at_another_world_size_each_sample_of_a_pass_is_trained_once(
     for p in range(3):
         assert sorted(i for ids in passes[5 * p : 5 * p + 5] for i in ids) == list(range(60))
     spawn.assert_none_left()
+
+
+def last_tries(out: Path) -> dict[int, list[int]]:
+    """Every epoch's sample ids, all ranks together, from its last try: an epoch interrupted by
+    a lost worker is redone in the next world, and its first try's batches are not kept."""
+    tries: dict[int, dict[int, list[int]]] = {}
+    for path in out.glob("ids-*.txt"):
+        for line in path.read_text().splitlines():
+            _, _, epoch, generation, *ids = map(int, line.split())
+            tries.setdefault(epoch, {}).setdefault(generation, []).extend(ids)
+    return {epoch: by[max(by)] for epoch, by in sorted(tries.items())}
+
+
+PASS_EPOCHS = 12
+"""Epochs of a pass in the elastic run: 144 samples in global batches of 6, 2 steps an epoch."""
+
+
+def test_a_worker_lost_and_one_joining_mid_pass_train_each_sample_of_the_pass_once(spawn, tmp_path):
+    """Three workers, --min-workers 2: rank 2 is killed in epoch 1, the two left redo it from its
+    start and go on with the rest of the pass re-sliced over two, and the replacement joins at a
+    later boundary of the same pass, taking the position with the state. Batches at two workers
+    are slow, so the replacement joins well before the pass ends."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        *("--nproc", "3", "--min-workers", "2", "--max-restarts", "1"),
+        *("--epochs", str(2 * PASS_EPOCHS), "--steps-per-epoch", "2"),
+        *("--run-dir", str(run_dir), str(SCRIPTS / "stepped.py"), "--out", str(out)),
+        *("--style", "passes", "--samples", "144", "--global-batch", "6"),
+        *("--step-delay", "0.5", "--slow-below", "3"),
+        EPOCHAL_FAULT="kill@train-step:rank=2:epoch=1:step=1:world=0",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    changes = [r for r in epoch_records(run_dir) if r["kind"] == "world"]
+    assert [(c["epoch"], c["from"], c["to"]) for c in changes[:1]] == [(1, 3, 2)], changes
+    (joined,) = changes[1:]
+    assert (joined["from"], joined["to"]) == (2, 3), joined
+    assert 1 < joined["epoch"] < PASS_EPOCHS, joined  # mid-pass, after the loss
+    trained = last_tries(out)
+    assert sorted(trained) == list(range(2 * PASS_EPOCHS))
+    for p in range(2):
+        ids = [i for e in range(p * PASS_EPOCHS, (p + 1) * PASS_EPOCHS) for i in trained[e]]
+        assert sorted(ids) == list(range(144)), p
+    spawn.assert_none_left()
+
