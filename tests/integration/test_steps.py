@@ -168,3 +168,37 @@ def test_a_worker_lost_and_one_joining_mid_pass_train_each_sample_of_the_pass_on
         assert sorted(ids) == list(range(144)), p
     spawn.assert_none_left()
 
+
+def test_a_custom_loop_reads_epochal_batches_at_the_position_its_context_gives(spawn, tmp_path):
+    """A custom loop (epochal.join, run_epochs) with --steps-per-epoch 3 over passes of 5 global
+    batches: each epoch's context says where the data stands, and a loader of epochal.batches
+    made there reads each sample of a pass once, across epochs."""
+    out = tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        *("--nproc", "2", "--epochs", "4", "--steps-per-epoch", "3"),
+        *("--run-dir", str(tmp_path / "run"), str(SCRIPTS / "stepped_loop.py"), "--out", str(out)),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    contexts, trained = set(), {}
+    for path in out.glob("ids-*.txt"):
+        for line in path.read_text().splitlines():
+            kind, *fields = line.split()
+            if kind == "ctx":
+                contexts.add(tuple(fields))
+            else:
+                _, _, epoch, step, *ids = map(int, fields)
+                trained.setdefault((epoch, step), []).extend(ids)
+    # (epoch, steps, global batches consumed, pass, batch of the pass) at each epoch's start
+    assert sorted(contexts) == [
+        ("0", "3", "0", "0", "0"),
+        ("1", "3", "3", "0", "3"),
+        ("2", "3", "6", "1", "1"),
+        ("3", "3", "9", "1", "4"),
+    ]
+    batches = [trained[key] for key in sorted(trained)]  # global batches, ranks together
+    assert len(batches) == 12
+    for p in range(2):  # each pass is 5 global batches of 8
+        assert sorted(i for ids in batches[5 * p : 5 * p + 5] for i in ids) == list(range(40))
+    spawn.assert_none_left()
