@@ -113,6 +113,7 @@ def test_resumed_at_another_world_size_each_sample_of_a_pass_is_trained_once(
     assert code != 0, output
     code, output = spawn.finish(stepped(spawn, run_dir, out, after, "passes"), DEADLINE)
     assert code == 0, output
+    assert "goes on with pass" not in output  # the same global batch in every world
     trained = batches_trained(out)
     # the killed world's two decided epochs (6 global batches), then the resumed world's 9
     first = [ids for world, ids in trained if world == before][:6]
@@ -121,6 +122,28 @@ def test_resumed_at_another_world_size_each_sample_of_a_pass_is_trained_once(
     passes = [*first, *second]
     for p in range(3):
         assert sorted(i for ids in passes[5 * p : 5 * p + 5] for i in ids) == list(range(60))
+    spawn.assert_none_left()
+
+
+def test_a_loader_of_its_own_resumed_mid_pass_at_another_world_size_says_so_in_one_line(
+    spawn, tmp_path
+):
+    """A DistributedSampler loader of the script's own, 4 samples a rank, killed at 2 workers
+    one batch into pass 1 and resumed at 3: its global batch grows from 8 to 12, so the rest of
+    the pass is not the samples left, and the run says so, naming epochal.batches."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    code, output = spawn.finish(
+        stepped(spawn, run_dir, out, 2, "sampler", EPOCHAL_FAULT=KILL), DEADLINE
+    )
+    assert code != 0, output
+    code, output = spawn.finish(stepped(spawn, run_dir, out, 3, "sampler"), DEADLINE)
+    assert code == 0, output
+    (line,) = [line for line in output.splitlines() if "goes on with pass" in line]
+    assert (
+        "epoch 2 goes on with pass 1, 1 of its 5 global batches in, in global batches of 12 "
+        "samples where it read 8" in line
+    ), line
+    assert "epochal.batches(" in line
     spawn.assert_none_left()
 
 
