@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from epochal.coordinator.config import BatchPolicy
 from epochal.position import data_offset, position_at
@@ -66,6 +67,46 @@ class EpochPlan:
             fields["pass_batches"] = self.pass_batches  # for the share of the pass done
             fields["global_batch"] = self.global_batch
         return fields
+
+
+def last_plan(records: Iterable[Mapping[str, Any]]) -> EpochPlan | None:
+    """The plan of the last epoch ``records`` (a journal's) hold; None: none, or not readable."""
+    for record in reversed(list(records)):
+        if record.get("kind") == "epoch":
+            try:
+                return EpochPlan(
+                    int(record["train_batches"]),
+                    int(record["valid_batches"]),
+                    record.get("pass_batches"),
+                    record.get("global_batch"),
+                )
+            except (KeyError, TypeError, ValueError):
+                return None
+    return None
+
+
+def resliced(previous: EpochPlan | None, plan: EpochPlan, epoch: int) -> str | None:
+    """What to say when ``epoch`` goes on with a pass begun in global batches of another size
+    (None: nothing to say). A loader whose global batch follows the world size (a batch size per
+    rank, as with a DistributedSampler) and whose world changed mid-pass, by a resume or an
+    elastic change, reads other samples than the pass has left; ``epochal.batches`` keeps its
+    global batch in every world. At a pass's start the new batches do no harm."""
+    if previous is None or previous.pass_batches is None or plan.global_batch is None:
+        return None
+    if previous.global_batch in (None, plan.global_batch):
+        return None
+    data_pass, batch = divmod(epoch * previous.train_batches, previous.pass_batches)
+    if batch == 0:
+        return None
+    return (
+        f"epoch {epoch} goes on with pass {data_pass}, {batch} of its "
+        f"{previous.pass_batches} global batches in, in global batches of {plan.global_batch} "
+        f"samples where it read {previous.global_batch}: the training loader's global batch "
+        "is its batch per rank times the world size, so the rest of this pass reads other "
+        "samples than it has left, some twice and some never. Read the data with "
+        "epochal.batches(dataset, global_batch=...), the same global batch in every world, or "
+        "keep the world size within a pass"
+    )
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -22,6 +22,7 @@ from epochal.coordinator.batches import (
     PolicyViolation,
     format_ranks,
     plan_epoch,
+    resliced,
 )
 from epochal.coordinator.carry import sent_record
 from epochal.coordinator.outcome import EpochOutcome, checkpoint_after, format_epoch_line
@@ -78,7 +79,7 @@ class Epochs:
             self._state.ready.clear()  # resumed after the last decision: only the finish is left
             return formed + self._finishing.finish(now)
         try:
-            go = self._go(self._state.epoch, self._state.ready)
+            go, notes = self._go(self._state.epoch, self._state.ready)
         except PolicyViolation as exc:
             return formed + self._state.abort(f"epoch {self._state.epoch}: {exc}", needs_fix=True)
         self._state.ready.clear()
@@ -91,11 +92,13 @@ class Epochs:
             "world_size": len(self._state.members),
             "generation": self._state.generation,
         }
-        return [*formed, Journal("epoch", record), Broadcast(self._state.recipients(), go)]
+        return [*formed, *notes, Journal("epoch", record), Broadcast(self._state.recipients(), go)]
 
-    def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> Go:
-        """Plan ``epoch`` from every rank's batch ``counts`` (or raise PolicyViolation): its Go."""
+    def _go(self, epoch: int, counts: dict[int, BatchCounts]) -> tuple[Go, list[Action]]:
+        """Plan ``epoch`` from every rank's batch ``counts`` (or raise PolicyViolation): its Go,
+        and the line to log when it reads the rest of a pass in other global batches."""
         plan = plan_epoch(counts, self._state.config.batch_policy)
+        note = resliced(self._state.plan, plan, epoch)
         self._state.validates = plan.valid_batches > 0  # every rank has validation data
         validate_now = self._state.validates and self._state.config.validates(epoch)
         self._state.plan = EpochPlan(
@@ -104,12 +107,13 @@ class Epochs:
             plan.pass_batches,
             plan.global_batch,
         )
-        return Go(
+        go = Go(
             epoch=epoch,
             train_batches=self._state.plan.train_batches,
             valid_batches=self._state.plan.valid_batches,
             lr_factor=self._state.loop.lr_factor,
         )
+        return go, [] if note is None else [Log(note)]
 
     def run(self, now: float) -> None:
         """Epoch ``self._state.epoch`` starts: its Go goes out now."""
@@ -186,14 +190,14 @@ class Epochs:
         gather = self._regrouping.gathers_now()
         try:
             # a world that grows after gathering plans the epoch from the new world's readies
-            go = None if gather else self._go(following, counts)
+            go, notes = (None, []) if gather else self._go(following, counts)
         except PolicyViolation as exc:  # the decision is journaled; no rank trains that epoch
             return [*actions, said, *state.abort(f"epoch {following}: {exc}", needs_fix=True)]
         decision = outcome.decision(checkpoint, sums, go, gather=gather)
         # kept whole, with the plan of the next epoch: a restarted coordinator answers a rank
         # that missed it with the same decision (the record dict is the Journal action's)
         record["next"] = {"sent": sent_record(decision), "validates": state.validates}
-        actions += [Broadcast(state.recipients(), decision), said]
+        actions += [Broadcast(state.recipients(), decision), said, *notes]
         state.epoch = following
         if gather:
             # every member gathers its part of the state onto rank 0 in the group it is in,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from epochal.coordinator import runstate
 from epochal.coordinator.actions import Aborted, Action, Broadcast, Journal, Log, RunPhase
-from epochal.coordinator.batches import BatchCounts, EpochPlan
+from epochal.coordinator.batches import BatchCounts, EpochPlan, last_plan
 from epochal.coordinator.carry import Carry
 from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.loop import LoopState
@@ -145,6 +145,7 @@ class MachineState:
             next_heartbeat=now,
             committed=[r["epoch"] for r in run.records if r["kind"] == "checkpoint"],
             carry=run.carry,
+            plan=last_plan(run.records),  # a resume's first epoch compares its plan with it
         )
         if config.elastic and run.resume_epoch is not None:
             state.loops_at[run.resume_epoch] = copy.deepcopy(run.loop)

@@ -308,15 +308,7 @@ class Session:
     def _train(self, training: Training, epoch: int, go: Go) -> tuple[LossSum, LossSum]:
         """Run ``epoch`` as its ``go`` says: the training code's train and validation; their loss
         sums."""
-        ctx = EpochContext(
-            epoch=go.epoch,
-            train_batches=go.train_batches,
-            valid_batches=go.valid_batches,
-            lr_factor=go.lr_factor,
-            rank=self.rank,
-            world_size=self.world_size,
-            session=self,
-        )
+        ctx = training.context(go, self)
         self.client.at(Phase.TRAIN, epoch)
         train = training.train_epoch(ctx)
         valid = LossSum(0.0, 0)

@@ -46,7 +46,7 @@ def batches_trained(out: Path) -> list[tuple[int, list[int]]]:
     for path in sorted(out.glob("ids-*.txt"), key=lambda p: p.stat().st_mtime):
         lines = [list(map(int, line.split())) for line in path.read_text().splitlines()]
         world, rank = lines[0][:2]
-        by_world.setdefault(world, {})[rank] = [line[2:] for line in lines]
+        by_world.setdefault(world, {})[rank] = [line[4:] for line in lines]
     out_batches = []
     for world, ranks in by_world.items():
         for i in range(min(len(r) for r in ranks.values())):
@@ -113,6 +113,7 @@ def test_resumed_at_another_world_size_each_sample_of_a_pass_is_trained_once(
     assert code != 0, output
     code, output = spawn.finish(stepped(spawn, run_dir, out, after, "passes"), DEADLINE)
     assert code == 0, output
+    assert "goes on with pass" not in output  # the same global batch in every world
     trained = batches_trained(out)
     # the killed world's two decided epochs (6 global batches), then the resumed world's 9
     first = [ids for world, ids in trained if world == before][:6]
@@ -121,4 +122,106 @@ def test_resumed_at_another_world_size_each_sample_of_a_pass_is_trained_once(
     passes = [*first, *second]
     for p in range(3):
         assert sorted(i for ids in passes[5 * p : 5 * p + 5] for i in ids) == list(range(60))
+    spawn.assert_none_left()
+
+
+def test_a_loader_of_its_own_resumed_mid_pass_at_another_world_size_says_so_in_one_line(
+    spawn, tmp_path
+):
+    """A DistributedSampler loader of the script's own, 4 samples a rank, killed at 2 workers
+    one batch into pass 1 and resumed at 3: its global batch grows from 8 to 12, so the rest of
+    the pass is not the samples left, and the run says so, naming epochal.batches."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    code, output = spawn.finish(
+        stepped(spawn, run_dir, out, 2, "sampler", EPOCHAL_FAULT=KILL), DEADLINE
+    )
+    assert code != 0, output
+    code, output = spawn.finish(stepped(spawn, run_dir, out, 3, "sampler"), DEADLINE)
+    assert code == 0, output
+    (line,) = [line for line in output.splitlines() if "goes on with pass" in line]
+    assert (
+        "epoch 2 goes on with pass 1, 1 of its 5 global batches in, in global batches of 12 "
+        "samples where it read 8" in line
+    ), line
+    assert "epochal.batches(" in line
+    spawn.assert_none_left()
+
+
+def last_tries(out: Path) -> dict[int, list[int]]:
+    """Every epoch's sample ids, all ranks together, from its last try: an epoch interrupted by
+    a lost worker is redone in the next world, and its first try's batches are not kept."""
+    tries: dict[int, dict[int, list[int]]] = {}
+    for path in out.glob("ids-*.txt"):
+        for line in path.read_text().splitlines():
+            _, _, epoch, generation, *ids = map(int, line.split())
+            tries.setdefault(epoch, {}).setdefault(generation, []).extend(ids)
+    return {epoch: by[max(by)] for epoch, by in sorted(tries.items())}
+
+
+PASS_EPOCHS = 12
+"""Epochs of a pass in the elastic run: 144 samples in global batches of 6, 2 steps an epoch."""
+
+
+def test_a_worker_lost_and_one_joining_mid_pass_train_each_sample_of_the_pass_once(spawn, tmp_path):
+    """Three workers, --min-workers 2: rank 2 is killed in epoch 1, the two left redo it from its
+    start and go on with the rest of the pass re-sliced over two, and the replacement joins at a
+    later boundary of the same pass, taking the position with the state. Batches at two workers
+    are slow, so the replacement joins well before the pass ends."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        *("--nproc", "3", "--min-workers", "2", "--max-restarts", "1"),
+        *("--epochs", str(2 * PASS_EPOCHS), "--steps-per-epoch", "2"),
+        *("--run-dir", str(run_dir), str(SCRIPTS / "stepped.py"), "--out", str(out)),
+        *("--style", "passes", "--samples", "144", "--global-batch", "6"),
+        *("--step-delay", "0.5", "--slow-below", "3"),
+        EPOCHAL_FAULT="kill@train-step:rank=2:epoch=1:step=1:world=0",
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    changes = [r for r in epoch_records(run_dir) if r["kind"] == "world"]
+    assert [(c["epoch"], c["from"], c["to"]) for c in changes[:1]] == [(1, 3, 2)], changes
+    (joined,) = changes[1:]
+    assert (joined["from"], joined["to"]) == (2, 3), joined
+    assert 1 < joined["epoch"] < PASS_EPOCHS, joined  # mid-pass, after the loss
+    trained = last_tries(out)
+    assert sorted(trained) == list(range(2 * PASS_EPOCHS))
+    for p in range(2):
+        ids = [i for e in range(p * PASS_EPOCHS, (p + 1) * PASS_EPOCHS) for i in trained[e]]
+        assert sorted(ids) == list(range(144)), p
+    spawn.assert_none_left()
+
+
+def test_a_custom_loop_reads_epochal_batches_at_the_position_its_context_gives(spawn, tmp_path):
+    """A custom loop (epochal.join, run_epochs) with --steps-per-epoch 3 over passes of 5 global
+    batches: each epoch's context says where the data stands, and a loader of epochal.batches
+    made there reads each sample of a pass once, across epochs."""
+    out = tmp_path / "out"
+    proc = spawn.epochal(
+        "run",
+        *("--nproc", "2", "--epochs", "4", "--steps-per-epoch", "3"),
+        *("--run-dir", str(tmp_path / "run"), str(SCRIPTS / "stepped_loop.py"), "--out", str(out)),
+    )
+    code, output = spawn.finish(proc, DEADLINE)
+    assert code == 0, output
+    contexts, trained = set(), {}
+    for path in out.glob("ids-*.txt"):
+        for line in path.read_text().splitlines():
+            kind, *fields = line.split()
+            if kind == "ctx":
+                contexts.add(tuple(fields))
+            else:
+                _, _, epoch, step, *ids = map(int, fields)
+                trained.setdefault((epoch, step), []).extend(ids)
+    # (epoch, steps, global batches consumed, pass, batch of the pass) at each epoch's start
+    assert sorted(contexts) == [
+        ("0", "3", "0", "0", "0"),
+        ("1", "3", "3", "0", "3"),
+        ("2", "3", "6", "1", "1"),
+        ("3", "3", "9", "1", "4"),
+    ]
+    batches = [trained[key] for key in sorted(trained)]  # global batches, ranks together
+    assert len(batches) == 12
+    for p in range(2):  # each pass is 5 global batches of 8
+        assert sorted(i for ids in batches[5 * p : 5 * p + 5] for i in ids) == list(range(40))
     spawn.assert_none_left()

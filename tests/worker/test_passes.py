@@ -5,6 +5,7 @@ loader positioned mid-pass that loads nothing before the position."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from epochal.errors import ConfigError
 from epochal.position import DataPosition, batches_per_pass, position_at, split
-from epochal.worker.training.passes import PassSampler
+from epochal.protocol import Go
+from epochal.worker.sessionparts.course import Training
+from epochal.worker.training.passes import PassSampler, batches
+from epochal.worker.training.results import LossSum
 from tests.worker.recorded import Recorded
 
 
@@ -147,3 +151,41 @@ def test_the_permutation_is_drawn_from_seed_plus_pass():
     (sampler,) = samplers(1, DataPosition(0, 0, 7))
     expected = torch.randperm(100, generator=torch.Generator().manual_seed(7 + 4))
     assert torch.equal(sampler.permutation(4), expected)
+
+
+def test_a_loader_made_at_a_run_s_batch_count_starts_there_and_says_the_pass_s_shape():
+    data = batches(list(range(40)), global_batch=8, seed=3)  # 5 global batches a pass
+    assert data.shape() == (5, 8)
+    whole = PassSampler(40, global_batch=8, rank=1, world=2, seed=3, endless=True)
+    expected = list(itertools.islice(iter(whole), 12))
+    loader = data.loader(1, 2, start=7, endless=True)  # pass 1, batch 2
+    assert list(itertools.islice(loader.batch_sampler, 5)) == expected[7:12]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("steps", "passes", "epoch", "expected"),
+    [
+        # (steps per epoch, global batches of a pass), epoch -> (done, pass, batch of the pass)
+        (3, 5, 0, (0, 0, 0)),
+        (3, 5, 2, (6, 1, 1)),
+        (3, 5, 5, (15, 3, 0)),
+        (3, None, 2, (6, None, None)),  # run_epochs given no passes=: the pass is not known
+        (None, None, 4, (4 * 3, 4, 0)),  # an epoch is one pass
+    ],
+)
+def test_an_epoch_s_context_says_where_the_run_s_data_stands_at_its_start(
+    steps, passes, epoch, expected
+):
+    session = SimpleNamespace(steps_per_epoch=steps, rank=1, world_size=2)
+    training = Training(
+        lambda ctx: LossSum(0.0, 0),
+        None,
+        (3, None),
+        None,
+        None,
+        None if passes is None else (lambda: (passes, 8)),
+    )
+    go = Go(epoch=epoch, train_batches=3, valid_batches=0, lr_factor=1.0)
+    ctx = training.context(go, session)  # type: ignore[arg-type]
+    assert (ctx.batches_done, ctx.data_pass, ctx.pass_batch) == expected
+    assert (ctx.steps_per_epoch, ctx.rank, ctx.world_size) == (steps, 1, 2)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from epochal.protocol import Decision, EpochReady, Go, SnapshotScope
 from epochal.worker.checkpoints.state import Stateful
 from epochal.worker.control.worlds import Rejoin
 from epochal.worker.training.results import EpochContext, EpochRecord, LossSum
+
+if TYPE_CHECKING:
+    from epochal.worker.session import Session
 
 Batches = tuple[int, int | None] | Callable[[int], tuple[int, int | None]]
 """A rank's (train, validation) batch counts, or a function of the epoch returning them."""
@@ -46,6 +50,31 @@ class Training:
             gathers=rejoin is not None and rejoin.gather is not None,
             pass_batches=pass_batches,
             global_batch=global_batch,
+        )
+
+    def context(self, go: Go, session: Session) -> EpochContext:
+        """What the training code is given for the epoch ``go`` starts: the Go's counts, this
+        rank's place, and where the run's data stands at the epoch's start. Every epoch runs
+        ``go.train_batches`` global batches, so ``epoch`` epochs consumed that many times
+        ``epoch``; an epoch of one pass starts its pass at batch 0."""
+        steps, done = session.steps_per_epoch, go.epoch * go.train_batches
+        data_pass: int | None = go.epoch
+        pass_batch: int | None = 0
+        if steps is not None:
+            pass_batches = None if self.passes is None else self.passes()[0]
+            data_pass, pass_batch = (None, None) if not pass_batches else divmod(done, pass_batches)
+        return EpochContext(
+            epoch=go.epoch,
+            train_batches=go.train_batches,
+            valid_batches=go.valid_batches,
+            lr_factor=go.lr_factor,
+            rank=session.rank,
+            world_size=session.world_size,
+            session=session,
+            steps_per_epoch=steps,
+            batches_done=done,
+            data_pass=data_pass,
+            pass_batch=pass_batch,
         )
 
 

@@ -30,6 +30,7 @@ from epochal.position import (
     batches_before,
     batches_per_pass,
     check_world,
+    position_at,
 )
 
 
@@ -140,9 +141,20 @@ class PassBatches:
     options: Mapping[str, Any] = field(default_factory=dict)
     # further DataLoader arguments (num_workers, collate_fn, pin_memory, ...)
 
-    def loader(self, rank: int, world: int, *, endless: bool = False) -> DataLoader[Any]:
+    def shape(self) -> tuple[int, int]:
+        """(global batches of a pass, samples of a global batch): what
+        :meth:`~epochal.worker.session.Session.run_epochs` takes as ``passes=`` to give each
+        epoch's context its pass, and the journal the data position."""
+        whole = batches_per_pass(len(self.dataset), self.global_batch, drop_last=self.drop_last)
+        return whole, self.global_batch
+
+    def loader(
+        self, rank: int, world: int, *, endless: bool = False, start: int = 0
+    ) -> DataLoader[Any]:
         """Rank ``rank``'s loader in a world of ``world``: ConfigError naming the world sizes
-        that split the global batch evenly when ``world`` does not."""
+        that split the global batch evenly when ``world`` does not. It starts after ``start``
+        global batches of the run (a custom loop's ``ctx.batches_done``), at the pass and batch
+        they reach, without loading a sample before."""
         sampler = PassSampler(
             self.dataset,
             global_batch=self.global_batch,
@@ -153,6 +165,7 @@ class PassBatches:
             drop_last=self.drop_last,
             endless=endless,
         )
+        sampler.set_position(position_at(start, sampler.batches, seed=self.seed))
         return DataLoader(self.dataset, batch_sampler=sampler, **self.options)  # type: ignore[arg-type]
 
 

@@ -44,6 +44,15 @@ class EpochContext:
     rank: int
     world_size: int
     session: Session
+    steps_per_epoch: int | None = None
+    # the run's --steps-per-epoch; None: an epoch is one pass
+    batches_done: int = 0
+    # global batches the run consumed before this epoch, every rank one batch of each (every
+    # epoch runs train_batches of them): where a loader of epochal.batches starts the epoch
+    data_pass: int | None = None
+    # the pass the epoch starts in; None: not known (run_epochs was given no passes=)
+    pass_batch: int | None = None
+    # global batches of data_pass consumed before this epoch; None: not known
 
     def check(self) -> None:
         """Raise RunAborted if the run was aborted; call it between batches of a custom loop."""

@@ -1,15 +1,19 @@
 """A worker script for epochs of N steps: a tiny regression whose loss function writes the
-sample ids of each training batch, one line a batch (``world rank id id ...``), to a file of
-its own process.
+sample ids of each training batch, one line a batch (``world rank epoch generation id id ...``),
+to a file of its own process. The epoch and the world's generation come from the trainer's
+per-step fault hook, the one place they are passed per step: an elastic test keeps the last try
+of each epoch by them.
 
 ``--style sampler`` reads a loader of the script's own, per rank, with a DistributedSampler
-(4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12.
+(4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12
+(``--global-batch``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import epochal
+from epochal.worker import faults
 
 
 class Lookup(nn.Module):
@@ -37,6 +42,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--style", choices=("sampler", "passes"), default="sampler")
     parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--global-batch", type=int, default=12, help="with --style passes")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds per batch")
+    parser.add_argument(
+        "--slow-below", type=int, default=0, help="batches take --step-delay below N workers"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -48,6 +58,15 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / f"ids-{os.getpid()}.txt").open("a", buffering=1)
+    step = {"epoch": -1, "world": -1}
+    hit = faults.hit
+
+    def tagged(point: str, **at: int) -> None:
+        if point == "train-step":
+            step.update(epoch=at["epoch"], world=at["world"])
+        hit(point, **at)
+
+    faults.hit = tagged
 
     def sampler_loader(rank: int, world: int) -> DataLoader:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=7)
@@ -55,13 +74,16 @@ def main() -> None:
 
     def loss_fn(out: torch.Tensor, batch_ids: torch.Tensor) -> torch.Tensor:
         if model.training:
-            where = f"{dist.get_world_size()} {dist.get_rank()} "
+            world = dist.get_world_size()
+            if world < args.slow_below:
+                time.sleep(args.step_delay)
+            where = f"{world} {dist.get_rank()} {step['epoch']} {step['world']} "
             log.write(where + " ".join(map(str, batch_ids.tolist())) + "\n")
         return nn.functional.mse_loss(out, y[batch_ids])
 
     loader = sampler_loader
     if args.style == "passes":
-        loader = epochal.batches(data, global_batch=12, seed=7)
+        loader = epochal.batches(data, global_batch=args.global_batch, seed=7)
     result = epochal.train(model, optimizer, loader, None, loss_fn)
     torch.save(
         {"model": model.state_dict(), "epochs": [r.epoch for r in result.curve]},
