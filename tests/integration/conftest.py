@@ -28,7 +28,15 @@ import pytest
 
 from epochal.environment import PRELOAD_SOCKET_ENV
 from tests.forked import ForkedProcess, forkable
-from tests.fresh import FORKED, FRESH, FRESH_ENV, environment, failures, read_starts
+from tests.fresh import (
+    FORKED,
+    FRESH,
+    FRESH_ENV,
+    STARTS_ENV,
+    environment,
+    failures,
+    read_starts,
+)
 from tests.fresh import whole_suite as fresh_suite
 from tests.waiting import wait_until
 
@@ -74,6 +82,7 @@ class Spawner:
         self.procs: list[subprocess.Popen[str]] = []
         self.fresh = fresh_suite() if fresh is None else fresh
         self.starts = tmp.parent / f"{tmp.name}-starts-{mark}.jsonl"
+        self.started_fresh = 0  # not those of a test of preloading (env)
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process started with ``extra``: a fresh start's unless ``extra``
@@ -89,13 +98,14 @@ class Spawner:
 
     def not_fresh(self) -> list[str]:
         """Why a process this fresh spawner started may have been forked (empty: none was)."""
-        return failures(read_starts(self.starts), len(self.procs))
+        return failures(read_starts(self.starts), self.started_fresh)
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
         """``python ARGS``, unbuffered, in a session of its own, its output (and errors) on a text
         pipe: forked from the session's preloaded process where it can be (:mod:`tests.forked`),
         else started afresh."""
         full = self.env(**env)
+        self.started_fresh += STARTS_ENV in full
         proc: Any
         if full.get(PRELOAD_SOCKET_ENV) and forkable(args):
             proc = ForkedProcess(args, env=full, cwd=self.tmp)
