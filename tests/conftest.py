@@ -27,6 +27,7 @@ from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.launch.preload import worker_threads
 from epochal.protocol import MESSAGE_TYPES, OPTIONAL_TYPES, TYPE_NAMES, Fingerprint, Hello
 from tests.forked import start_server
+from tests.fresh import whole_suite
 
 FINGERPRINT = Fingerprint(digest="a" * 64, torch_version="x", entries=1)
 """A model's fingerprint as a hello carries it: a digest of the wire's length, one entry."""
@@ -113,10 +114,13 @@ def preloaded(
     """One ``epochal preload`` per test process, named in ``EPOCHAL_PRELOAD_SOCKET`` for the
     whole session (:mod:`tests.forked`): every launch forks its workers from it and the tests'
     own processes are forked from it, so torch is imported once here rather than in each. A test
-    that needs launches to start their own unsets the variable."""
-    path, server = start_server(tmp_path_factory.mktemp("preload"), worker_threads(os.environ))
-    before = os.environ.get(PRELOAD_SOCKET_ENV)
-    os.environ[PRELOAD_SOCKET_ENV] = path
+    that needs launches to start their own unsets the variable. Under ``EPOCHAL_TEST_FRESH``
+    there is none, and the variable is unset for the session (:mod:`tests.fresh`)."""
+    before = os.environ.pop(PRELOAD_SOCKET_ENV, None)
+    server = None
+    if not whole_suite():
+        path, server = start_server(tmp_path_factory.mktemp("preload"), worker_threads(os.environ))
+        os.environ[PRELOAD_SOCKET_ENV] = path
     try:
         yield
     finally:
@@ -124,5 +128,6 @@ def preloaded(
             os.environ.pop(PRELOAD_SOCKET_ENV, None)
         else:
             os.environ[PRELOAD_SOCKET_ENV] = before
-        server.kill()
-        server.wait()
+        if server is not None:
+            server.kill()
+            server.wait()

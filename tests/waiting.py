@@ -8,11 +8,20 @@ from collections.abc import Callable
 
 
 def wait_until(
-    predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05
+    predicate: Callable[[], object],
+    timeout: float,
+    what: str | Callable[[], str],
+    interval: float = 0.05,
 ) -> None:
-    """Return once ``predicate()`` is true; fail with ``what`` (the failure, in words) if it is
-    still false ``timeout`` seconds from now. It is asked every ``interval`` seconds."""
+    """Return once ``predicate()`` is true; fail with ``what`` (the failure, in words, or a
+    callable that says it then: what the state was at the deadline) if it is still false
+    ``timeout`` seconds from now. It is asked every ``interval`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"{what} (waited {timeout:g} s)"
+        assert time.monotonic() < deadline, f"{said(what)} (waited {timeout:g} s)"
         time.sleep(interval)
+
+
+def said(what: str | Callable[[], str]) -> str:
+    """``what`` in words: itself, or what it says when called."""
+    return what if isinstance(what, str) else what()

@@ -13,23 +13,15 @@ from epochal.coordinator.membership import (
     TooFew,
 )
 from epochal.coordinator.rendezvous import Member
-from epochal.protocol import Fingerprint, Hello, SnapshotScope
+from epochal.protocol import Fingerprint, SnapshotScope
+from tests.conftest import hello
 
 FP = Fingerprint(digest="a" * 64, torch_version="2.13.0", entries=1)
 
 
 def member(i: int, pid: int | None = None) -> Member:
-    hello = Hello(
-        job="epochal",
-        token="",
-        worker_id=f"w{i}",
-        host="node",
-        pid=1000 + i if pid is None else pid,
-        rank_hint=None,
-        device="cpu",
-        fingerprint=FP,
-    )
-    return Member(peer=f"w{i}".encode(), hello=hello)
+    said = hello(f"w{i}", FP, host="node", pid=1000 + i if pid is None else pid)
+    return Member(peer=f"w{i}".encode(), hello=said)
 
 
 def formed(n: int, least: int) -> Membership:

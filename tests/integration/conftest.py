@@ -3,6 +3,10 @@
 Every process a test starts through the ``spawn`` fixture carries a unique marker in its
 environment; at teardown every process still carrying it (workers' children included) is killed
 and the test fails, so a leak is a red test rather than a stuck CI.
+
+The processes are forked from the session's preloaded process where they can be
+(:mod:`tests.forked`); a test marked :data:`BOTH_STARTS` also runs with each started fresh, as a
+deployment starts them (:mod:`tests.fresh`), and so does every test under ``EPOCHAL_TEST_FRESH=1``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ import pytest
 
 from epochal.environment import PRELOAD_SOCKET_ENV
 from tests.forked import ForkedProcess, forkable
+from tests.fresh import (
+    FORKED,
+    FRESH,
+    FRESH_ENV,
+    STARTS_ENV,
+    environment,
+    failures,
+    read_starts,
+)
+from tests.fresh import whole_suite as fresh_suite
 from tests.waiting import wait_until
 
 MARK = "EPOCHAL_TEST_MARK"
@@ -59,24 +73,39 @@ def cmdline(pid: int) -> bytes:
 
 
 class Spawner:
-    def __init__(self, mark: str, tmp: Path) -> None:
+    """Starts a test's processes (``fresh``: each a new interpreter, noted in ``starts``;
+    default: fresh under ``EPOCHAL_TEST_FRESH``, else forked where it can be) and ends them."""
+
+    def __init__(self, mark: str, tmp: Path, *, fresh: bool | None = None) -> None:
         self.mark = mark
         self.tmp = tmp
         self.procs: list[subprocess.Popen[str]] = []
+        self.fresh = fresh_suite() if fresh is None else fresh
+        self.starts = tmp.parent / f"{tmp.name}-starts-{mark}.jsonl"
+        self.started_fresh = 0  # not those of a test of preloading (env)
 
     def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process started with ``extra``: a fresh start's unless ``extra``
+        names a preloaded process itself (a test of preloading)."""
         env = dict(os.environ)
         for key in [k for k in env if k.startswith("EPOCHAL_") and k != PRELOAD_SOCKET_ENV]:
             del env[key]
         env.update({MARK: self.mark, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         env.update(extra)
+        if self.fresh and PRELOAD_SOCKET_ENV not in extra:
+            return environment(env, self.starts)
         return env
+
+    def not_fresh(self) -> list[str]:
+        """Why a process this fresh spawner started may have been forked (empty: none was)."""
+        return failures(read_starts(self.starts), self.started_fresh)
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
         """``python ARGS``, unbuffered, in a session of its own, its output (and errors) on a text
         pipe: forked from the session's preloaded process where it can be (:mod:`tests.forked`),
         else started afresh."""
         full = self.env(**env)
+        self.started_fresh += STARTS_ENV in full
         proc: Any
         if full.get(PRELOAD_SOCKET_ENV) and forkable(args):
             proc = ForkedProcess(args, env=full, cwd=self.tmp)
@@ -112,13 +141,11 @@ class Spawner:
 
     def assert_none_left(self, wait: float = 3.0) -> None:
         """Fail if any process this test started (or a child of it) still lives after ``wait`` s."""
-        deadline = time.monotonic() + wait
-        while True:
-            alive = marked_pids(self.mark)
-            if not alive or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert not alive, f"processes left behind: {alive}"
+        wait_until(
+            lambda: not marked_pids(self.mark),
+            wait,
+            lambda: f"processes left behind: {marked_pids(self.mark)}",
+        )
 
     def cleanup(self) -> list[int]:
         for proc in self.procs:
@@ -146,11 +173,26 @@ class Spawner:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawner]:
-    spawner = Spawner(uuid.uuid4().hex, tmp_path)
+def spawn(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spawner]:
+    """A :class:`Spawner` for the test: forked, or fresh where :data:`BOTH_STARTS` says so or
+    ``EPOCHAL_TEST_FRESH`` is set; a fresh one fails the test if a process may have been forked."""
+    start = getattr(request, "param", FRESH if fresh_suite() else FORKED)
+    if start == FORKED and fresh_suite():
+        pytest.skip(f"{FRESH_ENV} is set: the suite starts nothing forked")
+    spawner = Spawner(uuid.uuid4().hex, tmp_path, fresh=start == FRESH)
     yield spawner
     leftover = spawner.cleanup()
     assert not leftover, f"processes left behind after the test: {leftover}"
+    if spawner.fresh:
+        forked = spawner.not_fresh()
+        assert not forked, "a fresh test's process may have been forked:\n" + "\n".join(forked)
+
+
+BOTH_STARTS = pytest.mark.parametrize("spawn", [FORKED, FRESH], indirect=True)
+"""The test runs twice: its processes forked from the preloaded process, and started fresh, each
+a new interpreter (``[forked]`` and ``[fresh]`` in its id). One test of each way of starting a
+run carries it (``tests/test_fresh.py`` holds that), the cheapest that covers it: a fresh start
+costs each process its imports of torch and epochal."""
 
 
 class StandaloneRun:
@@ -320,10 +362,6 @@ def wait_for_record(
             pytest.fail(f"the run ended (status {alive.returncode}) before a {what} record")
         assert time.monotonic() < end, f"no {what} record in {journal} within {deadline} s"
         time.sleep(0.05)
-
-
-def wait_for(condition: Callable[[], bool], deadline: float) -> None:
-    wait_until(condition, deadline, "the run did not get there in time")
 
 
 def assert_same_result(a: Path, b: Path) -> None:

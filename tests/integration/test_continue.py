@@ -26,8 +26,8 @@ from tests.integration.conftest import (
     assert_same_result,
     epoch_records,
     resumable_run,
-    wait_for,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,11 @@ def test_ctrl_c_says_where_the_run_is_and_the_command_that_resumes_it(spawn: Spa
     started = STARTED.fullmatch(first.rstrip("\n"))
     assert started, first
     run_id, run_dir = started[1], spawn.tmp / started[2]
-    wait_for(lambda: any(r["kind"] == "checkpoint" for r in epoch_records(run_dir)), 60)
+    wait_until(
+        lambda: any(r["kind"] == "checkpoint" for r in epoch_records(run_dir)),
+        60,
+        "no checkpoint journaled",
+    )
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     code, rest = spawn.finish(proc, DEADLINE)
     assert code == 128 + signal.SIGINT, rest
@@ -167,7 +171,8 @@ def test_a_coordinator_says_its_run_directory_and_how_to_resume_it(spawn: Spawne
     said = proc.stdout.readline()
     where = re.fullmatch(r"epochal: run (\w+), attempt 1, in (runs/\w+)\n", said)
     assert where, said
-    wait_for(lambda: catches(proc.pid, signal.SIGTERM), 30)  # serving: a stop is an abort
+    # serving: a stop is an abort
+    wait_until(lambda: catches(proc.pid, signal.SIGTERM), 30, "SIGTERM never caught")
     os.killpg(proc.pid, signal.SIGTERM)
     code, rest = spawn.finish(proc, 30)
     assert code == 128 + signal.SIGTERM, rest

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.conftest import SCRIPTS, Spawner, epoch_records, marked_pids, wait_for
+from tests.integration.conftest import BOTH_STARTS, SCRIPTS, Spawner, epoch_records, marked_pids
+from tests.waiting import wait_until
 
 DEADLINE = 240.0
 """Generous: a change of world is bounded by the settle window and the store's start; only a
@@ -120,7 +121,7 @@ def finish_noting_processes(
 ) -> tuple[int, str, set[int]]:
     """Run ``proc`` to its end; with its exit status and output, the processes of the test alive
     once epoch 0 is journaled (every worker started, none lost or replaced before epoch 1)."""
-    wait_for(lambda: bool(epoch_records(run_dir)), DEADLINE)
+    wait_until(lambda: bool(epoch_records(run_dir)), DEADLINE, f"no record in {run_dir}'s journal")
     first = set(marked_pids(spawn.mark))
     code, output = spawn.finish(proc, DEADLINE)
     spawn.assert_none_left()
@@ -222,6 +223,7 @@ def test_a_killed_rank_leaves_the_others_training_and_the_weights_bit_identical(
     assert final[0]["valid_losses"] == pytest.approx(undisturbed, rel=ROUNDING)
 
 
+@BOTH_STARTS
 def test_ranks_lost_one_after_another_end_the_run_below_the_least_naming_them(
     spawn: Spawner, tmp_path: Path
 ):
@@ -262,7 +264,11 @@ def test_two_ranks_lost_at_once_make_one_change_down_to_the_least(spawn: Spawner
     proc, run_dir, out = start_elastic(
         spawn, tmp_path, "run", "", least=2, script=("--step-delay", "0.2")
     )
-    wait_for(lambda: any(r["kind"] == "epoch" for r in epoch_records(run_dir)), DEADLINE)
+    wait_until(
+        lambda: any(r["kind"] == "epoch" for r in epoch_records(run_dir)),
+        DEADLINE,
+        "no epoch decided",
+    )
     doomed = rank_pids(spawn.mark, {2, 3})
     assert len(doomed) == 2, doomed
     for pid in doomed:
@@ -306,9 +312,17 @@ def test_a_frozen_rank_is_dropped_the_others_carry_on_and_woken_it_is_refused(
         "stop@train-step:rank=2:epoch=1:step=2:world=0",
         options=("--heartbeat-timeout", "3"),
     )
-    wait_for(lambda: len(stopped_pids(spawn.mark)) == 1, DEADLINE)
+    wait_until(
+        lambda: len(stopped_pids(spawn.mark)) == 1,
+        DEADLINE,
+        lambda: f"frozen processes: {stopped_pids(spawn.mark)}, not one",
+    )
     (frozen,) = stopped_pids(spawn.mark)
-    wait_for(lambda: any(r["kind"] == "world" for r in epoch_records(run_dir)), DEADLINE)
+    wait_until(
+        lambda: any(r["kind"] == "world" for r in epoch_records(run_dir)),
+        DEADLINE,
+        "no change of world with rank 2 frozen",
+    )
     os.kill(frozen, signal.SIGCONT)
     code, output = spawn.finish(proc, DEADLINE)
     spawn.assert_none_left()

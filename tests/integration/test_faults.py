@@ -33,6 +33,7 @@ from tests.integration.conftest import (
     standalone_run,
     wait_for_record,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +87,11 @@ class Output:
 
     def wait_for_any(self, texts: tuple[str, ...], deadline: float = 60.0) -> None:
         """Until one of ``texts`` appears in a line of the output."""
-        end = time.monotonic() + deadline
-        while not any(text in line for line in self.lines for text in texts):
-            assert time.monotonic() < end, f"never saw any of {texts!r}:\n{self.text}"
-            time.sleep(0.05)
+        wait_until(
+            lambda: any(text in line for line in self.lines for text in texts),
+            deadline,
+            lambda: f"never saw any of {texts!r}:\n{self.text}",
+        )
 
     def stall_reports(self) -> list[dict[str, list[str]]]:
         """Every whole stall report so far: its table's rows, each split into its cells, by rank
@@ -137,12 +139,17 @@ def worker_pid(spawn: Spawner, rank: int) -> int:
 def workers_gone(spawn: Spawner, launcher: int, script: str = "resumable.py") -> float:
     """Until no process of this test but the ``launcher`` runs ``script`` (the workers; a zombie
     does not run): when they were gone."""
-    end = time.monotonic() + DEADLINE
-    while any(
-        script.encode() in cmdline(pid) for pid in marked_pids(spawn.mark) if pid != launcher
-    ):
-        assert time.monotonic() < end, f"workers running {script} outlived {DEADLINE} s"
-        time.sleep(0.05)
+    wait_until(
+        lambda: (
+            not any(
+                script.encode() in cmdline(pid)
+                for pid in marked_pids(spawn.mark)
+                if pid != launcher
+            )
+        ),
+        DEADLINE,
+        f"workers running {script} outlived the deadline",
+    )
     return time.monotonic()
 
 

@@ -21,10 +21,10 @@ from epochal.protocol import (
     PROTOCOL_VERSION,
     EpochReport,
     Fingerprint,
-    Hello,
     Status,
     encode,
 )
+from tests.conftest import hello
 from tests.integration.conftest import SCRIPTS, Spawner, standalone_run
 
 pytestmark = pytest.mark.slow
@@ -35,18 +35,8 @@ POLICY = ["--epochs", "4", "--lr-schedule", "step:every=2,gamma=0.5"]
 
 def valid_frames() -> list[bytes]:
     fp = Fingerprint(digest="f" * 64, torch_version="x", entries=1)
-    hello = Hello(
-        job="epochal",
-        token="",
-        worker_id="intruder",
-        host="h",
-        pid=1,
-        rank_hint=None,
-        device="cpu",
-        fingerprint=fp,
-    )
     return [
-        encode(hello),
+        encode(hello("intruder", fp, host="h")),
         encode(
             EpochReport(
                 epoch=0, train_loss_sum=1.0, train_count=1, valid_loss_sum=0.0, valid_count=0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Spawner
+from tests.integration.conftest import BOTH_STARTS, Spawner
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,7 @@ def slurm_task(procid: int, ntasks: int) -> dict[str, str]:
     }
 
 
+@BOTH_STARTS
 def test_workers_wait_for_the_address_file_and_take_their_ranks_from_slurm(
     spawn: Spawner, tmp_path: Path
 ) -> None:

@@ -15,9 +15,9 @@ from tests.integration.conftest import (
     Spawner,
     cmdline,
     marked_pids,
-    wait_for,
     wait_for_record,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -223,7 +223,11 @@ def test_launches_fork_their_workers_from_the_process_epochal_preload_serves(
     it has its workers forked there (their parent), and SIGTERM ends it, its socket removed."""
     path = tmp_path / "preload.sock"
     server = spawn.epochal("preload", str(path), EPOCHAL_PRELOAD_SOCKET="")
-    wait_for(lambda: path.exists() or server.poll() is not None, DEADLINE)
+    wait_until(
+        lambda: path.exists() or server.poll() is not None,
+        DEADLINE,
+        f"epochal preload neither made {path} nor ended",
+    )
     run_dir = tmp_path / "run"
     proc = spawn.epochal(
         "run",

@@ -25,8 +25,8 @@ from tests.integration.conftest import (
     epoch_records,
     marked_pids,
     resumable_run,
-    wait_for,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,11 @@ def test_a_run_monitoring_a_metric_resumes_bit_identical(spawn, tmp_path, monito
     run_dir, out = tmp_path / "run", tmp_path / "out"
     args = (spawn, run_dir, out, *MONITORED)
     launch(*args, delay=0.02, script=("--accuracy",))
-    wait_for(lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= 2, 60)
+    wait_until(
+        lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= 2,
+        60,
+        "fewer than 2 checkpoints journaled",
+    )
     kill_everything(spawn)
     assert max(r["epoch"] for r in epoch_records(run_dir)) < EPOCHS - 1, "finished before the kill"
 
@@ -115,8 +119,10 @@ def test_killed_mid_epoch_resumes_bit_identical(spawn, tmp_path, reference, afte
     run_dir, out = tmp_path / "run", tmp_path / "out"
     # slow steps (a sleep: the numbers do not change) so the kill lands inside an epoch
     launch(spawn, run_dir, out, delay=0.02)
-    wait_for(
-        lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= after_epochs, 60
+    wait_until(
+        lambda: sum(r["kind"] == "checkpoint" for r in epoch_records(run_dir)) >= after_epochs,
+        60,
+        f"fewer than {after_epochs} checkpoints journaled",
     )
     kill_everything(spawn)
     records = epoch_records(run_dir)
@@ -345,7 +351,9 @@ def test_a_restarted_coordinator_takes_the_running_workers_back(spawn, tmp_path,
     args = ["coordinator", "--world-size", "2", *POLICY, "--run-dir", str(run_dir)]
     hold = f"delay@train-step:epoch={HOLD_EPOCH}:step=4:ms={HOLD_MS}"
     first, endpoint, workers = service_and_workers(spawn, args, out, rank0={"EPOCHAL_FAULT": hold})
-    wait_for(lambda: held_mid_epoch(run_dir, HOLD_EPOCH), 60)
+    wait_until(
+        lambda: held_mid_epoch(run_dir, HOLD_EPOCH), 60, f"the run never held epoch {HOLD_EPOCH}"
+    )
     first.kill()
     first.wait(timeout=10)
     decided = [r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "epoch"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Spawner, wait_for_record
+from tests.integration.conftest import BOTH_STARTS, Spawner, wait_for_record
 
 pytestmark = pytest.mark.slow  # every test runs epochal's supervisor and its workers
 
@@ -43,6 +43,7 @@ def supervise(spawn: Spawner, tmp_path: Path, failures: int, restarts: int):
     return code, output, int((tmp_path / "count").read_text())
 
 
+@BOTH_STARTS
 def test_a_failing_worker_is_started_again_until_it_succeeds(spawn, tmp_path):
     code, output, runs = supervise(spawn, tmp_path, failures=2, restarts=3)
     assert code == 0, output

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epochal.launch.plain import PLAIN_LINE
-from tests.integration.conftest import SCRIPTS, Spawner
+from tests.integration.conftest import BOTH_STARTS, SCRIPTS, Spawner
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun-scripts")]  # one plain run
 
@@ -79,6 +79,7 @@ def test_a_torchrun_script_runs_unchanged_and_trains_as_under_torchrun(
     assert_same_weights(ours, tmp_path / "torchrun.pt")
 
 
+@BOTH_STARTS
 def test_a_failing_worker_of_a_torchrun_script_stops_the_others(spawn: Spawner, tmp_path: Path):
     # rank 1 exits 3 once the group is made; rank 0 sleeps 600 s outside any collective
     started = time.monotonic()

@@ -23,6 +23,7 @@ from epochal.protocol import Liveness
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
 from tests.integration.conftest import wait_for_record
 from tests.multihost import netns
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "examples" / "digits.py"
@@ -119,10 +120,12 @@ class Cluster:
         return proc.log.read_text()  # type: ignore[attr-defined]
 
     def none_left(self, wait: float = 5.0) -> None:
-        deadline = time.monotonic() + wait
-        while (left := self.net.leftover()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"processes left on the hosts: {left}\n{self.dump()}"
+        wait_until(
+            lambda: not self.net.leftover(),
+            wait,
+            lambda: f"processes left on the hosts: {self.net.leftover()}\n{self.dump()}",
+            0.1,
+        )
 
 
 def journal_has(run_dir: Path, kind: str) -> None:

@@ -30,6 +30,7 @@ from tests.multihost.test_across_hosts import (
     Cluster,
     journal_has,
 )
+from tests.waiting import wait_until
 
 LINEAR = Path(__file__).resolve().parents[1] / "integration" / "scripts" / "linear.py"
 EPOCHS = 40
@@ -223,10 +224,8 @@ def test_a_frozen_worker_is_dropped_and_woken_it_is_refused_across_hosts(make_ho
     work = ["python", str(LINEAR), "--out", str(out)]
     fault = "stop@train-step:rank=1:epoch=1:step=2:world=0"
     workers = [cluster.worker(i, work, EPOCHAL_FAULT=fault) for i in range(2)]
-    deadline = time.monotonic() + RUN_DEADLINE
-    while not (frozen := frozen_scripts()):
-        assert time.monotonic() < deadline, cluster.dump()
-        time.sleep(0.05)
+    wait_until(frozen_scripts, RUN_DEADLINE, cluster.dump)
+    frozen = frozen_scripts()  # stopped until the SIGCONT below
     journal_has(run_dir, "world")
     os.kill(frozen[0], signal.SIGCONT)
     woken = cluster.wait(workers[1])

@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.multihost import netns
+from tests.waiting import wait_until
 
 SERVE = "import socket,sys; s=socket.create_server((sys.argv[1], 7000)); print('up', flush=True); "
 SERVE += "c,_=s.accept(); c.sendall(b'hello')"
@@ -53,10 +53,10 @@ def test_a_failing_body_still_kills_its_processes_and_removes_the_hosts(make_hos
     before = namespaces()
     with pytest.raises(RuntimeError, match="the test failed"), netns.hosts(1) as net:
         sleeper = net[0].popen(["sleep", "600"])
-        deadline = time.monotonic() + 10  # `ip netns exec` enters the namespace, then execs
-        while sleeper.pid not in net[0].pids():
-            assert time.monotonic() < deadline, "the process never showed up in its host"
-            time.sleep(0.05)
+        # `ip netns exec` enters the namespace, then execs
+        wait_until(
+            lambda: sleeper.pid in net[0].pids(), 10, "the process never showed up in its host"
+        )
         raise RuntimeError("the test failed")
     assert sleeper.poll() is not None
     assert namespaces() == before

@@ -31,6 +31,7 @@ from epochal.protocol.limits import MAX_TEXT_CHARS
 from epochal.worker.control.client import ABORT_CHARS, ControlClient
 from epochal.worker.control.progress import BUSY_STEP, CpuProgress, process_cpu, thread_cpu
 from epochal.worker.options import JoinOptions
+from tests.waiting import wait_until
 
 HEARTBEAT_INTERVAL = 0.2
 MARGIN = 10.0
@@ -251,10 +252,11 @@ def test_thread_cpu_and_process_cpu_grow_with_work_only():
     try:
         time.sleep(1.0)  # both interpreters started
         first = process_cpu(spinner.pid), process_cpu(sleeper.pid)
-        end = time.monotonic() + 30.0
-        while process_cpu(spinner.pid) - first[0] < BUSY_STEP and time.monotonic() < end:
-            time.sleep(0.05)
-        assert process_cpu(spinner.pid) - first[0] >= BUSY_STEP
+        wait_until(
+            lambda: process_cpu(spinner.pid) - first[0] >= BUSY_STEP,
+            30.0,
+            f"the spinning interpreter used less than {BUSY_STEP} s of CPU",
+        )
         assert process_cpu(sleeper.pid) - first[1] < BUSY_STEP
     finally:
         spinner.kill()
@@ -279,10 +281,8 @@ def test_a_finished_worker_whose_coordinator_has_gone_closes_without_waiting_out
     sock, _ = router
     assert any(isinstance(m, Status) for m in frames_until(sock, MARGIN, Status))
     sock.close(linger=0)  # the coordinator ends
-    end = time.monotonic() + MARGIN
-    while client._up and time.monotonic() < end:  # its disconnect seen by the client
-        time.sleep(0.02)
-    assert not client._up
+    # its disconnect seen by the client
+    wait_until(lambda: not client._up, MARGIN, "the client never saw the disconnect", 0.02)
     time.sleep(3 * HEARTBEAT_INTERVAL)  # heartbeats queued for nobody
     closing = time.monotonic()
     client.close(flush=FLUSH if finished else SHORT_FLUSH, finished=finished)

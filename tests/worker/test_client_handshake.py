@@ -20,13 +20,14 @@ import zmq
 
 from epochal.environment import CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorUnreachable
-from epochal.protocol import Fingerprint, Hello
+from epochal.protocol import Fingerprint
 from epochal.security.curve import ClientSecurity, describe_handshake_failure
 from epochal.worker.control import client as client_module
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.rendezvous import rendezvous
 from epochal.worker.control.waiting import Handshake
 from epochal.worker.options import JoinOptions
+from tests.conftest import hello
 
 HANDSHAKE_TIMEOUT = 0.5
 """The client's handshake interval in these tests."""
@@ -34,16 +35,7 @@ HANDSHAKE_TIMEOUT = 0.5
 CONNECT_DEADLINE = 4 * HANDSHAKE_TIMEOUT + 1.0
 """Past several handshake timeouts, so the worker sees how they end."""
 
-HELLO = Hello(
-    job="epochal",
-    token="",
-    worker_id="w-handshake",
-    host="h",
-    pid=1,
-    rank_hint=None,
-    device="cpu",
-    fingerprint=Fingerprint(digest="d" * 64, torch_version="x", entries=0),
-)
+HELLO = hello("w-handshake", Fingerprint(digest="d" * 64, torch_version="x", entries=0), host="h")
 
 
 @pytest.fixture
