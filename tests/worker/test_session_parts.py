@@ -70,12 +70,19 @@ LOST = RuntimeError(
     "word",
     [RunAborted("rank 1 failed: ValueError: bad"), CoordinatorLost("sent nothing for 3 s")],
 )
-def test_a_lost_peer_is_told_by_the_coordinators_word_on_its_cause(word: RunAborted) -> None:
+def test_a_lost_peer_is_told_by_the_coordinators_word_on_its_cause(
+    word: RunAborted, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A rank whose collective broke because a peer left says why the peer left: the abort
-    naming the first failure, or the coordinator's silence that every rank noticed."""
+    naming the first failure, or the coordinator's silence that every rank noticed; the error
+    itself stays in its output, in one line, for a reason that points to it."""
     client = _Silent(word)
     exchange = Exchange(client, None)  # type: ignore[arg-type]
     assert exchange.word_on(LOST) is word
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("epochal: RuntimeError: ["), said
+    assert "Connection closed by peer" in said[0]
+    assert "this rank lost a peer of the data plane" in said[0]
 
 
 def test_an_error_of_its_own_or_no_word_in_time_is_said_as_it_is() -> None:

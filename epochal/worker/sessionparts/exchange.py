@@ -10,6 +10,7 @@ is the session's, which re-attaches when the coordinator is lost in between.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from epochal.protocol import (
     Welcome,
 )
 from epochal.worker.control.client import ControlClient, RegroupNow
-from epochal.worker.control.exits import lost_peer
+from epochal.worker.control.exits import is_verbose, lost_peer, one_line
 from epochal.worker.sessionparts.standing import Standing
 
 
@@ -115,6 +116,9 @@ class Exchange:
             try:
                 self._client.receive(timeout=left)  # anything else is of the epoch that broke
             except RunAborted as word:  # CoordinatorLost too: the silence
+                said = one_line(failure, abort_reason=None, verbose=is_verbose())
+                if said is not None:  # the error the abort's reason may point to, in one line
+                    print(said, file=sys.stderr, flush=True)
                 return word
             except TimeoutError:
                 return None
