@@ -1,6 +1,6 @@
 """A worker script for epochs of N steps: a tiny regression whose loss function writes the
 sample ids of each training batch, one line a batch (``world rank id id ...``), to a file of
-its own process.
+its own process, and the learning rate after each optimizer step to another (``world rank lr``).
 
 ``--style sampler`` reads a loader of the script's own, per rank, with a DistributedSampler
 (4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12.
@@ -48,6 +48,13 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / f"ids-{os.getpid()}.txt").open("a", buffering=1)
+    rates = (args.out / f"lr-{os.getpid()}.txt").open("a", buffering=1)
+
+    def stepped_rate(opt: torch.optim.Optimizer, *_: object) -> None:
+        where = f"{dist.get_world_size()} {dist.get_rank()} "
+        rates.write(where + repr(opt.param_groups[0]["lr"]) + "\n")
+
+    optimizer.register_step_post_hook(stepped_rate)
 
     def sampler_loader(rank: int, world: int) -> DataLoader:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=7)
