@@ -162,8 +162,9 @@ class CoordinatorConfig:
         default="constant",
         metadata=setting(
             help="learning-rate factor schedule: constant, step:every=N,gamma=G, "
-            "exponential:gamma=G, cosine:min=M, linear:end=E or "
-            "plateau:patience=P,factor=F,threshold=T,min=M; a factor <= 0 stops the run",
+            "exponential:gamma=G, cosine:min=M, linear:end=E, "
+            "plateau:patience=P,factor=F,threshold=T,min=M, or per optimizer step "
+            "warmup-cosine:warmup=W,steps=S,min=M; a factor <= 0 stops the run",
             flag=Flag(RUN_POLICY, metavar="SPEC"),
         ),
     )
@@ -407,7 +408,7 @@ class CoordinatorConfig:
                 "validation frequency must be >= 1 (1 = every epoch), "
                 f"got {self.validation_frequency}"
             )
-        parse_schedule(self.lr_schedule, self.epochs)  # raises ConfigError naming the problem
+        parse_schedule(self.lr_schedule, self.epochs, steps)  # raises ConfigError saying why
         if self.patience is not None and (type(self.patience) is not int or self.patience < 0):
             raise ConfigError(f"patience must be a whole number >= 0, got {self.patience!r}")
         if not (self.min_delta >= 0 and math.isfinite(self.min_delta)):
@@ -486,7 +487,7 @@ class CoordinatorConfig:
     @property
     def schedule(self) -> Schedule:
         """The parsed learning-rate schedule."""
-        return parse_schedule(self.lr_schedule, self.epochs)
+        return parse_schedule(self.lr_schedule, self.epochs, self.steps_per_epoch)
 
     def validates(self, epoch: int) -> bool:
         """Whether ``epoch`` is a validation epoch (epoch 0 and every K-th)."""

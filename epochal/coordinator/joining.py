@@ -284,6 +284,7 @@ class Joining:
             elastic=self._state.config.elastic,
             understands=understood(),
             steps_per_epoch=self._state.config.steps_per_epoch,
+            lr_steps=self._state.loop.schedule_rates(),
         )
 
     def _restored_checkpoint(self) -> int | None:

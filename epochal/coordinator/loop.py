@@ -16,6 +16,7 @@ from epochal.coordinator.batches import PolicyViolation
 from epochal.coordinator.config import CoordinatorConfig, MonitorMode
 from epochal.coordinator.outcome import EpochOutcome
 from epochal.coordinator.schedule import Schedule
+from epochal.protocol import StepRates
 from epochal.suggest import close_matches
 
 _DECLARED: dict[str, Any] = {
@@ -89,7 +90,18 @@ class LoopState:
     def from_config(cls, config: CoordinatorConfig) -> LoopState:
         """A fresh loop under the run's settings."""
         same = {name: getattr(config, name) for name in _SAME_NAMES}
-        return cls(epochs=config.epochs, schedule=config.schedule, mode=config.monitor_mode, **same)
+        schedule = config.schedule
+        return cls(
+            epochs=config.epochs,
+            schedule=schedule,
+            mode=config.monitor_mode,
+            lr_factor=schedule.first_factor(),
+            **same,
+        )
+
+    def schedule_rates(self) -> StepRates | None:
+        """What each welcome sends of a per-step schedule (None: the factor is per epoch)."""
+        return None if self.schedule is None else self.schedule.step_rates()
 
     def observed(
         self,

@@ -20,7 +20,15 @@ Specs are written ``NAME`` or ``NAME:key=value,key=value``:
                                                without a relative improvement of ``T`` in the
                                                smoothed monitored value; never below ``M``
                                                (``F=0`` stops)
+``warmup-cosine:warmup=W,steps=S,min=M``       per optimizer step, not per epoch: rises over the
+                                               first ``W`` steps, then falls along a half cosine
+                                               to ``M`` at step ``S`` (0: the run's last step);
+                                               needs ``--steps-per-epoch``
 =============================================  ==================================================
+
+``warmup-cosine`` is the one per-step schedule: every rank applies its factor at each optimizer
+step from the run's global step (:mod:`epochal.steprates`), and the coordinator's factor for an
+epoch is the one at its last step, which the epoch line and the journal show.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epochal.errors import ConfigError
+from epochal.protocol import StepRates
+from epochal.steprates import warmup_cosine
 
 State = dict[str, Any]
 
@@ -40,6 +50,7 @@ _PARAMS: dict[str, dict[str, float]] = {
     "cosine": {"min": 0.0},
     "linear": {"end": 0.0},
     "plateau": {"patience": 3.0, "factor": 0.5, "threshold": 1e-4, "min": 0.0},
+    "warmup-cosine": {"warmup": 0.0, "steps": 0.0, "min": 0.0},
 }
 SCHEDULE_NAMES = tuple(_PARAMS)
 
@@ -56,6 +67,8 @@ class Schedule:
     held: bool = False
     """The curve was kept over ``epochs`` when the run was given more (``--keep-schedule``): the
     factor of its last epoch holds for the epochs after it."""
+    steps_per_epoch: int | None = None
+    """The run's ``--steps-per-epoch`` (a per-step schedule needs it)."""
 
     def defaults_note(self) -> str | None:
         """One line naming the settings the spec left to their defaults (``step:every=2`` takes
@@ -75,7 +88,32 @@ class Schedule:
     def spans_epochs(self) -> bool:
         """Whether the factors depend on the run's epoch count (``cosine`` spans it): a run
         given more epochs continues on another curve."""
-        return self.name == "cosine"
+        return self.name == "cosine" or (self.per_step and self.params["steps"] == 0)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the workers set the factor at every optimizer step (``warmup-cosine``)."""
+        return self.name == "warmup-cosine"
+
+    def step_rates(self) -> StepRates | None:
+        """What a welcome sends of a per-step schedule: its warm-up steps, decay steps
+        (``steps=0`` resolved to the run's last step) and floor; None for a per-epoch one."""
+        if not self.per_step:
+            return None
+        assert self.steps_per_epoch is not None  # parse_schedule refuses a per-step one without
+        steps = int(self.params["steps"]) or self.epochs * self.steps_per_epoch
+        return StepRates(warmup=int(self.params["warmup"]), steps=steps, floor=self.params["min"])
+
+    def end_factor(self, epoch: int) -> float:
+        """A per-step schedule's factor at the last optimizer step of ``epoch``."""
+        rates = self.step_rates()
+        assert rates is not None and self.steps_per_epoch is not None
+        last = (epoch + 1) * self.steps_per_epoch - 1
+        return warmup_cosine(last, warmup=rates.warmup, steps=rates.steps, floor=rates.floor)
+
+    def first_factor(self) -> float:
+        """The factor of epoch 0: 1, or a per-step schedule's at that epoch's last step."""
+        return self.end_factor(0) if self.per_step else 1.0
 
     @property
     def spec(self) -> str:
@@ -95,6 +133,8 @@ class Schedule:
         match self.name:
             case "constant":
                 return 1.0
+            case "warmup-cosine":
+                return self.end_factor(nxt)
             case "step":
                 return float(p["gamma"] ** (nxt // int(p["every"])))
             case "exponential":
@@ -131,8 +171,9 @@ def _number(value: float) -> str:
     return str(int(value)) if value.is_integer() else repr(value)
 
 
-def parse_schedule(spec: str, epochs: int) -> Schedule:
-    """Parse ``NAME[:key=value,...]``; ConfigError naming what is wrong and what is allowed."""
+def parse_schedule(spec: str, epochs: int, steps_per_epoch: int | None = None) -> Schedule:
+    """Parse ``NAME[:key=value,...]``; ConfigError naming what is wrong and what is allowed.
+    ``steps_per_epoch``: the run's ``--steps-per-epoch``, which a per-step schedule needs."""
     name, _, rest = spec.strip().partition(":")
     if name not in _PARAMS:
         raise ConfigError(
@@ -152,7 +193,25 @@ def parse_schedule(spec: str, epochs: int) -> Schedule:
             raise ConfigError(f"schedule {name}: {key}={raw!r} is not a number") from None
         given.add(key)
     _check(name, params)
-    return Schedule(name=name, params=params, epochs=epochs, given=frozenset(given))
+    if name == "warmup-cosine" and steps_per_epoch is None:
+        raise ConfigError(
+            f"schedule {name} counts optimizer steps, which the run numbers only with epochs "
+            "of a fixed length: run with --steps-per-epoch N"
+        )
+    if name == "warmup-cosine" and not params["steps"]:
+        assert steps_per_epoch is not None
+        if params["warmup"] > epochs * steps_per_epoch:
+            raise ConfigError(
+                f"schedule {name}: warmup={_number(params['warmup'])} is longer than the run's "
+                f"{epochs * steps_per_epoch} steps: warm up for fewer steps or give steps=S"
+            )
+    return Schedule(
+        name=name,
+        params=params,
+        epochs=epochs,
+        given=frozenset(given),
+        steps_per_epoch=steps_per_epoch,
+    )
 
 
 def _check(name: str, p: dict[str, float]) -> None:
@@ -170,6 +229,17 @@ def _check(name: str, p: dict[str, float]) -> None:
         raise bad(f"min must be in [0, 1], got {p['min']:g}")
     if name == "linear" and p["end"] <= 0:
         raise bad(f"end must be the epoch at which the factor reaches 0 (> 0), got {p['end']:g}")
+    if name == "warmup-cosine":
+        for key in ("warmup", "steps"):
+            if p[key] < 0 or p[key] != int(p[key]):
+                raise bad(f"{key} must be a whole number of optimizer steps >= 0, got {p[key]:g}")
+        if p["steps"] and p["steps"] < p["warmup"]:
+            raise bad(
+                f"steps ({p['steps']:g}) is where the decay ends, so it must not come before "
+                f"the warm-up's end (warmup={p['warmup']:g}); 0 ends it at the run's last step"
+            )
+        if not 0 <= p["min"] <= 1:
+            raise bad(f"min must be in [0, 1], got {p['min']:g}")
     if name == "plateau":
         if p["patience"] < 0 or p["patience"] != int(p["patience"]):
             raise bad(f"patience must be a whole number >= 0, got {p['patience']:g}")

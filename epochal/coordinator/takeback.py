@@ -163,6 +163,7 @@ class TakingBack:
             carry_on=True,
             understands=understood(),
             steps_per_epoch=self._state.config.steps_per_epoch,
+            lr_steps=self._state.loop.schedule_rates(),
         )
 
     def _carry_backend(self, member: Member) -> str:

@@ -17,7 +17,7 @@ PROTOCOL_VERSION = 6
 removed, a message type removed or made required, or a changed meaning; a new message type is
 optional instead (:attr:`~epochal.protocol.registry.Message.optional`)."""
 
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 """The minor version, a frame's ``m`` (left out when 0). Bumped for a new field, which must have a
 default, or a new optional message type: peers of one major version interoperate whatever their
 minor versions, each skipping the fields it does not know and taking the default of those it

@@ -60,6 +60,7 @@ from epochal.protocol.records import (
     MetricName,
     Metrics,
     ParamSpec,
+    StepRates,
     TypeName,
 )
 from epochal.protocol.registry import *  # noqa: F403
@@ -321,6 +322,9 @@ class Welcome(CoordinatorMessage):
     steps_per_epoch: Positive | None = None
     # (6.6) an epoch is this many global optimizer steps, the data going on across epochs;
     # None: an epoch is one pass over the data
+    lr_steps: StepRates | None = None
+    # (6.7) set the learning-rate factor at every optimizer step from the run's global step;
+    # None: the factor of each go holds for its whole epoch
 
     def _validate(self) -> None:
         if self.resume_epoch is not None and self.checkpoint_dir == "":

@@ -12,7 +12,7 @@ import dataclasses as _dataclasses
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
-from epochal.protocol.constraints import Chars, Finite, Items, Name, NonNeg, Within
+from epochal.protocol.constraints import Chars, Finite, Items, Name, NonNeg, Positive, Within
 from epochal.protocol.limits import MAX_METRICS, MAX_PARAMS, MAX_SHAPE_DIMS, MAX_TYPE_NAME_CHARS
 from epochal.protocol.registry import Record
 from epochal.protocol.strings import check_metric_name
@@ -78,6 +78,27 @@ class Fingerprint(Record):
     torch_version: Name
     entries: _Annotated[int, Within(0, MAX_PARAMS)]
     # how many parameters and buffers the model has
+
+
+@_dataclasses.dataclass(frozen=True, slots=True)
+class StepRates(Record):
+    """A learning-rate schedule set at every optimizer step (``--lr-schedule warmup-cosine``):
+    each rank's factor at the run's global step ``s`` is
+    :func:`~epochal.steprates.warmup_cosine` of these, so that every rank, and a resume, finds
+    the same rate from the step alone."""
+
+    warmup: NonNeg
+    # optimizer steps of linear warm-up from 0 to 1
+    steps: Positive
+    # the global step at which the cosine decay reaches floor
+    floor: _Annotated[float, Finite()] = 0.0
+    # the factor the decay ends at, in [0, 1]
+
+    def _validate(self) -> None:
+        if not 0 <= self.floor <= 1:
+            raise ValueError(f"floor must be in [0, 1], got {self.floor}")
+        if self.steps < self.warmup:
+            raise ValueError(f"steps ({self.steps}) must not come before warmup ({self.warmup})")
 
 
 HEARTBEAT_INTERVAL = 1.0

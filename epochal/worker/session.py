@@ -38,6 +38,7 @@ from epochal.protocol import (
     Phase,
     Regroup,
     Restore,
+    StepRates,
     Welcome,
     clip,
 )
@@ -90,8 +91,7 @@ class Session:
     ) -> None:
         self.client = client
         self.model = model
-        # the model whose weights every rank compares after each epoch (the one given to join);
-        # None: nothing compared
+        # the model whose weights the ranks compare after each epoch (join's); None: none
         self.device = device
         standing = Standing.welcomed(welcome, store)
         self._standing = standing
@@ -174,6 +174,11 @@ class Session:
         return self._standing.steps_per_epoch
 
     @property
+    def lr_steps(self) -> StepRates | None:
+        """The per-step learning-rate schedule to apply; None: each go's factor holds."""
+        return self._standing.lr_steps
+
+    @property
     def resume_epoch(self) -> int | None:
         """The epoch whose checkpoint the run resumes from; None: a fresh start."""
         return self._standing.resume_epoch
@@ -203,9 +208,9 @@ class Session:
         when it has no validation data), or a function of the epoch returning that; the function
         is asked for an epoch's counts before it starts (for every epoch but the first, when the
         previous epoch's loss report is sent, which carries them), never for an epoch past the
-        run's last. The functions
-        receive an :class:`EpochContext` and must run exactly ``ctx.train_batches`` /
-        ``ctx.valid_batches`` batches, returning the summed loss and the sample count.
+        run's last. The functions receive an :class:`EpochContext` and must run exactly
+        ``ctx.train_batches`` / ``ctx.valid_batches`` batches, returning the summed loss and the
+        sample count.
         ``on_best(epoch)`` runs when the coordinator declares the epoch the new best.
 
         ``state`` is what a checkpoint holds: an object with ``state_dict()`` and
@@ -297,8 +302,7 @@ class Session:
         return decision
 
     def _announce(self, training: Training, epoch: int) -> Go | Finish:
-        """The first epoch of a run or of a resume: announced with an epoch_ready; its Go (or
-        the Finish of a run that had already stopped)."""
+        """Announce the first epoch of a run or a resume: its Go, or a stopped run's Finish."""
         self.client.at(Phase.WAITING, epoch, Awaiting.GO, announce=False)  # the ready says it
         self._exchange.ask(training.ready(epoch, self.generation))
         answer: Go | Finish = self._expect(Go, Finish)
@@ -319,8 +323,7 @@ class Session:
 
     def _report(self, training: Training, epoch: int, train: LossSum, valid: LossSum) -> Decision:
         """Report ``epoch``'s losses, with the next epoch's counts; the coordinator's Decision."""
-        # the report says that it waits
-        self.client.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
+        self.client.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)  # said by it
         self._exchange.ask(
             EpochReport(
                 epoch=epoch,
@@ -405,9 +408,7 @@ class Session:
     def _rate(self) -> float | None:
         """The optimizer's learning rate for the epoch report; None when not known or not a
         finite number (a scheduler's tensor rate is read as a number)."""
-        if self._learning_rate is None:
-            return None
-        rate = float(self._learning_rate())
+        rate = math.nan if self._learning_rate is None else float(self._learning_rate())
         return rate if math.isfinite(rate) else None
 
     def _checksum(self) -> int | None:

@@ -68,6 +68,7 @@ def test_every_documented_name_is_known():
         "cosine",
         "linear",
         "plateau",
+        "warmup-cosine",
     }
 
 

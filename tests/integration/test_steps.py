@@ -1,5 +1,6 @@
 """Epochs of N steps, for real: a run killed mid-pass resumes bit-identical at its world size,
-and at another world size every sample of each pass is trained exactly once (by recorded ids)."""
+with the same per-step learning rates, and at another world size every sample of each pass is
+trained exactly once (by recorded ids)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from epochal.steprates import warmup_cosine
 from tests.integration.conftest import SCRIPTS, Spawner, epoch_records
 
 pytestmark = pytest.mark.slow
 
 DEADLINE = 120.0
-STEPS = ("--epochs", "5", "--steps-per-epoch", "3")
+STEPS = (
+    "--epochs",
+    "5",
+    "--steps-per-epoch",
+    "3",
+    "--lr-schedule",
+    "warmup-cosine:warmup=4,min=0.1",
+)
+# a warm-up over epoch 0 into epoch 1, then a cosine to 0.1 at the run's 15th step
 # passes of 5 global batches: epoch 1 ends one batch into pass 1, the checkpoint a resume reads
 KILL = "kill@train-step:rank=0:epoch=2:step=1"
 
@@ -54,6 +64,17 @@ def batches_trained(out: Path) -> list[tuple[int, list[int]]]:
     return out_batches
 
 
+def rates_stepped(out: Path, rank: int) -> list[float]:
+    """Rank ``rank``'s learning rate after each of its optimizer steps, in order, across the
+    processes that wrote ``out`` (a killed run's, then its resume's). A rate of 0 is left out:
+    a resume gives the optimizer its state tensors by a step at rate 0 before loading them."""
+    rates = []
+    for path in sorted(out.glob("lr-*.txt"), key=lambda p: p.stat().st_mtime):
+        lines = [line.split() for line in path.read_text().splitlines()]
+        rates.append([float(lr) for _, r, lr in lines if int(r) == rank and float(lr) != 0])
+    return [lr for process in rates for lr in process]
+
+
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("steps")
@@ -84,6 +105,15 @@ def test_each_epoch_record_says_its_steps_and_where_the_data_stands(unbroken):
         assert sorted(i for ids in trained[5 * p : 5 * p + 5] for i in ids) == list(range(40))
 
 
+def test_the_rate_of_each_step_is_the_schedules_at_its_global_step(unbroken):
+    expected = [0.05 * warmup_cosine(s, warmup=4, steps=15, floor=0.1) for s in range(15)]
+    for rank in (0, 1):
+        assert rates_stepped(unbroken / "out", rank) == expected
+    assert [r["lr_factor"] for r in epoch_records(unbroken / "run") if r["kind"] == "epoch"] == [
+        warmup_cosine(3 * e + 2, warmup=4, steps=15, floor=0.1) for e in range(5)
+    ]  # the factor at each epoch's last step
+
+
 def test_killed_mid_pass_resumes_bit_identical(spawn, tmp_path, unbroken):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     code, output = spawn.finish(
@@ -95,6 +125,11 @@ def test_killed_mid_pass_resumes_bit_identical(spawn, tmp_path, unbroken):
     assert code == 0, output
     assert "resuming" in output
     for rank in (0, 1):
+        # the killed run stepped epochs 0 and 1 (checkpointed) and epoch 2's step 0; the resume
+        # steps epochs 2 to 4 at the rates of the run that was never killed
+        rates = rates_stepped(out, rank)
+        assert len(rates) == 7 + 9
+        assert rates[:6] + rates[7:] == rates_stepped(unbroken / "out", rank)
         x = torch.load(unbroken / "out" / f"rank{rank}.pt")
         y = torch.load(out / f"rank{rank}.pt")
         for name in x["model"]:

@@ -39,6 +39,7 @@ from epochal.protocol.messages import (
     Phase,
     Record,
     Status,
+    StepRates,
     Welcome,
     Within,
     fields_of,
@@ -208,8 +209,15 @@ def _liveness(values: dict[str, Any], profile: Profile) -> list[dict[str, Any]]:
     return [values | {"interval": timeout / 2, "timeout": timeout}]
 
 
+def _step_rates(values: dict[str, Any], profile: Profile) -> list[dict[str, Any]]:
+    # the floor lies in [0, 1] and the decay ends no earlier than the warm-up
+    warmup = min(values["steps"], values["warmup"])
+    return [values | {"floor": 0.5, "warmup": warmup}, values | {"floor": 1.0, "warmup": warmup}]
+
+
 AGREE: dict[type, Agree] = {
     Liveness: _liveness,
+    StepRates: _step_rates,
     Welcome: _welcome,
     Joined: _joined,
     Status: _status,

@@ -354,6 +354,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "Liveness": (),
     "Metric": ("name", "total", "count"),
     "ParamSpec": ("name", "shape", "dtype"),
+    "StepRates": ("warmup", "steps"),
 }
 """Every message type of major version :data:`MAJOR` and the fields each requires (those without
 a default), and those of the records inside them: what a peer of any minor version of the major

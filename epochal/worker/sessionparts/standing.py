@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from epochal.protocol import Welcome
+from epochal.protocol import StepRates, Welcome
 from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.control.rendezvous import StoreRef
 
@@ -45,6 +45,8 @@ class Standing:
     # this rank's checkpoints of the run; None: the run keeps none
     steps_per_epoch: int | None = None
     # an epoch is this many global optimizer steps; None: one pass over the data
+    lr_steps: StepRates | None = None
+    # the learning-rate factor set at every optimizer step; None: each go's factor holds
 
     @classmethod
     def welcomed(cls, welcome: Welcome, store: StoreRef) -> Standing:
@@ -64,6 +66,7 @@ class Standing:
             replica_check=welcome.replica_check,
             checkpointer=_checkpointer(welcome),
             steps_per_epoch=welcome.steps_per_epoch,
+            lr_steps=welcome.lr_steps,
         )
 
     def adopt(self, welcome: Welcome) -> None:
@@ -80,6 +83,7 @@ class Standing:
         self.replica_check = welcome.replica_check
         self.checkpointer = _checkpointer(welcome)
         self.steps_per_epoch = welcome.steps_per_epoch
+        self.lr_steps = welcome.lr_steps
 
 
 def _checkpointer(welcome: Welcome) -> Checkpointer | None:

@@ -21,6 +21,7 @@ from epochal.environment import PROGRESS_ENV
 from epochal.errors import ConfigError
 from epochal.log import WORKER
 from epochal.protocol import Restore, SnapshotScope
+from epochal.steprates import warmup_cosine
 from epochal.text import byte_size
 from epochal.worker import faults
 from epochal.worker.checkpoints.state import Stateful
@@ -330,8 +331,21 @@ class Fitting:
             micro = group_end - (step - step % accumulate)  # batches in this step
             policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
         if stepping:
+            self._step_rate(ctx.epoch, step // accumulate)
             strategy.step()  # unscales and clips the accumulated, averaged gradients
         return loss
+
+    def _step_rate(self, epoch: int, step: int) -> None:
+        """A per-step schedule: set the rate of optimizer step ``step`` of ``epoch`` from the
+        run's global step, so a resume or a new world finds the same rate at the same step."""
+        rates, steps = self.session.lr_steps, self.session.steps_per_epoch
+        if rates is None or steps is None:
+            return
+        factor = warmup_cosine(
+            epoch * steps + step, warmup=rates.warmup, steps=rates.steps, floor=rates.floor
+        )
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
 
     def _valid_epoch(self, ctx: EpochContext) -> LossSum:
         valid_data = self.valid_data

@@ -1,8 +1,9 @@
 """A worker script for epochs of N steps: a tiny regression whose loss function writes the
 sample ids of each training batch, one line a batch (``world rank epoch generation id id ...``),
-to a file of its own process. The epoch and the world's generation come from the trainer's
-per-step fault hook, the one place they are passed per step: an elastic test keeps the last try
-of each epoch by them.
+to a file of its own process, and the learning rate after each optimizer step to another
+(``world rank lr``). The epoch and the world's generation come from the trainer's per-step fault
+hook, the one place they are passed per step: an elastic test keeps the last try of each epoch by
+them.
 
 ``--style sampler`` reads a loader of the script's own, per rank, with a DistributedSampler
 (4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12
@@ -67,6 +68,13 @@ def main() -> None:
         hit(point, **at)
 
     faults.hit = tagged
+    rates = (args.out / f"lr-{os.getpid()}.txt").open("a", buffering=1)
+
+    def stepped_rate(opt: torch.optim.Optimizer, *_: object) -> None:
+        where = f"{dist.get_world_size()} {dist.get_rank()} "
+        rates.write(where + repr(opt.param_groups[0]["lr"]) + "\n")
+
+    optimizer.register_step_post_hook(stepped_rate)
 
     def sampler_loader(rank: int, world: int) -> DataLoader:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=7)
