@@ -122,6 +122,7 @@ class StandIn:
         self.elastic, self.generation, self.restore = False, 0, "none"
         self.start_epoch = 0 if resume_epoch is None else resume_epoch + 1
         self.steps_per_epoch: int | None = None  # an epoch is one pass
+        self.lr_steps: Any = None  # no per-step learning-rate schedule
         self.client = SimpleNamespace(check=lambda: None)
 
 
