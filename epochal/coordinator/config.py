@@ -12,11 +12,11 @@ from typing import Literal
 from epochal.argtypes import (
     address_arg,
     nonnegative_int,
-    parse_address,
     positive_int,
     seconds,
     seconds_or_never,
 )
+from epochal.coordinator.configchecks import check_processes
 from epochal.coordinator.monitoring import check_monitor, monitor_arg
 from epochal.coordinator.schedule import Schedule, parse_schedule
 from epochal.environment import DEFAULT_COLLECTIVE_TIMEOUT
@@ -363,7 +363,7 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         self._check_training()
-        self._check_processes()
+        check_processes(self, BACKEND_CHOICES)
 
     def _check_training(self) -> None:
         for name in (
@@ -421,44 +421,6 @@ class CoordinatorConfig:
             )
         if self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-
-    def _check_processes(self) -> None:
-        if self.min_workers is not None and not 1 <= self.min_workers <= self.world_size:
-            raise ConfigError(
-                f"--min-workers {self.min_workers} must be between 1 and the world size "
-                f"({self.world_size})"
-            )
-        if self.backend not in BACKEND_CHOICES:
-            raise ConfigError(
-                f"backend {self.backend!r} is unknown: use one of {', '.join(BACKEND_CHOICES)}"
-            )
-        for name in (
-            "rendezvous_timeout",
-            "store_timeout",
-            "heartbeat_interval",
-            "heartbeat_timeout",
-            "finish_timeout",
-            "stall_timeout",
-        ):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-        if self.command is not None and not all(isinstance(a, str) for a in self.command):
-            raise ConfigError(f"command must be a sequence of strings, got {self.command!r}")
-        if self.stall_abort is not None and not (
-            self.stall_abort > 0 and math.isfinite(self.stall_abort)
-        ):
-            raise ConfigError(
-                f"stall_abort must be a positive number of seconds (None: never), "
-                f"got {self.stall_abort}"
-            )
-        if self.metrics_address is not None:
-            parse_address(self.metrics_address)  # raises ConfigError naming the form it needs
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ConfigError(
-                f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
-                f"({self.heartbeat_interval} s), or every worker would look dead"
-            )
 
     @property
     def checkpoint_path(self) -> Path | None:
