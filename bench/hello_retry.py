@@ -26,7 +26,7 @@ import time
 from codec import fingerprint, per_call  # bench/codec.py, beside this script
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
-from epochal.coordinator.actions import Send
+from epochal.coordinator.rules.actions import Send
 from epochal.protocol import Hello, Joined, encode
 from epochal.protocol.codec import decode_frame
 

@@ -23,7 +23,7 @@ from epochal.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from epochal.coordinator.background import start_coordinator
+    from epochal.coordinator.serve.background import start_coordinator
     from epochal.worker import (
         EpochContext,
         FitOptions,
@@ -63,7 +63,7 @@ _WORKER_NAMES = {
 
 def __getattr__(name: str) -> Any:
     if name == "start_coordinator":  # zmq, not torch: still imported only when used
-        from epochal.coordinator.background import start_coordinator
+        from epochal.coordinator.serve.background import start_coordinator
 
         return start_coordinator
     if name in _WORKER_NAMES:

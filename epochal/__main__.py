@@ -1,5 +1,5 @@
 """``python -m epochal``: the same command line as the ``epochal`` script."""
 
-from epochal.cli import main
+from epochal.cli.parser import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@ The coordinator holds one connection per worker; a worker's gloo process group c
 other rank, and rank 0 serves the data-plane store. Both raise their soft ``RLIMIT_NOFILE`` to
 the hard limit at start (:func:`raise_nofile_limit`), which any process may do. Standard library
 only: the coordinator and the workers both call it (the coordinator's other limits are in
-:mod:`epochal.coordinator.oslimits`).
+:mod:`epochal.coordinator.serve.oslimits`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Per-step learning-rate factors: warm-up then cosine decay, given in optimizer steps.
 
-The coordinator parses ``--lr-schedule warmup-cosine:...`` (``coordinator/schedule.py``) and sends
-the three numbers in each welcome (:class:`~epochal.protocol.records.StepRates`); every rank then
-sets its rate at each optimizer step from the run's global step, ``epoch * N + step`` with ``N``
-the steps per epoch, so the curve does not depend on where the run was interrupted, resumed or
+The coordinator parses ``--lr-schedule warmup-cosine:...`` (``coordinator/rules/schedule.py``) and
+sends the three numbers in each welcome (:class:`~epochal.protocol.records.StepRates`); every rank
+then sets its rate at each optimizer step from the run's global step, ``epoch * N + step`` with
+``N`` the steps per epoch, so the curve does not depend on where the run was interrupted, resumed or
 regrouped. Pure: no clock, no torch; the coordinator uses the same function for the factor it
 journals at each epoch's end.
 """

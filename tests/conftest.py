@@ -8,7 +8,7 @@ overrides it, ``-n 0`` runs in one process). Tests that share something expensiv
 ``pytest.mark.xdist_group`` each, so that one process runs them all and sets it up once.
 
 Checkpoints are signed with a key that epochal makes on first use in ``$XDG_CONFIG_HOME/epochal``
-(:mod:`epochal.checkpointkey`). For the whole session that variable names a private temporary
+(:mod:`epochal.rundir.checkpointkey`). For the whole session that variable names a private temporary
 directory, so the tests and every process they start (which inherit it) share one key there and
 nothing is written under the home of whoever runs the tests. Under pytest-xdist each worker
 process has a session, and so a directory and a key, of its own.

@@ -34,7 +34,7 @@ EXIT_REPORT = 1.0
 
 SESSION_PRELOAD = (
     "matplotlib.pyplot",
-    "epochal.cli",
+    "epochal.cli.parser",
     "epochal.launch.launcher",
     "epochal.worker",
     "torch.distributed.optim",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal import addressfile
 from epochal.errors import ConfigError, CoordinatorUnreachable
+from epochal.rundir import addressfile
 
 ROUTES = (
     "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"

@@ -1,4 +1,5 @@
-"""The per-user checkpoint key (epochal/checkpointkey.py): made once and private, read with care.
+"""The per-user checkpoint key (epochal/rundir/checkpointkey.py): made once and private, read with
+care.
 
 Each test points ``XDG_CONFIG_HOME`` or ``EPOCHAL_CHECKPOINT_KEY_FILE`` at its own temporary
 directory (through the ``environ`` argument, the process's own variables untouched). The key of
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal.checkpointkey import (
+from epochal.errors import ConfigError
+from epochal.rundir.checkpointkey import (
     KEY_BYTES,
     CheckpointKey,
     default_key_path,
@@ -22,8 +24,7 @@ from epochal.checkpointkey import (
     load_key,
     read_key_file,
 )
-from epochal.errors import ConfigError
-from epochal.files import UnsafePath
+from epochal.rundir.files import UnsafePath
 from tests.security.other_user import OTHER_UID, needs_root
 
 VARIABLE = "EPOCHAL_CHECKPOINT_KEY_FILE"

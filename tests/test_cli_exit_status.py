@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from epochal import cli
-from epochal.coordinator.machine import RunMachine
-from epochal.launch.service import EXIT_CRASH
+from epochal.cli import parser as cli
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.launch.daemon import EXIT_CRASH
 
 
 def coordinator(tmp_path: Path, *extra: str) -> int:

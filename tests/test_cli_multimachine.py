@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from epochal.cli import build_parser, check_bind, check_exposure, main
-from epochal.coordinator.attach import attach_hint, connectable
+from epochal.cli.parser import build_parser, check_bind, check_exposure, main
+from epochal.coordinator.serve.attach import attach_hint, connectable
 from epochal.errors import ConfigError
-from epochal.security.cli import server_security_from_args
+from epochal.security.keycommand import server_security_from_args
 
 HOSTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "hosts.md"
 

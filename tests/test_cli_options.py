@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import epochal
-from epochal import cli
-from epochal.cli import build_parser, main
-from epochal.suggest import close_matches, did_you_mean
+from epochal.cli import parser as cli
+from epochal.cli.parser import build_parser, main
+from epochal.cli.suggest import close_matches, did_you_mean
 
 
 def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -15,11 +15,11 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from epochal.cli import EXIT_USAGE, build_parser
+from epochal.cli.parser import EXIT_USAGE, build_parser
 from epochal.errors import CoordinatorUnreachable
 from epochal.launch.attempt import EXIT_FAILED, EXIT_OK
+from epochal.launch.daemon import EXIT_CRASH
 from epochal.launch.processes import ORPHAN_EXIT_CODE
-from epochal.launch.service import EXIT_CRASH
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
 from epochal.zygote.child import ORPHAN_EXIT_CODE as ZYGOTE_ORPHAN_EXIT_CODE
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal import cli, configfile
+from epochal.cli import configfile
+from epochal.cli import parser as cli
 
 
 def parse(*argv: str):

@@ -1,4 +1,5 @@
-"""The safe-file primitives every writer and reader of a run directory uses (epochal/files.py).
+"""The safe-file primitives every writer and reader of a run directory uses
+(epochal/rundir/files.py).
 
 The hostile cases are real: a directory another user (``nobody``) created, links planted at the
 names a writer uses, a FIFO where a reader expects a file. The tests that need a second user run
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from epochal import files
+from epochal.rundir import files
 from epochal.text import printable
 from tests.security.other_user import as_other_user, needs_root, shared_scratch
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from epochal.cli import _config, build_parser, run_options
+from epochal.cli.parser import _config, build_parser, run_options
+from epochal.cli.settings import GROUPS, SETTING, Flag, Option, field_options, settings
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.settings import GROUPS, SETTING, Flag, Option, field_options, settings
 
 CLI_PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 TABLE_HEAD = "| option | default | meaning |\n| --- | --- | --- |\n"

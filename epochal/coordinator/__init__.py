@@ -5,6 +5,6 @@ library, never torch, so it starts in well under a second on a machine without a
 """
 
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.service import Coordinator, RunSummary
+from epochal.coordinator.serve.service import Coordinator, RunSummary
 
 __all__ = ["Coordinator", "CoordinatorConfig", "RunSummary"]

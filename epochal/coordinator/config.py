@@ -1,6 +1,6 @@
 """The coordinator's configuration: one frozen, validated dataclass for the CLI and the API.
 
-The command line's run options are generated from its fields (:mod:`epochal.settings`)."""
+The command line's run options are generated from its fields (:mod:`epochal.cli.settings`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from epochal.argtypes import (
+from epochal.cli.argtypes import (
     address_arg,
     nonnegative_int,
     positive_int,
     seconds,
     seconds_or_never,
 )
+from epochal.cli.settings import (
+    CHECKPOINTS,
+    FAILURES,
+    RUN_POLICY,
+    TIMEOUTS,
+    WATCHING,
+    Flag,
+    setting,
+)
 from epochal.coordinator.configchecks import check_processes
 from epochal.coordinator.monitoring import check_monitor, monitor_arg
-from epochal.coordinator.schedule import Schedule, parse_schedule
+from epochal.coordinator.rules.schedule import Schedule, parse_schedule
 from epochal.environment import DEFAULT_COLLECTIVE_TIMEOUT
 from epochal.errors import ConfigError
 from epochal.protocol.messages import (
@@ -28,8 +37,7 @@ from epochal.protocol.messages import (
     Liveness,
     check_job_name,
 )
-from epochal.rundir import CHECKPOINTS_DIR
-from epochal.settings import CHECKPOINTS, FAILURES, RUN_POLICY, TIMEOUTS, WATCHING, Flag, setting
+from epochal.rundir.layout import CHECKPOINTS_DIR
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")
@@ -50,9 +58,9 @@ named. Lower it to a few times the slowest step to have a hung rank named sooner
 class CoordinatorConfig:
     """Everything the coordinator decides a run by.
 
-    Each field is documented once, in its :func:`~epochal.settings.setting`: the help the command
-    line shows (and the options table in docs/cli.md repeats, checked by a test), the flag and its
-    value type, and whether a resumed run may change it.
+    Each field is documented once, in its :func:`~epochal.cli.settings.setting`: the help the
+    command line shows (and the options table in docs/cli.md repeats, checked by a test), the flag
+    and its value type, and whether a resumed run may change it.
     """
 
     world_size: int = field(

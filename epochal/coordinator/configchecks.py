@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from epochal.argtypes import parse_address
+from epochal.cli.argtypes import parse_address
 from epochal.errors import ConfigError
 
 if TYPE_CHECKING:

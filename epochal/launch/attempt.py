@@ -3,8 +3,8 @@
 :class:`Attempt` starts the workers (forked from the preloaded process where there is one), prefixes
 what they print with their rank, replaces a lost worker in an elastic run, passes a signal on to
 them, stands the coordinator down for a script with a process group of its own
-(:mod:`epochal.launch.plain`), waits for them to exit (killing those that outstay their bound),
-and says how the attempt ended as an :class:`~epochal.launch.restarts.Outcome`.
+(:mod:`epochal.launch.plainscript`), waits for them to exit (killing those that outstay their
+bound), and says how the attempt ended as an :class:`~epochal.launch.restarts.Outcome`.
 :mod:`epochal.launch.launcher` makes one per attempt and restarts the run as that outcome asks.
 """
 
@@ -32,7 +32,7 @@ from epochal.environment import (
     WORLD_SIZE_ENV,
 )
 from epochal.errors import EpochalError, RunAborted
-from epochal.launch.plain import PLAIN_LINE, free_port, made_its_own_group, wait_plain
+from epochal.launch.plainscript import PLAIN_LINE, free_port, made_its_own_group, wait_plain
 from epochal.launch.preload import Forked, Preload, Preloaded, worker_threads
 from epochal.launch.processes import Child, die_with_parent, kill_group
 from epochal.launch.restarts import Outcome
@@ -66,7 +66,7 @@ def worker_environment(
     """The environment of local worker ``index`` of ``nproc``: epochal's variables, and
     torchrun's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``) so that a script written for torchrun runs unchanged (see
-    :mod:`epochal.launch.plain`)."""
+    :mod:`epochal.launch.plainscript`)."""
     env = dict(base)
     env[RANK_ENV] = str(index)
     env[LOCAL_RANK_ENV] = str(index)
@@ -412,7 +412,7 @@ def _lost_note(lost: list[int], spare_positions: list[int], slots: list[int]) ->
 
 
 def _plain_outcome(codes: list[int], first: int | None, interrupted: list[str]) -> Outcome:
-    """How a plain run (a torchrun script, :mod:`epochal.launch.plain`) ended: finished when
+    """How a plain run (a torchrun script, :mod:`epochal.launch.plainscript`) ended: finished when
     every worker exited 0; else ``first`` failed first."""
     if interrupted:
         say(f"interrupted by {interrupted[0]}", logging.WARNING)

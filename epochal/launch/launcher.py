@@ -30,7 +30,7 @@ from epochal.launch.rerun import FIX_LINE
 from epochal.launch.restarts import Outcome, restarting
 from epochal.log import COORDINATOR, child_environment, ensure_configured
 from epochal.observe import RunObserver
-from epochal.observe import options as observe_options
+from epochal.observe import watching as observe_options
 from epochal.text import counted
 
 EXIT_MARGIN = 10.0

@@ -25,7 +25,7 @@ from typing import Any
 
 from epochal.errors import ConfigError
 from epochal.observe.runfiles import read_json
-from epochal.rundir import RESULT_FILE, RUN_FILE
+from epochal.rundir.layout import RESULT_FILE, RUN_FILE
 
 GLOBAL_VALUE_OPTIONS = ("--log-level", "--log-format")
 """Options before the command name that take a value (``epochal --log-level debug run ...``)."""
@@ -62,7 +62,7 @@ def _shown(command: Sequence[str] | None) -> str:
 
 def previous_runs(runs: Path, command: Sequence[str] | None) -> list[PreviousRun]:
     """The runs in ``runs`` (one directory each) of ``command`` (the workers' script and
-    arguments as :func:`~epochal.coordinator.resume.script_identity` records them; None for
+    arguments as :func:`~epochal.coordinator.serve.resume.script_identity` records them; None for
     ``epochal coordinator``), newest first."""
     wanted = None if command is None else list(command)
     found = []

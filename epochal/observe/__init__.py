@@ -6,7 +6,7 @@ and imports its library (matplotlib, tensorboard, prometheus-client) only when i
 Nothing here imports torch.
 """
 
-from epochal.observe.base import (
+from epochal.observe.observer import (
     Observers,
     RankStatus,
     RunObserver,

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from epochal.argtypes import seconds
+from epochal.cli.argtypes import seconds
 from epochal.errors import ConfigError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epochal.observe.base import RunObserver, RunStart
+from epochal.observe.observer import RunObserver, RunStart
 
 
 class Curve(RunObserver):

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from epochal.errors import ConfigError
-from epochal.files import private_dir, write_atomic
 from epochal.log import COORDINATOR
 from epochal.observe.runfiles import (
     epoch_records,
@@ -33,7 +32,8 @@ from epochal.observe.runfiles import (
     read_run,
     read_status,
 )
-from epochal.rundir import CURVE_FILE, DEFAULT_MONITOR, monitor_of
+from epochal.rundir.files import private_dir, write_atomic
+from epochal.rundir.layout import CURVE_FILE, DEFAULT_MONITOR, monitor_of
 from epochal.text import counted, printable
 
 EXTRA_HINT = "pip install 'epochal[plot]'"

@@ -26,11 +26,11 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from epochal.argtypes import parse_address
+from epochal.cli.argtypes import parse_address
 from epochal.errors import ConfigError
-from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
 from epochal.observe.metricsserver import MetricsServer
-from epochal.rundir import DEFAULT_MONITOR, monitor_of
+from epochal.observe.observer import RunObserver, RunStart, StatusSnapshot, World
+from epochal.rundir.layout import DEFAULT_MONITOR, monitor_of
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric

@@ -1,13 +1,14 @@
 """``RUN_DIR/status.json``: where a run is, replaced atomically every few seconds, and
 ``epochal status RUN_DIR``, which prints it at a glance.
 
-The file holds the coordinator's state, the epoch, the best epoch so far, the monitored value's
-name (``monitor``: what ``smoothed`` and ``best`` are of), the last epoch's losses, one row per rank
+The file holds the coordinator's state, the epoch, the best epoch so far, the monitored value's name
+(``monitor``: what ``smoothed`` and ``best`` are of), the last epoch's losses, one row per rank
 (phase, epoch, step, the line its code is at, seconds since it made progress and since it was last
-heard; its epoch is the header's, see :func:`epochal.coordinator.feed.rank_at`) and ``events``:
-every start of the run, a restart after a failure in the same process or a resume by a new one,
-with the epoch it started at. A resuming coordinator carries the earlier events over, so the file
-keeps the whole history that ``epochs.jsonl`` does not (it drops the epochs a resume trains again).
+heard; its epoch is the header's, see :func:`epochal.coordinator.serve.feed.rank_at`) and
+``events``: every start of the run, a restart after a failure in the same process or a resume by a
+new one, with the epoch it started at. A resuming coordinator carries the earlier events over, so
+the file keeps the whole history that ``epochs.jsonl`` does not (it drops the epochs a resume trains
+again).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from epochal.errors import ConfigError
-from epochal.files import private_dir
-from epochal.observe.base import RunObserver, RunStart, StatusSnapshot, World
+from epochal.observe.observer import RunObserver, RunStart, StatusSnapshot, World
 from epochal.observe.runfiles import (
     epoch_records,
     read_records,
@@ -30,7 +30,8 @@ from epochal.observe.runfiles import (
     read_status,
     write_json_atomic,
 )
-from epochal.rundir import (
+from epochal.rundir.files import private_dir
+from epochal.rundir.layout import (
     RESULT_FILE,
     STATUS_FILE,
     monitor_of,

@@ -8,8 +8,8 @@ TensorBoard's restart marker (a ``SessionLog.START`` event at the epoch it start
 TensorBoard drops the epochs a resume trains again instead of drawing them twice.
 
 DIR and DIR/NAME are created with mode 0700 and refused when another user could write in them
-(:func:`epochal.files.private_dir`): TensorBoard's writer follows links, so nobody else may plant
-one where it writes. DIR is checked when the observer is made, before the run starts.
+(:func:`epochal.rundir.files.private_dir`): TensorBoard's writer follows links, so nobody else may
+plant one where it writes. DIR is checked when the observer is made, before the run starts.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from epochal.errors import ConfigError
-from epochal.files import private_dir
-from epochal.observe.base import RunObserver, RunStart, StatusSnapshot
-from epochal.rundir import DEFAULT_MONITOR, monitor_of
+from epochal.observe.observer import RunObserver, RunStart, StatusSnapshot
+from epochal.rundir.files import private_dir
+from epochal.rundir.layout import DEFAULT_MONITOR, monitor_of
 
 EXTRA_HINT = "pip install 'epochal[tensorboard]'"
 

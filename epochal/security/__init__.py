@@ -34,7 +34,7 @@ Modules: :mod:`.keys` writes and loads key files, :mod:`.curve` secures the sock
 """
 
 from epochal.environment import CURVE_KEY_ENV, CURVE_SERVER_KEY_ENV
-from epochal.security.curve import (
+from epochal.security.curvekeys import (
     DEFAULT_DOMAIN,
     ClientSecurity,
     ServerSecurity,

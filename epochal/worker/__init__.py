@@ -7,7 +7,7 @@ must agree on: it asks the coordinator.
 
 from epochal.worker.checkpoints.state import TrainState
 from epochal.worker.join import join
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from epochal.worker.session import Session
 from epochal.worker.strategies import MODES, ModeOptions, Strategy, wrap
 from epochal.worker.training.initialization import initialize_on_rank

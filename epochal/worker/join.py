@@ -36,16 +36,16 @@ from epochal.protocol import (
     clip,
     understood,
 )
-from epochal.security.curve import ClientSecurity
+from epochal.security.curvekeys import ClientSecurity
 from epochal.worker import faults, launchenv
+from epochal.worker.control.admission import StoreRef, rendezvous, tell_join_failure
 from epochal.worker.control.client import ControlClient
 from epochal.worker.control.exits import install as install_excepthook
-from epochal.worker.control.rendezvous import StoreRef, rendezvous, tell_join_failure
 from epochal.worker.dataplane import network
 from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.dataplane.store import scoped
 from epochal.worker.fingerprint import describe
-from epochal.worker.options import (
+from epochal.worker.joinoptions import (
     JoinOptions,
     check_endpoint,
     coordinator_address,
@@ -68,7 +68,8 @@ def _device_for(local_rank: int, device: str | torch.device | None) -> torch.dev
 def join(model: torch.nn.Module, options: JoinOptions | None = None, **given: Any) -> Session:
     """Join the run the coordinator holds and return this worker's Session.
 
-    The keyword arguments are the fields of :class:`~epochal.worker.options.JoinOptions` (or pass
+    The keyword arguments are the fields of :class:`~epochal.worker.joinoptions.JoinOptions` (or
+    pass
     ``options``, already built): ``coordinator``, ``job``, ``token``, ``worker_id``, ``rank``,
     ``world_size``, ``device``, ``connect_timeout``, ``collective_timeout``, ``abort_grace``,
     ``reattach_timeout``, ``curve_key``, ``curve_server_key``. Every argument left None comes from

@@ -40,14 +40,14 @@ from epochal.errors import RunAborted
 from epochal.log import WORKER
 from epochal.protocol import Failed, Finish, Phase, clip
 from epochal.text import exit_words
+from epochal.worker.control.admission import StoreRef
 from epochal.worker.control.finish import finish_without_epochs
 from epochal.worker.control.progress import CpuProgress, process_cpu
-from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.dataplane import network
 from epochal.worker.dataplane.store import scoped
 from epochal.worker.fingerprint import describe
 from epochal.worker.join import admit
-from epochal.worker.options import (
+from epochal.worker.joinoptions import (
     JoinOptions,
 )
 

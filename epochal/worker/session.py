@@ -45,11 +45,11 @@ from epochal.protocol import (
 from epochal.worker import faults
 from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.control.admission import StoreRef
 from epochal.worker.control.client import ControlClient, RegroupNow
 from epochal.worker.control.exits import failure_reason
 from epochal.worker.control.finish import finish_without_epochs
 from epochal.worker.control.progress import CpuProgress, thread_cpu
-from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.control.worlds import Rejoin
 from epochal.worker.dataplane.sockets import GroupSockets
 from epochal.worker.regroup.leave import close_group
@@ -59,7 +59,7 @@ from epochal.worker.sessionparts.reattach import KeptWhereItWas, Reattach, Taken
 from epochal.worker.sessionparts.savepoints import Savepoints
 from epochal.worker.sessionparts.standing import Standing
 from epochal.worker.sessionparts.worldchange import WorldChange
-from epochal.worker.training.replicas import weights_checksum
+from epochal.worker.training.checksums import weights_checksum
 from epochal.worker.training.results import (
     EpochContext,
     EpochRecord,

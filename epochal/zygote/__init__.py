@@ -11,12 +11,12 @@ forkserver with a preload, reduced to what a launcher needs: the standard stream
 descriptors the asker attaches, a session of its own, death with its parent, and the exit status
 reported back.
 
-Its parts: :mod:`~epochal.zygote.wire` (the requests and answers on a channel, checked),
+Its parts: :mod:`~epochal.zygote.framing` (the requests and answers on a channel, checked),
 :mod:`~epochal.zygote.server` (the zygote's loop, and when it will not fork),
 :mod:`~epochal.zygote.child` (the forked child: become the process python would have started,
 run the script, end), :mod:`~epochal.zygote.proctitle` (what ``ps`` shows of it),
 :mod:`~epochal.zygote.cpython` (the CPython internals it relies on) and
-:mod:`~epochal.zygote.client` (the asking side: a launcher, a worker).
+:mod:`~epochal.zygote.forking` (the asking side: a launcher, a worker).
 
 :class:`epochal.launch.preload.Preloaded` starts the zygote as a script, by path (:data:`SCRIPT`:
 ``python -u -P __main__.py FD PARENT ROOM MODULE...``): it imports nothing of epochal, so that
@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import os
 
-from .client import Child, ask, channel_from, connect, popen
+from .forking import Child, ask, channel_from, connect, popen
+from .framing import CHANNEL_ENV, IMPORT_ENV, network_namespace
 from .proctitle import ARGV_ROOM, ENV_ROOM, ROOM_ENV
 from .server import main
-from .wire import CHANNEL_ENV, IMPORT_ENV, network_namespace
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
 """The file the launcher runs as the zygote."""

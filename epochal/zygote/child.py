@@ -29,8 +29,8 @@ from importlib.machinery import ModuleSpec
 from typing import NoReturn
 
 from . import cpython
+from .framing import CHANNEL_ENV, Request
 from .proctitle import show_environment, show_title
-from .wire import CHANNEL_ENV, Request
 
 PR_SET_PDEATHSIG = 1
 ORPHAN_EXIT_CODE = 70

@@ -9,7 +9,7 @@ A child asked with ``"channel": true`` gets a channel of its own, over which it 
 (rank 0's store server).
 
 Nothing a peer sends ends this process, whose death ends every worker it forked: a request it
-cannot read (:func:`epochal.zygote.wire.parse`) is answered with the error, and said once a
+cannot read (:func:`epochal.zygote.framing.parse`) is answered with the error, and said once a
 connection on standard error. Nor does it fork where a fork is unsafe (:func:`fork_hazard`):
 with a second thread (a fork copies only the caller, not the locks the others held) or CUDA
 initialized (which a forked child cannot use). It checks before each fork, since a preloaded
@@ -32,8 +32,7 @@ import threading
 from typing import Any, NoReturn
 
 from .child import become, die_with, end, run
-from .proctitle import show_title
-from .wire import (
+from .framing import (
     IMPORT_ENV,
     MAX_FDS,
     MESSAGE_BYTES,
@@ -45,6 +44,7 @@ from .wire import (
     peer,
     request_id,
 )
+from .proctitle import show_title
 
 Job = tuple[Request, list[int], socket.socket | None]
 """What a forked child is to do: its request, the descriptors attached, its own channel."""

@@ -1,4 +1,4 @@
-"""One id per run, a number per attempt (:mod:`epochal.coordinator.attempts`): a coordinator
+"""One id per run, a number per attempt (:mod:`epochal.coordinator.serve.attempts`): a coordinator
 started again on a run directory keeps the run's id and counts one more attempt, while what its
 workers are sent names the attempt, so that an earlier attempt's workers and store keys are told
 apart from this one's."""
@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from epochal.coordinator import CoordinatorConfig
-from epochal.coordinator.attempts import RunAttempt, attempt_of, workers_id
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.runstate import RunState
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.runstate import RunState
+from epochal.coordinator.serve.attempts import RunAttempt, attempt_of, workers_id
 from epochal.errors import RunAborted
 from epochal.observe.statusfile import describe
 from epochal.protocol import Joined, OpenStore, StoreReady, Welcome

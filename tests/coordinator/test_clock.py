@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.clock import GAP_SLACK, lost_time
+from epochal.coordinator.rules.clock import GAP_SLACK, lost_time
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ import socket
 import pytest
 import zmq
 
-from epochal.coordinator import oslimits
-from epochal.coordinator.connections import (
+from epochal.coordinator.rules.holding import Held
+from epochal.coordinator.serve import oslimits
+from epochal.coordinator.serve.connections import (
     CONNECTION_BYTES,
     NOTHING,
     UNADMITTED_BYTES,
@@ -21,9 +22,8 @@ from epochal.coordinator.connections import (
     Drop,
     connection_limits,
 )
-from epochal.coordinator.guard import Scratch, inode_of, shut
-from epochal.coordinator.holding import Held
-from epochal.coordinator.oslimits import AcceptFailures, files_needed
+from epochal.coordinator.serve.guard import Scratch, inode_of, shut
+from epochal.coordinator.serve.oslimits import AcceptFailures, files_needed
 
 TIMEOUT = 15.0
 

@@ -1,4 +1,4 @@
-"""A run's directories are made, checked and tried at the start (coordinator/directories.py).
+"""A run's directories are made, checked and tried at the start (coordinator/serve/directories.py).
 
 A directory that cannot be made or written is refused with one line naming it, why and the flag
 to change; nothing is left behind by the trial. Refusals for another user's directory are in
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.directories import check_directories, usable_dir
+from epochal.coordinator.serve.directories import check_directories, usable_dir
 from epochal.errors import ConfigError
 
 

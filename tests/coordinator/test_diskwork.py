@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 import epochal
-from epochal.coordinator import diskwork
-from epochal.coordinator.background import BackgroundCoordinator
-from epochal.coordinator.diskwork import DiskWork, OffLoop, delete_tree
-from epochal.manifest import checkpoint_path
+from epochal.coordinator.serve import diskwork
+from epochal.coordinator.serve.background import BackgroundCoordinator
+from epochal.coordinator.serve.diskwork import DiskWork, OffLoop, delete_tree
 from epochal.observe import RunObserver, StatusSnapshot
 from epochal.protocol import Decision, Done, EpochReport, Finish, Heartbeat, decode
+from epochal.rundir.manifest import checkpoint_path
 from tests.coordinator.test_service import FakeWorker, join_all
 from tests.coordinator.test_service_observers import run_epochs
 

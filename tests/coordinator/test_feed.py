@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from epochal.coordinator.actions import RunPhase
-from epochal.coordinator.feed import (
+from epochal.coordinator.rules.actions import RunPhase
+from epochal.coordinator.rules.watchdog import RankStatus
+from epochal.coordinator.serve.feed import (
     SNAPSHOT_SHARE,
     STARTING,
     UNHEARD,
@@ -24,7 +25,6 @@ from epochal.coordinator.feed import (
     rank_at,
     snapshot,
 )
-from epochal.coordinator.watchdog import RankStatus
 from epochal.observe import RunObserver, StatusSnapshot
 from epochal.protocol import Awaiting, Phase, Status
 from tests.coordinator.test_machine import last, ready, report, start

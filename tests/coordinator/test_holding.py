@@ -9,8 +9,7 @@ import time
 import pytest
 import zmq
 
-from epochal.coordinator import kernel
-from epochal.coordinator.holding import (
+from epochal.coordinator.rules.holding import (
     HANDSHAKE_BYTES,
     LONG_HEAD_BYTES,
     GiveBack,
@@ -21,6 +20,7 @@ from epochal.coordinator.holding import (
     largest_message,
     wire_bytes,
 )
+from epochal.coordinator.serve import kernel
 from epochal.protocol import MAX_FRAME_BYTES
 from tests.security.crowd import zmtp_dealer
 

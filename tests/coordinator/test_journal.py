@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.journal import Journal, JournalError, check_record
-from epochal.rundir import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.coordinator.serve.journal import Journal, JournalError, check_record
+from epochal.rundir.layout import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 
 
 def mode(path: Path) -> int:
@@ -82,7 +82,7 @@ def _full_disk(fd: int) -> None:
 
 def test_a_full_disk_is_a_journal_error_naming_the_file_and_the_fix(tmp_path, monkeypatch):
     journal = Journal(tmp_path)
-    monkeypatch.setattr("epochal.coordinator.journal.os.fsync", _full_disk)
+    monkeypatch.setattr("epochal.coordinator.serve.journal.os.fsync", _full_disk)
     with pytest.raises(JournalError) as info:
         journal.epoch({"kind": "checkpoint", "epoch": 0})
     assert f"cannot write {tmp_path / EPOCHS_FILE}: No space left on device" in str(info.value)
@@ -114,7 +114,7 @@ async def test_a_full_disk_mid_run_aborts_every_rank_with_the_reason(tmp_path, m
             await w.send(EpochReady(epoch=0, train_batches=2, valid_batches=None))
         for w in workers:
             assert isinstance(await w.recv(), Go)
-        monkeypatch.setattr("epochal.coordinator.journal.os.fsync", _full_disk)
+        monkeypatch.setattr("epochal.coordinator.serve.journal.os.fsync", _full_disk)
         for w in workers:
             await w.send(EpochReport(0, 1.0, 1, 0.0, 0, ready=EpochReady(1, 2, None)))
         for w in workers:

@@ -1,5 +1,5 @@
 """What the connection guard relies on of Linux and glibc, each failing by the name of the thing
-that changed (:mod:`epochal.coordinator.kernel`)."""
+that changed (:mod:`epochal.coordinator.serve.kernel`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from epochal.coordinator import kernel
+from epochal.coordinator.serve import kernel
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's TCP_INFO and /proc")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.liveness import (
+from epochal.coordinator.rules.liveness import (
     Progress,
     culprit,
     expired,

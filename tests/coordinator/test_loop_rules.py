@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.outcome import EpochOutcome
-from epochal.coordinator.schedule import parse_schedule
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.outcome import EpochOutcome
+from epochal.coordinator.rules.schedule import parse_schedule
 
 PROPERTY = settings(max_examples=100, deadline=None)
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from epochal.coordinator import CoordinatorConfig, resume, runstate
-from epochal.coordinator.actions import (
+from epochal.coordinator import CoordinatorConfig
+from epochal.coordinator.rules import runstate
+from epochal.coordinator.rules.actions import (
     Aborted,
     Action,
     Broadcast,
@@ -26,14 +27,15 @@ from epochal.coordinator.actions import (
     RunPhase,
     Send,
 )
-from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.rendezvous import (
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.coordinator.rules.rendezvous import (
     JOIN_PROGRESS_SECONDS,
     NAMED_JOINS,
     Member,
     placement_lines,
 )
-from epochal.coordinator.watchdog import FAILURE_SETTLE
+from epochal.coordinator.rules.watchdog import FAILURE_SETTLE
+from epochal.coordinator.serve import resume
 from epochal.protocol import (
     Abort,
     Checkpointed,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.membership import (
+from epochal.coordinator.rules.membership import (
     LOSS_SETTLE,
     Membership,
     NewWorld,
     Restore,
     TooFew,
 )
-from epochal.coordinator.rendezvous import Member
+from epochal.coordinator.rules.rendezvous import Member
 from epochal.protocol import Fingerprint, SnapshotScope
 from tests.conftest import hello
 

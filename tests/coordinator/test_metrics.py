@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator import ending
-from epochal.coordinator.batches import EpochPlan, PolicyViolation
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.outcome import EpochOutcome, format_epoch_line
-from epochal.coordinator.schedule import parse_schedule
-from epochal.coordinator.sums import LossSums, aggregate_metrics, metric_values
+from epochal.coordinator.rules import ending
+from epochal.coordinator.rules.batches import EpochPlan, PolicyViolation
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.outcome import EpochOutcome, format_epoch_line
+from epochal.coordinator.rules.schedule import parse_schedule
+from epochal.coordinator.rules.sums import LossSums, aggregate_metrics, metric_values
 from epochal.protocol.messages import Go, Metric
 
 PROPERTY = settings(max_examples=200, deadline=None)

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
-from epochal.coordinator import Coordinator, CoordinatorConfig, joining
-from epochal.coordinator import service as coordinator_service
-from epochal.coordinator.actions import Broadcast, Send
+from epochal.coordinator import Coordinator, CoordinatorConfig
+from epochal.coordinator.rules import joining
+from epochal.coordinator.rules.actions import Broadcast, Send
+from epochal.coordinator.serve import service as coordinator_service
 from epochal.protocol import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -49,7 +50,7 @@ from epochal.protocol import (
 )
 from epochal.protocol.registry import fields_of
 from epochal.worker.control.client import ControlClient
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from tests.conftest import hello
 from tests.coordinator.test_service import FakeWorker
 from tests.protocol.test_versions import newer

@@ -17,15 +17,16 @@ from typing import Any
 import pytest
 
 import tests.conftest
-from epochal.coordinator import CoordinatorConfig, resume
-from epochal.coordinator.actions import Action, Log, Send
-from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.modelfile import ModelFile
-from epochal.coordinator.models import (
+from epochal.coordinator import CoordinatorConfig
+from epochal.coordinator.rules.actions import Action, Log, Send
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.coordinator.rules.models import (
     LIST_TIMEOUT,
     describe_difference,
     describe_fingerprints,
 )
+from epochal.coordinator.serve import resume
+from epochal.coordinator.serve.modelfile import ModelFile
 from epochal.protocol import (
     Abort,
     DescribeModel,

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from epochal import nofile as nofile_module
-from epochal.coordinator.oslimits import (
+from epochal.coordinator.serve.oslimits import (
     FILES_RESERVED,
     MIN_BACKLOG,
     MONITOR_BATCH,
@@ -265,8 +265,8 @@ _EMFILE_SERVER = textwrap.dedent(
     """
     import os, resource, sys, zmq
     from zmq.utils.monitor import parse_monitor_message
-    from epochal.coordinator.oslimits import AcceptFailures, configure_router
-    from epochal.coordinator.oslimits import files_shortage_message
+    from epochal.coordinator.serve.oslimits import AcceptFailures, configure_router
+    from epochal.coordinator.serve.oslimits import files_shortage_message
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     ctx = zmq.Context()

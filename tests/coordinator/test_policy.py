@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator.batches import (
+from epochal.coordinator.rules.batches import (
     BatchCounts,
     EpochPlan,
     PolicyViolation,
     format_ranks,
     plan_epoch,
 )
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.outcome import EpochOutcome
-from epochal.coordinator.sums import (
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.outcome import EpochOutcome
+from epochal.coordinator.rules.sums import (
     WIRE_INT_MAX,
     LossSums,
     aggregate,
@@ -515,9 +515,9 @@ def test_counts_that_fit_the_wire_are_summed(counts: dict[int, int]):
 def test_an_epochs_journal_line_and_its_decision_say_what_its_outcome_says():
     import json
 
-    from epochal.coordinator.batches import EpochPlan
-    from epochal.coordinator.loop import LoopState
-    from epochal.coordinator.outcome import EpochOutcome
+    from epochal.coordinator.rules.batches import EpochPlan
+    from epochal.coordinator.rules.loop import LoopState
+    from epochal.coordinator.rules.outcome import EpochOutcome
 
     loop = LoopState(epochs=3)
     loop.update(0, 2.0, 1.5, validates=True)

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from epochal.coordinator import resume
-from epochal.coordinator.actions import Action, Broadcast, Journal, RunPhase, Send
-from epochal.coordinator.carry import sent_message
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.membership import LOSS_SETTLE, LOSS_SETTLE_LEAST
-from epochal.coordinator.watchdog import FAILURE_SETTLE
+from epochal.coordinator.rules.actions import Action, Broadcast, Journal, RunPhase, Send
+from epochal.coordinator.rules.carry import sent_message
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.coordinator.rules.membership import LOSS_SETTLE, LOSS_SETTLE_LEAST
+from epochal.coordinator.rules.watchdog import FAILURE_SETTLE
+from epochal.coordinator.serve import resume
 from epochal.protocol import (
     Abort,
     Broken,
@@ -33,7 +33,7 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
 )
-from epochal.rundir import standing
+from epochal.rundir.layout import standing
 from tests.conftest import FINGERPRINT, hello
 from tests.coordinator.test_machine import Run, aborted, broadcast, report, sent
 

@@ -9,7 +9,7 @@ import pytest
 
 import tests.conftest
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.rendezvous import (
+from epochal.coordinator.rules.rendezvous import (
     Admitted,
     Differs,
     Fatal,

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from epochal.coordinator.actions import Journal
-from epochal.coordinator.replicas import replicas_differ
+from epochal.coordinator.rules.actions import Journal
+from epochal.coordinator.rules.replicas import replicas_differ
 from epochal.protocol import Abort, Decision
 from tests.coordinator.test_machine import aborted, broadcast, ready, report, start
 

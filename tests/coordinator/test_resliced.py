@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator.batches import EpochPlan, last_plan, resliced
+from epochal.coordinator.rules.batches import EpochPlan, last_plan, resliced
 
 TWO = EpochPlan(3, 0, pass_batches=5, global_batch=8)  # a batch of 4 a rank, at 2 workers
 THREE = EpochPlan(3, 0, pass_batches=4, global_batch=12)  # the same loader at 3 workers

@@ -1,4 +1,4 @@
-"""Reading a run directory back (epochal/coordinator/resume.py), on synthetic run directories.
+"""Reading a run directory back (epochal/coordinator/serve/resume.py), on synthetic run directories.
 
 Each test writes what a run leaves behind, the way the service and the worker write it:
 ``run.json`` (``Coordinator.start``), one ``epochs.jsonl`` line per decided epoch
@@ -6,7 +6,7 @@ Each test writes what a run leaves behind, the way the service and the worker wr
 ``checkpoint``, batch counts, timings) and per committed checkpoint (``kind`` "checkpoint"),
 ``result.json`` (``Coordinator._end``), and checkpoints ``epoch-NNNNNN/`` holding ``MANIFEST.json``
 ``{"format", "epoch", "files": {name: sha256}, "key_id", "hmac_sha256"}`` signed with the session's
-checkpoint key (``epochal.manifest.write_manifest``, as ``Checkpointer.save`` writes it). The
+checkpoint key (``epochal.rundir.manifest.write_manifest``, as ``Checkpointer.save`` writes it). The
 expected loop state is a LoopState fed the same losses by hand.
 """
 
@@ -22,11 +22,13 @@ from typing import Any
 
 import pytest
 
-from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.outcome import EpochOutcome
-from epochal.coordinator.resume import (
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.outcome import EpochOutcome
+from epochal.coordinator.rules.runstate import RunState, prunable
+from epochal.coordinator.rules.schedule import parse_schedule
+from epochal.coordinator.rules.steering import STEERS, steered_line
+from epochal.coordinator.serve.resume import (
     config_record,
     differences,
     inspect,
@@ -34,11 +36,9 @@ from epochal.coordinator.resume import (
     script_identity,
     start_fresh,
 )
-from epochal.coordinator.runstate import RunState, prunable
-from epochal.coordinator.schedule import parse_schedule
-from epochal.coordinator.steering import STEERS, steered_line
 from epochal.errors import ConfigError
-from epochal.manifest import checkpoint_path, signed, verify_checkpoint, write_manifest
+from epochal.rundir.checkpointkey import CheckpointKey, load_key
+from epochal.rundir.manifest import checkpoint_path, signed, verify_checkpoint, write_manifest
 
 SCHEDULE = "plateau:patience=0,factor=0.5,threshold=0"
 

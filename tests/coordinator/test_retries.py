@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epochal.coordinator.retries import HelloRetries
+from epochal.coordinator.rules.retries import HelloRetries
 from epochal.protocol import encode
 from tests.conftest import hello
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epochal.coordinator.schedule import SCHEDULE_NAMES, Schedule, parse_schedule
+from epochal.coordinator.rules.schedule import SCHEDULE_NAMES, Schedule, parse_schedule
 from epochal.errors import ConfigError
 
 PROPERTY = settings(max_examples=150, deadline=None)

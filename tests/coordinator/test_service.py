@@ -358,7 +358,7 @@ async def test_a_failed_rank_aborts_the_others(ctx):
 
 
 async def test_a_stranger_sending_junk_gets_a_few_answers_then_silence(ctx):
-    from epochal.coordinator.strangers import STRANGER_REPLIES
+    from epochal.coordinator.rules.strangers import STRANGER_REPLIES
 
     coordinator, task = await serve(ctx)
     peer = FakeWorker(ctx, coordinator.endpoint, "noisy")

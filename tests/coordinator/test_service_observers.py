@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
-from epochal.coordinator.journal import JournalError
-from epochal.coordinator.oslimits import backlog_for
+from epochal.coordinator.serve.journal import JournalError
+from epochal.coordinator.serve.oslimits import backlog_for
 from epochal.errors import RunAborted
 from epochal.observe import Observers, RunObserver, RunStart, StatusSnapshot, World
 from epochal.protocol import (

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
-from epochal.coordinator.sessions import Sessions
+from epochal.coordinator.rules.sessions import Sessions
 from epochal.errors import RunAborted
 from epochal.protocol import (
     Abort,

@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from epochal.coordinator.loop import LoopState
-from epochal.coordinator.schedule import parse_schedule
+from epochal.coordinator.rules.loop import LoopState
+from epochal.coordinator.rules.schedule import parse_schedule
 from epochal.errors import ConfigError
 from epochal.protocol import StepRates
 from epochal.steprates import warmup_cosine

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from epochal.coordinator import CoordinatorConfig, resume
-from epochal.coordinator.actions import Journal
-from epochal.coordinator.batches import BatchCounts, EpochPlan, PolicyViolation, plan_epoch
-from epochal.coordinator.machine import RunMachine
+from epochal.coordinator import CoordinatorConfig
+from epochal.coordinator.rules.actions import Journal
+from epochal.coordinator.rules.batches import BatchCounts, EpochPlan, PolicyViolation, plan_epoch
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.coordinator.serve import resume
 from epochal.errors import ConfigError
 from epochal.protocol import Decision, EpochReady, EpochReport, Joined, StoreReady, Welcome
 from tests.conftest import hello

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from epochal.coordinator.intake import Intake
-from epochal.coordinator.strangers import STRANGER_BURST, STRANGER_SHARE, Budget, Gate
+from epochal.coordinator.rules.strangers import STRANGER_BURST, STRANGER_SHARE, Budget, Gate
+from epochal.coordinator.serve.intake import Intake
 from epochal.protocol import Heartbeat, Hello, encode
 from tests.coordinator.test_machine import hello, start
 

@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from epochal.coordinator import CoordinatorConfig, resume
-from epochal.coordinator.actions import Action, Finished, Journal, RunPhase
-from epochal.coordinator.carry import sent_record
-from epochal.coordinator.machine import TAKING_BACK, RunMachine
+from epochal.coordinator import CoordinatorConfig
+from epochal.coordinator.rules.actions import Action, Finished, Journal, RunPhase
+from epochal.coordinator.rules.carry import sent_record
+from epochal.coordinator.rules.machine import TAKING_BACK, RunMachine
+from epochal.coordinator.serve import resume
 from epochal.errors import RunAborted
 from epochal.protocol import (
     Checkpointed,

@@ -4,8 +4,8 @@ strangers' budget and the refusal log."""
 from __future__ import annotations
 
 from epochal.coordinator import CoordinatorConfig
-from epochal.coordinator.strangers import RefusalLog, Strangers
-from epochal.coordinator.watchdog import FAILURE_SETTLE, Watchdog
+from epochal.coordinator.rules.strangers import RefusalLog, Strangers
+from epochal.coordinator.rules.watchdog import FAILURE_SETTLE, Watchdog
 from epochal.protocol import Status
 
 

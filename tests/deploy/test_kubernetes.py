@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from epochal.checkpointkey import CheckpointKey
+from epochal.rundir.checkpointkey import CheckpointKey
 from tests.multihost import netns
 
 yaml = pytest.importorskip("yaml", reason="pip install pyyaml (.ci/run installs it)")

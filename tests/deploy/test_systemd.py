@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal import cli
-from epochal.launch.service import EXIT_CRASH
+from epochal.cli import parser as cli
+from epochal.launch.daemon import EXIT_CRASH
 from tests.integration.conftest import wait_for_record
 from tests.multihost import netns
 from tests.multihost.test_across_hosts import clean_env

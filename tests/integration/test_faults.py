@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epochal.coordinator.watchdog import FAILURE_SETTLE
+from epochal.coordinator.rules.watchdog import FAILURE_SETTLE
 from epochal.launch.launcher import ABORT_EXIT_TIMEOUT
 from epochal.output import PEER_LOST
 from epochal.protocol import HEARTBEAT_TIMEOUT

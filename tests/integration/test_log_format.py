@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from epochal import cli, log
+from epochal import log
+from epochal.cli import parser as cli
 from tests.integration.conftest import Spawner
 
 pytestmark = pytest.mark.slow  # real coordinator, launcher and worker processes

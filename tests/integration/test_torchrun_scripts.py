@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epochal.launch.plain import PLAIN_LINE
+from epochal.launch.plainscript import PLAIN_LINE
 from tests.integration.conftest import BOTH_STARTS, SCRIPTS, Spawner
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun-scripts")]  # one plain run

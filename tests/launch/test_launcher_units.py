@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from epochal.cli import build_parser
+from epochal.cli.parser import build_parser
 from epochal.launch.attempt import hidden_note, worker_environment
-from epochal.launch.plain import free_port, listening, made_its_own_group
+from epochal.launch.plainscript import free_port, listening, made_its_own_group
 from epochal.launch.processes import ORPHAN_EXIT_CODE, die_with_parent
 from epochal.launch.restarts import Outcome, restarting
 from epochal.output import PEER_LOST, Kind, RankStream, Relay, classify, in_words
@@ -44,7 +44,7 @@ def test_parser_requires_world_size_and_validates_numbers():
 
 def test_cli_does_not_import_torch():
     code = (
-        "import sys, epochal.cli, epochal.launch.launcher, epochal.launch.supervisor, "
+        "import sys, epochal.cli.parser, epochal.launch.launcher, epochal.launch.supervisor, "
         "epochal.coordinator; "
         "print('torch' in sys.modules)"
     )

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from epochal.cli import build_parser
+from epochal.cli.parser import build_parser
 from epochal.errors import ConfigError
 from epochal.launch import rerun
 from epochal.launch.rerun import previous_runs, resume_command, run_to_resume, unfinished_run

@@ -1,4 +1,4 @@
-"""What the zygote will not do (epochal/zygote/wire.py, server.py): die of a request it cannot
+"""What the zygote will not do (epochal/zygote/framing.py, server.py): die of a request it cannot
 read, taking every worker it forked with it, or fork where a fork is unsafe (a second thread,
 CUDA initialized), which the launch is told and answers by starting its workers afresh."""
 
@@ -16,8 +16,8 @@ import pytest
 from epochal import zygote
 from epochal.errors import EpochalError
 from epochal.launch.preload import Preloaded, serve
+from epochal.zygote.framing import MAX_FDS, MESSAGE_BYTES, BadRequest, parse
 from epochal.zygote.server import fork_hazard
-from epochal.zygote.wire import MAX_FDS, MESSAGE_BYTES, BadRequest, parse
 
 GOOD: dict[str, Any] = {
     "id": 7,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epochal.coordinator.journal import Journal
+from epochal.coordinator.serve.journal import Journal
 from epochal.observe.prometheus import Prometheus
 from epochal.observe.statusfile import StatusFile, describe
 from epochal.observe.tensorboard import TensorBoard

@@ -19,20 +19,13 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from epochal import log
-from epochal.argtypes import parse_address
-from epochal.cli import EXIT_USAGE, main
+from epochal.cli.argtypes import parse_address
+from epochal.cli.parser import EXIT_USAGE, main
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import Journal
+from epochal.coordinator.serve.journal import Journal
 from epochal.errors import ConfigError
-from epochal.observe import (
-    Observers,
-    RankStatus,
-    RunObserver,
-    RunStart,
-    StatusSnapshot,
-    World,
-    options,
-)
+from epochal.observe import Observers, RankStatus, RunObserver, RunStart, StatusSnapshot, World
+from epochal.observe import watching as options
 from epochal.observe.curve import Curve
 from epochal.observe.prometheus import Prometheus
 from epochal.observe.statusfile import StatusFile, describe, ended
@@ -680,7 +673,7 @@ def test_a_taken_metrics_port_is_said_before_the_run(tmp_path: Path) -> None:
 
 
 def test_options_build_the_observers_asked_for(tmp_path: Path) -> None:
-    from epochal.cli import _config, build_parser
+    from epochal.cli.parser import _config, build_parser
 
     argv = ["run", "--nproc", "2", "--tensorboard", str(tmp_path / "tb")]
     args = build_parser().parse_args([*argv, "--metrics-address", "0", "s.py"])
@@ -698,7 +691,7 @@ def test_options_build_the_observers_asked_for(tmp_path: Path) -> None:
 
 
 def test_a_bad_metrics_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from epochal.cli import build_parser
+    from epochal.cli.parser import build_parser
 
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args(["coordinator", "--metrics-address", "host:port"])
@@ -711,7 +704,7 @@ def test_a_bad_metrics_address_is_a_usage_error(capsys: pytest.CaptureFixture[st
 def test_observers_import_neither_torch_nor_their_libraries_until_used() -> None:
     code = (
         "import sys\n"
-        "import epochal.observe.options, epochal.observe.statusfile, epochal.observe.plot\n"
+        "import epochal.observe.watching, epochal.observe.statusfile, epochal.observe.plot\n"
         "heavy = [m for m in ('torch', 'matplotlib', 'tensorboard', 'prometheus_client')"
         " if m in sys.modules]\n"
         "print(heavy)\n"

@@ -10,8 +10,8 @@ import pytest
 from matplotlib import image
 
 from epochal import log
-from epochal.cli import EXIT_USAGE, main
-from epochal.coordinator.journal import Journal
+from epochal.cli.parser import EXIT_USAGE, main
+from epochal.coordinator.serve.journal import Journal
 from epochal.observe.plot import (
     figure,
     further_metrics,

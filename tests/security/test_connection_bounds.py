@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from epochal.coordinator.connections import CONNECTION_BYTES, connection_limits
-from epochal.coordinator.holding import GIVE_BACK_INTERVAL, hold_limits
-from epochal.coordinator.router import RECEIVE_HWM
+from epochal.coordinator.rules.holding import GIVE_BACK_INTERVAL, hold_limits
+from epochal.coordinator.serve.connections import CONNECTION_BYTES, connection_limits
+from epochal.coordinator.serve.router import RECEIVE_HWM
 from epochal.protocol import MAX_FRAME_BYTES
 from tests.integration.conftest import Spawner, StandaloneRun
 from tests.security.crowd import Crowd, own_files, zmtp_dealer

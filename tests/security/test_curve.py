@@ -404,7 +404,7 @@ def test_secure_server_needs_no_running_event_loop(keydir: KeyDirectory) -> None
 def test_refused_keys_are_logged(
     caplog: pytest.LogCaptureFixture, keydir: KeyDirectory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from epochal.security.curve import _AllowList
+    from epochal.security.curvekeys import _AllowList
 
     # once epochal's own handler is installed (by any earlier part of this process), its records
     # stop at the "epochal" logger; let them reach caplog's handler on the root too

@@ -17,7 +17,7 @@ from epochal.coordinator import Coordinator, CoordinatorConfig
 from epochal.errors import RunAborted
 from epochal.protocol import Failed, Heartbeat, Joined, decode, encode
 from epochal.security import KeyDirectory
-from epochal.security.curve import ClientSecurity, ServerSecurity, secure_client
+from epochal.security.curvekeys import ClientSecurity, ServerSecurity, secure_client
 from tests.conftest import hello
 
 CONFIG = CoordinatorConfig(world_size=2, epochs=1)

@@ -30,7 +30,7 @@ from epochal.security import (
     load_public,
     load_server_keys,
 )
-from epochal.security.cli import (
+from epochal.security.keycommand import (
     add_coordinator_arguments,
     add_keys_command,
     run_keys_command,

@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 
 from epochal.coordinator import Coordinator, CoordinatorConfig
-from epochal.coordinator.machine import RunMachine
-from epochal.coordinator.models import describe_difference, describe_fingerprints
-from epochal.coordinator.rendezvous import Admitted, Fatal, Refused, Rendezvous, models_differ
-from epochal.coordinator.resume import inspect
-from epochal.coordinator.watchdog import FAILURE_SETTLE, FAILURES_KEPT
+from epochal.coordinator.rules.machine import RunMachine
+from epochal.coordinator.rules.models import describe_difference, describe_fingerprints
+from epochal.coordinator.rules.rendezvous import Admitted, Fatal, Refused, Rendezvous, models_differ
+from epochal.coordinator.rules.watchdog import FAILURE_SETTLE, FAILURES_KEPT
+from epochal.coordinator.serve.resume import inspect
 from epochal.errors import RunAborted
 from epochal.protocol import (
     Abort,

@@ -18,7 +18,7 @@ from epochal.errors import RunAborted
 from epochal.protocol import Hello, encode
 from epochal.protocol.messages import Fingerprint
 from epochal.security import ClientSecurity, KeyDirectory, ServerSecurity, secure_client
-from epochal.security.curve import REFUSED_KEYS_LOGGED, RefusedHandshakes
+from epochal.security.curvekeys import REFUSED_KEYS_LOGGED, RefusedHandshakes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,16 +23,17 @@ from typing import Any
 
 import pytest
 
-from epochal import addressfile, cli
-from epochal.coordinator import background
+from epochal.cli import parser as cli
 from epochal.coordinator.config import CoordinatorConfig
-from epochal.coordinator.journal import Journal
-from epochal.coordinator.resume import config_record, inspect, start_fresh
+from epochal.coordinator.serve import background
+from epochal.coordinator.serve.journal import Journal
+from epochal.coordinator.serve.resume import config_record, inspect, start_fresh
 from epochal.errors import ConfigError
-from epochal.files import UnsafePath
-from epochal.observe import options as observe_options
-from epochal.observe.base import RunStart
+from epochal.observe import watching as observe_options
+from epochal.observe.observer import RunStart
 from epochal.observe.statusfile import StatusFile
+from epochal.rundir import addressfile
+from epochal.rundir.files import UnsafePath
 from tests.integration.conftest import SCRIPTS, Spawner
 from tests.security.other_user import as_other_user, needs_root, shared_scratch
 

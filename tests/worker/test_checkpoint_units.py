@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from epochal.checkpointkey import CheckpointKey
 from epochal.errors import EpochalError
-from epochal.files import UnsafePath
-from epochal.manifest import checkpoint_path
+from epochal.rundir.checkpointkey import CheckpointKey
+from epochal.rundir.files import UnsafePath
+from epochal.rundir.manifest import checkpoint_path
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 from tests.forgery import forge
 

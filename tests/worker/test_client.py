@@ -30,7 +30,7 @@ from epochal.protocol import (
 from epochal.protocol.limits import MAX_TEXT_CHARS
 from epochal.worker.control.client import ABORT_CHARS, ControlClient
 from epochal.worker.control.progress import BUSY_STEP, CpuProgress, process_cpu, thread_cpu
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from tests.waiting import wait_until
 
 HEARTBEAT_INTERVAL = 0.2

@@ -21,12 +21,12 @@ import zmq
 from epochal.environment import CURVE_SERVER_KEY_ENV
 from epochal.errors import CoordinatorUnreachable
 from epochal.protocol import Fingerprint
-from epochal.security.curve import ClientSecurity, describe_handshake_failure
+from epochal.security.curvekeys import ClientSecurity, describe_handshake_failure
 from epochal.worker.control import client as client_module
+from epochal.worker.control.admission import rendezvous
 from epochal.worker.control.client import ControlClient
-from epochal.worker.control.rendezvous import rendezvous
 from epochal.worker.control.waiting import Handshake
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from tests.conftest import hello
 
 HANDSHAKE_TIMEOUT = 0.5

@@ -31,7 +31,7 @@ import sys, time
 from epochal.errors import CoordinatorLost
 from epochal.worker.control.client import ControlClient
 from epochal.protocol import Liveness
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 
 client = ControlClient(
     sys.argv[1], b"w", JoinOptions(abort_grace={grace}, reattach_timeout={reattach}),

@@ -13,8 +13,8 @@ import epochal
 from epochal.coordinator.config import STALL_ABORT, CoordinatorConfig
 from epochal.errors import ConfigError
 from epochal.launch.launcher import EXIT_MARGIN, abort_exit_timeout
+from epochal.worker.joinoptions import RUN_SETTINGS, VARIABLE, JoinOptions, env_seconds
 from epochal.worker.launchenv import Placement
-from epochal.worker.options import RUN_SETTINGS, VARIABLE, JoinOptions, env_seconds
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 WORKER_API = DOCS / "worker-api.md"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epochal.worker.training.replicas import weights_checksum
+from epochal.worker.training.checksums import weights_checksum
 
 
 def model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -30,8 +30,8 @@ from epochal.protocol import (
     Phase,
     Welcome,
 )
+from epochal.worker.control.admission import StillRunning
 from epochal.worker.control.exits import failure_reason
-from epochal.worker.control.rendezvous import StillRunning
 from epochal.worker.session import Session
 from epochal.worker.sessionparts import reattach
 from epochal.worker.training.results import EpochContext, LossSum

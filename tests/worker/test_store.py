@@ -16,7 +16,7 @@ from torch.distributed import PrefixStore, TCPStore
 from epochal.log import ensure_configured
 from epochal.worker.dataplane import storeserver
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key, open_store, scoped
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from tests.waiting import wait_until
 
 STORE_TIMEOUT = JoinOptions().collective_timeout

@@ -9,7 +9,7 @@ from torch import nn
 import epochal
 from epochal.errors import ConfigError
 from epochal.worker.fingerprint import describe, fingerprint
-from epochal.worker.options import advertised_host
+from epochal.worker.joinoptions import advertised_host
 
 
 def test_fingerprint_is_stable_and_sees_shapes_dtypes_and_buffers():

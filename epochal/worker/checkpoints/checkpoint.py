@@ -6,13 +6,13 @@ ranks (ZeRO, FSDP2). Each rank also writes its own small file with every random-
 uses, so a resumed run draws the same numbers as one that never stopped.
 
 A checkpoint is written into ``epoch-NNNNNN.tmp-RUNID/`` (mode 0700, in a checkpoint directory of
-this user's that no one else may write: :func:`epochal.files.private_dir`); when DCP's collective
-save has returned, rank 0 sets every file to mode 0600, writes ``MANIFEST.json`` (the SHA-256 of
-every file, signed with the user's checkpoint key: :mod:`epochal.manifest`), fsyncs, and renames
-the directory to ``epoch-NNNNNN/``, then tells the coordinator, which journals the commit. A kill
-before the rename leaves only a temporary directory that nobody reads; the previous checkpoint
-stays loadable. Every rank marks the temporary directory with its key's id, so rank 0 stops the
-run at the first checkpoint when the ranks do not share one key.
+this user's that no one else may write: :func:`epochal.rundir.files.private_dir`); when DCP's
+collective save has returned, rank 0 sets every file to mode 0600, writes ``MANIFEST.json`` (the
+SHA-256 of every file, signed with the user's checkpoint key: :mod:`epochal.rundir.manifest`),
+fsyncs, and renames the directory to ``epoch-NNNNNN/``, then tells the coordinator, which journals
+the commit. A kill before the rename leaves only a temporary directory that nobody reads; the
+previous checkpoint stays loadable. Every rank marks the temporary directory with its key's id, so
+rank 0 stops the run at the first checkpoint when the ranks do not share one key.
 
 Every load checks the checkpoint against its manifest first: the MAC, then every file's sum
 (:class:`CheckpointCorrupt` names the file that differs), so neither damaged nor forged bytes reach
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from epochal.checkpointkey import CheckpointKey, load_key
 from epochal.environment import CHECKPOINT_KEY_FILE_ENV
 from epochal.errors import EpochalError
-from epochal.files import (
+from epochal.rundir.checkpointkey import CheckpointKey, load_key
+from epochal.rundir.files import (
     DIR_MODE,
     FILE_MODE,
     check_private_dir,
@@ -45,7 +45,7 @@ from epochal.files import (
     private_dir,
     remove,
 )
-from epochal.manifest import (
+from epochal.rundir.manifest import (
     MANIFEST,
     ManifestError,
     check_files,
@@ -134,7 +134,7 @@ class CheckpointCorrupt(EpochalError):
 class Checkpointer:
     """Saves and loads one rank's part of the run's checkpoints under ``directory``.
 
-    ``key`` signs and checks the manifests; default: :func:`epochal.checkpointkey.load_key`
+    ``key`` signs and checks the manifests; default: :func:`epochal.rundir.checkpointkey.load_key`
     (``EPOCHAL_CHECKPOINT_KEY_FILE``, else the user's), read at the first save or load.
     """
 

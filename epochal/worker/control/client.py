@@ -55,7 +55,7 @@ from epochal.protocol.codec import decode_frame
 from epochal.protocol.messages import TYPE_NAMES, check_phase
 from epochal.protocol.paging import model_page
 from epochal.protocol.skipped import SkippedFields
-from epochal.security.curve import ClientSecurity
+from epochal.security.curvekeys import ClientSecurity
 from epochal.text import REASON_CHARS, printable
 from epochal.worker import faults
 from epochal.worker.control.backstop import exit_if_stuck, exit_unless_taken
@@ -63,7 +63,7 @@ from epochal.worker.control.dealer import LINGER_MS, Dealer
 from epochal.worker.control.heartbeats import Heartbeats
 from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 
 DEFAULTS = JoinOptions()
 

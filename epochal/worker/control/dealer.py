@@ -10,7 +10,7 @@ import zmq.asyncio
 
 from epochal.errors import EpochalError
 from epochal.protocol import MAX_FRAME_BYTES
-from epochal.security.curve import ClientSecurity, secure_client
+from epochal.security.curvekeys import ClientSecurity, secure_client
 
 WATCHED_EVENTS = (
     zmq.EVENT_CONNECTED

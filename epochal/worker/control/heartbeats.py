@@ -22,7 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from epochal.protocol import Awaiting, Liveness, Phase, Status, WorkerMessage, clip
-from epochal.security.curve import ClientSecurity, describe_handshake_failure
+from epochal.security.curvekeys import ClientSecurity, describe_handshake_failure
 from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
 

@@ -21,11 +21,11 @@ from typing import Any
 import torch.distributed as dist
 
 from epochal.protocol import OpenStore, Regroup, SnapshotScope, StoreReady, Welcome
+from epochal.worker.control.admission import StoreRef
 from epochal.worker.control.client import ControlClient
-from epochal.worker.control.rendezvous import StoreRef
 from epochal.worker.dataplane.sockets import restore_excepthook
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key
-from epochal.worker.options import advertised_host
+from epochal.worker.joinoptions import advertised_host
 
 
 @dataclass(frozen=True, slots=True)

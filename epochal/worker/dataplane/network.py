@@ -19,9 +19,9 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from epochal.addressfile import interface_addresses
 from epochal.environment import HOST_ENV, IFNAME_ENV
 from epochal.errors import ConfigError
+from epochal.rundir.addressfile import interface_addresses
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """gloo's own choice of interface(s); when set, gloo uses it and epochal leaves it alone."""

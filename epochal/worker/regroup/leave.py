@@ -31,8 +31,8 @@ from torch import nn
 from epochal.errors import ConfigError
 from epochal.worker.dataplane import torchinternals
 from epochal.worker.dataplane.sockets import restore_excepthook
-from epochal.worker.strategies.base import Strategy
 from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.strategy import Strategy
 from epochal.worker.training.placement import LayeredModel
 
 torchinternals.prepare()  # before any group forms: torch's import-time defaults must hold none

@@ -35,8 +35,8 @@ from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import ShardedState
 from epochal.worker.regroup.snapshot import host_copy, tensor_bytes
 from epochal.worker.regroup.wire import Expects, broadcast_tree
-from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.strategies.sharded import Sharded
+from epochal.worker.strategies.strategy import Mode, Strategy
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.precision import SCALER_KEY
 

@@ -27,7 +27,7 @@ import torch
 from epochal.errors import EpochalError
 from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.checkpoint import rng_state, set_rng_state
-from epochal.worker.strategies.base import Mode, Strategy
+from epochal.worker.strategies.strategy import Mode, Strategy
 from epochal.worker.training.initialization import is_dtensor
 
 

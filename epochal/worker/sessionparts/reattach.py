@@ -18,8 +18,8 @@ from typing import Any
 from epochal.errors import CoordinatorLost, CoordinatorUnreachable, JoinRefused
 from epochal.log import WORKER
 from epochal.protocol import Hello, Welcome
+from epochal.worker.control.admission import StillRunning, rendezvous
 from epochal.worker.control.client import ControlClient
-from epochal.worker.control.rendezvous import StillRunning, rendezvous
 from epochal.worker.sessionparts.standing import Standing
 
 

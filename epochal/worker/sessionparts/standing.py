@@ -13,7 +13,7 @@ from pathlib import Path
 
 from epochal.protocol import StepRates, Welcome
 from epochal.worker.checkpoints.checkpoint import Checkpointer
-from epochal.worker.control.rendezvous import StoreRef
+from epochal.worker.control.admission import StoreRef
 
 
 @dataclass(kw_only=True, slots=True)

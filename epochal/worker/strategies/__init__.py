@@ -49,14 +49,14 @@ passed optimizer is left without state: use ``Strategy.optimizer``.
 """
 
 from epochal.worker.checkpoints.state import ModelState, Stateful
-from epochal.worker.strategies.base import Mode, Strategy
 from epochal.worker.strategies.fully_sharded import FullySharded
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.main import Main
-from epochal.worker.strategies.options import ModeOptions, mode_options
-from epochal.worker.strategies.registry import MODES, STRATEGIES, strategy_class, to_device, wrap
+from epochal.worker.strategies.modeoptions import ModeOptions, mode_options
+from epochal.worker.strategies.modes import MODES, STRATEGIES, strategy_class, to_device, wrap
 from epochal.worker.strategies.replicated import Replicated
 from epochal.worker.strategies.sharded import Sharded
+from epochal.worker.strategies.strategy import Mode, Strategy
 
 __all__ = [
     "MODES",

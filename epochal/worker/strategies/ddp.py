@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from epochal.worker.strategies.base import Strategy
 from epochal.worker.strategies.layout import Layout
-from epochal.worker.strategies.options import ModeOptions
+from epochal.worker.strategies.modeoptions import ModeOptions
+from epochal.worker.strategies.strategy import Strategy
 
 
 def ddp_over(

@@ -23,14 +23,14 @@ from torch import nn
 from epochal.errors import ConfigError
 from epochal.protocol import SnapshotScope
 from epochal.worker.dataplane import torchinternals
-from epochal.worker.strategies.base import (
+from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.modeoptions import ModeOptions
+from epochal.worker.strategies.strategy import (
     Mode,
     Strategy,
     constructor_kwargs,
     groups_by_name,
 )
-from epochal.worker.strategies.layout import Layout
-from epochal.worker.strategies.options import ModeOptions
 from epochal.worker.training.initialization import broadcast_module, broadcast_tensors, is_dtensor
 from epochal.worker.training.placement import LayeredModel
 

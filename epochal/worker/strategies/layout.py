@@ -2,7 +2,7 @@
 
 :func:`~epochal.worker.strategies.wrap` reads them from ``torch.distributed`` once
 (:meth:`Layout.from_group`) and every mode is built from that one frozen :class:`Layout`
-(:meth:`~epochal.worker.strategies.base.Strategy.build`, kept as ``Strategy.layout``). No mode
+(:meth:`~epochal.worker.strategies.strategy.Strategy.build`, kept as ``Strategy.layout``). No mode
 asks ``torch.distributed`` for a rank or a world size itself, nor keeps a copy of one: a strategy
 built again for another process group, of another size, is a new layout and a new build, with
 nothing left over from the old world. (torchtitan's ``ParallelDims`` plays the same part.)

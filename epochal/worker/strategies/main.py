@@ -16,9 +16,9 @@ from torch import nn
 
 from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import MainState, Stateful
-from epochal.worker.strategies.base import Mode, Strategy, state_bytes
 from epochal.worker.strategies.layout import Layout
-from epochal.worker.strategies.options import ModeOptions
+from epochal.worker.strategies.modeoptions import ModeOptions
+from epochal.worker.strategies.strategy import Mode, Strategy, state_bytes
 from epochal.worker.training.initialization import (
     DEFAULT_BUCKET_BYTES,
     broadcast_tensors,

@@ -10,9 +10,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import BuffersFromRoot, Stateful
-from epochal.worker.strategies.base import Mode
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.strategy import Mode
 
 
 class Replicated(DdpStrategy):

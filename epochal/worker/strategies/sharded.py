@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 from epochal.errors import ConfigError
 from epochal.protocol import SnapshotScope
 from epochal.worker.checkpoints.state import BuffersFromRoot, ShardedState, Stateful
-from epochal.worker.strategies.base import Mode, constructor_kwargs, state_bytes
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.strategy import Mode, constructor_kwargs, state_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -30,8 +30,8 @@ from epochal.worker.regroup import leave as leave_group
 from epochal.worker.regroup import rebuild as rebuild_strategy
 from epochal.worker.session import Rejoin, Session
 from epochal.worker.strategies import to_device, wrap
-from epochal.worker.strategies.base import Strategy
 from epochal.worker.strategies.layout import Layout
+from epochal.worker.strategies.strategy import Strategy
 from epochal.worker.training.elastic import elastic_scope
 from epochal.worker.training.feeding import Feed
 from epochal.worker.training.initialization import initialize_on_rank

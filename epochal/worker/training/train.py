@@ -22,7 +22,7 @@ from epochal.worker.checkpoints.state import (
     TrainState as TrainState,  # re-exported: importable here too
 )
 from epochal.worker.join import join
-from epochal.worker.options import JoinOptions
+from epochal.worker.joinoptions import JoinOptions
 from epochal.worker.session import Session
 from epochal.worker.strategies import ModeOptions
 from epochal.worker.training.fitting import Fitting, LoaderArg, LossFn, MetricFn
@@ -170,7 +170,8 @@ def train(
     ``ddp_options``, ``clip_grad_norm``, ``precision``, ``metrics`` and ``snapshot`` are the
     fields of :class:`FitOptions`;
     every other keyword argument is one of :func:`epochal.join` (``coordinator=``, ``job=``,
-    ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.options.JoinOptions`), which
+    ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.joinoptions.JoinOptions`),
+    which
     are checked before joining.
     """
     fitting = FitOptions(**{k: v for k, v in options.items() if k in FIT_OPTIONS})
