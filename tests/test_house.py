@@ -94,3 +94,14 @@ def test_a_function_at_the_limit_passes_and_a_nested_one_past_it_is_named() -> N
         ("outer.inner", 2, MAX_FUNCTION_LINES + 1),
     ]
     assert long_functions("def fits():\n" + "    pass\n" * (MAX_FUNCTION_LINES - 1)) == []
+
+
+def test_every_module_name_is_unique_in_the_package() -> None:
+    """A module's name says which it is: two ``options.py`` (or ``base.py``) in different
+    folders send a reader, a traceback and an import to the wrong one."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.stem, []).append(path.relative_to(ROOT).as_posix())
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"rename one of each: {twice}"

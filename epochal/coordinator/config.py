@@ -37,7 +37,7 @@ from epochal.protocol.messages import (
     Liveness,
     check_job_name,
 )
-from epochal.rundir.layout import CHECKPOINTS_DIR
+from epochal.rundir.paths import CHECKPOINTS_DIR
 
 BatchPolicy = Literal["error", "truncate"]
 BATCH_POLICIES: tuple[BatchPolicy, ...] = ("error", "truncate")

@@ -25,7 +25,7 @@ from typing import Any
 
 from epochal.errors import ConfigError
 from epochal.observe.runfiles import read_json
-from epochal.rundir.layout import RESULT_FILE, RUN_FILE
+from epochal.rundir.paths import RESULT_FILE, RUN_FILE
 
 GLOBAL_VALUE_OPTIONS = ("--log-level", "--log-format")
 """Options before the command name that take a value (``epochal --log-level debug run ...``)."""

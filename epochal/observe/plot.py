@@ -33,7 +33,7 @@ from epochal.observe.runfiles import (
     read_status,
 )
 from epochal.rundir.files import private_dir, write_atomic
-from epochal.rundir.layout import CURVE_FILE, DEFAULT_MONITOR, monitor_of
+from epochal.rundir.paths import CURVE_FILE, DEFAULT_MONITOR, monitor_of
 from epochal.text import counted, printable
 
 EXTRA_HINT = "pip install 'epochal[plot]'"

@@ -30,7 +30,7 @@ from epochal.cli.argtypes import parse_address
 from epochal.errors import ConfigError
 from epochal.observe.metricsserver import MetricsServer
 from epochal.observe.observer import RunObserver, RunStart, StatusSnapshot, World
-from epochal.rundir.layout import DEFAULT_MONITOR, monitor_of
+from epochal.rundir.paths import DEFAULT_MONITOR, monitor_of
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric

@@ -18,7 +18,7 @@ from typing import Any
 
 from epochal.errors import ConfigError
 from epochal.rundir.files import NotRegular, read_regular, write_atomic
-from epochal.rundir.layout import (
+from epochal.rundir.paths import (
     EPOCHS_FILE,
     JOURNAL_LIMIT,
     RECORD_FILE_LIMIT,
@@ -81,7 +81,7 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def epoch_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``epoch`` records that stand (:func:`~epochal.rundir.layout.standing`), one per epoch (a
+    """The ``epoch`` records that stand (:func:`~epochal.rundir.paths.standing`), one per epoch (a
     later one for the same epoch wins)."""
     by_epoch: dict[int, dict[str, Any]] = {}
     for record in standing(records):

@@ -31,7 +31,7 @@ from epochal.observe.runfiles import (
     write_json_atomic,
 )
 from epochal.rundir.files import private_dir
-from epochal.rundir.layout import (
+from epochal.rundir.paths import (
     RESULT_FILE,
     STATUS_FILE,
     monitor_of,

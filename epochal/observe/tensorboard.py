@@ -23,7 +23,7 @@ from typing import Any
 from epochal.errors import ConfigError
 from epochal.observe.observer import RunObserver, RunStart, StatusSnapshot
 from epochal.rundir.files import private_dir
-from epochal.rundir.layout import DEFAULT_MONITOR, monitor_of
+from epochal.rundir.paths import DEFAULT_MONITOR, monitor_of
 
 EXTRA_HINT = "pip install 'epochal[tensorboard]'"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from epochal.coordinator.serve.journal import Journal, JournalError, check_record
-from epochal.rundir.layout import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.rundir.paths import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 
 
 def mode(path: Path) -> int:

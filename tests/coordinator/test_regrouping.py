@@ -33,7 +33,7 @@ from epochal.protocol import (
     StoreReady,
     Welcome,
 )
-from epochal.rundir.layout import standing
+from epochal.rundir.paths import standing
 from tests.conftest import FINGERPRINT, hello
 from tests.coordinator.test_machine import Run, aborted, broadcast, report, sent
 

@@ -16,7 +16,7 @@ from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.rules.batches import EpochPlan
 from epochal.coordinator.rules.sums import MetricSums, metric_records
 from epochal.protocol import Decision, Go
-from epochal.rundir.layout import DEFAULT_MONITOR, rate_label, smoothed_label
+from epochal.rundir.paths import DEFAULT_MONITOR, rate_label, smoothed_label
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epochal.rundir.files import open_append, private_dir, write_atomic
-from epochal.rundir.layout import EPOCHS_FILE, RESULT_FILE, RUN_FILE
+from epochal.rundir.paths import EPOCHS_FILE, RESULT_FILE, RUN_FILE
 
 
 class JournalError(OSError):

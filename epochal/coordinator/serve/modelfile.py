@@ -12,7 +12,7 @@ from typing import Any
 from epochal.coordinator.rules.models import describe_difference, describe_fingerprints
 from epochal.protocol import Fingerprint, ParamSpec
 from epochal.rundir.files import read_regular, write_atomic
-from epochal.rundir.layout import MODEL_FILE
+from epochal.rundir.paths import MODEL_FILE
 
 MODEL_FILE_LIMIT = 64 * 1024 * 1024
 """Largest model.json read back (MAX_PARAMS entries with long names take a few tens of MiB)."""

@@ -31,7 +31,7 @@ from epochal.coordinator.serve.journal import JournalError
 from epochal.errors import RunAborted
 from epochal.observe import StatusSnapshot
 from epochal.rundir.files import remove
-from epochal.rundir.layout import RESULT_FILE
+from epochal.rundir.paths import RESULT_FILE
 
 
 class Recording:

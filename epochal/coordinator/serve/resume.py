@@ -46,7 +46,8 @@ from epochal.coordinator.serve.journal import check_record
 from epochal.errors import ConfigError
 from epochal.rundir.checkpointkey import CheckpointKey, load_key
 from epochal.rundir.files import NotRegular, read_regular
-from epochal.rundir.layout import (
+from epochal.rundir.manifest import checkpoint_path, file_digest, verify_checkpoint
+from epochal.rundir.paths import (
     EPOCHS_FILE,
     JOURNAL_LIMIT,
     MODEL_FILE,
@@ -55,7 +56,6 @@ from epochal.rundir.layout import (
     RUN_FILE,
     standing,
 )
-from epochal.rundir.manifest import checkpoint_path, file_digest, verify_checkpoint
 from epochal.text import printable
 
 _SETTINGS = settings(CoordinatorConfig)
