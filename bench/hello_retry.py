@@ -9,7 +9,7 @@ digest and count), the handling of that member's retried hello:
 
 - ``decoded``: the frame decoded in full, then judged by the run's machine, which is what every
   retried hello cost before the retries were known by their bytes;
-- ``known``: the service's handling of the same frame (``Coordinator._receive``), which knows it
+- ``known``: the service's handling of the same frame (``Intake.receive``, as the service hands it a frame), which knows it
   by the digest of its bytes and hands the machine the hello it decoded the first time.
 
 Also times ``first``: the service's handling of a first hello (a new worker each time, on a
@@ -54,7 +54,7 @@ def main() -> None:
     machine = coordinator.machine
     peer = b"worker-1"
     data = encode(hello(args.params))
-    first = coordinator._receive([peer, data], time.monotonic())  # admitted: now a member
+    first = coordinator._intake.receive([peer, data], time.monotonic())  # admitted: now a member
     assert any(isinstance(a, Send) and isinstance(a.message, Joined) for a in first)
 
     def decoded() -> object:
@@ -62,7 +62,7 @@ def main() -> None:
         return machine.on_message(time.monotonic(), peer, got.message, session=got.session)
 
     def known() -> object:
-        return coordinator._receive([peer, data], time.monotonic())
+        return coordinator._intake.receive([peer, data], time.monotonic())
 
     assert decoded() == known()  # the same answer: Joined again
     slow = per_call(decoded, args.repeat)
@@ -79,7 +79,7 @@ def main() -> None:
 
     def first() -> object:
         peer, frame = next(frames)
-        return many._receive([peer, frame], time.monotonic())
+        return many._intake.receive([peer, frame], time.monotonic())
 
     admit = per_call(first, args.repeat)
     print(f"retried hello with {args.params} params ({len(data)} bytes):")
