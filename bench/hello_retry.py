@@ -9,8 +9,9 @@ digest and count), the handling of that member's retried hello:
 
 - ``decoded``: the frame decoded in full, then judged by the run's machine, which is what every
   retried hello cost before the retries were known by their bytes;
-- ``known``: the service's handling of the same frame (``Intake.receive``, as the service hands it a frame), which knows it
-  by the digest of its bytes and hands the machine the hello it decoded the first time.
+- ``known``: the service's handling of the same frame (``Intake.receive``, where the service
+  hands it every frame), which knows it by the digest of its bytes and hands the machine the
+  hello it decoded the first time.
 
 Also times ``first``: the service's handling of a first hello (a new worker each time, on a
 coordinator that waits for a million): what admitting one worker costs, Joined included.
