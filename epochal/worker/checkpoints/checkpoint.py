@@ -155,8 +155,9 @@ class Checkpointer:
         """Collective: write ``state`` (a DCP Stateful) for ``epoch``; rank 0 commits it.
 
         ``history`` (plain data: the learning curve so far, as lists, dicts, strings and numbers)
-        is kept with this rank's generators and returned by :meth:`load`. Returns the committed
-        path on rank 0, None elsewhere.
+        is kept with this rank's generators and returned by :meth:`load`; so is what a ``state``
+        with ``rank_state()`` returns, handed back to its ``load_rank_state()``. Returns the
+        committed path on rank 0, None elsewhere.
         """
         key = self._key()
         private_dir(self.directory, kind="checkpoint directory")
@@ -166,7 +167,11 @@ class Checkpointer:
         own = tmp / f"rank{self.rank:05d}.pt"
         remove(own)  # an earlier attempt's at this epoch
         with open(create_exclusive(own), "wb") as f:
-            torch.save({"rng": rng_state(), "epoch": epoch, "history": history}, f)
+            own_state = getattr(state, "rank_state", None)  # this rank's alone, e.g. its stream's
+            rank_part = own_state() if callable(own_state) else None
+            torch.save(
+                {"rng": rng_state(), "epoch": epoch, "history": history, "rank": rank_part}, f
+            )
             f.flush()
             os.fsync(f.fileno())
         mark = tmp / f"{_KEY_MARK}{self.rank:05d}-{key.key_id}"
@@ -249,4 +254,6 @@ class Checkpointer:
             raise CheckpointCorrupt(f"the checkpoint of epoch {epoch} is unusable: {exc}") from None
         extra = torch.load(io.BytesIO(data), weights_only=True)
         set_rng_state(extra["rng"])
+        if callable(load_own := getattr(state, "load_rank_state", None)):
+            load_own(extra.get("rank"))
         return extra.get("history")

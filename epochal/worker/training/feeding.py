@@ -11,7 +11,11 @@ epoch's batches, the position :func:`~epochal.position.position_at` gives for th
 length. An epoch that does not start where the iterator stands (a resume, an epoch redone in a
 new world) puts the loader there first, without loading a consumed sample:
 :meth:`PassSampler.set_position`, or :func:`~.positioning.skip_consumed` for a loader of the
-user's own. A stream (an ``IterableDataset``) has no such position, and is refused there.
+user's own. A stream (an ``IterableDataset``) has no such position: only a loader with
+``state_dict()`` / ``load_state_dict()`` (torchdata's ``StatefulDataLoader``) can say where it
+stands. The feed takes that state at each epoch's end, after its last batch was trained on, for
+the rank's checkpoint (:meth:`Feed.rank_state`), and puts the loader back there on a resume at
+the same world size; any other stream, or another world size, is refused there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import torch
 from epochal.errors import ConfigError
 from epochal.position import DataPosition, position_at
 from epochal.worker.training.passes import PassSampler
-from epochal.worker.training.positioning import has_len, skip_consumed
+from epochal.worker.training.positioning import (
+    StatefulLoader,
+    has_len,
+    set_stream_position,
+    skip_consumed,
+    stream_position,
+)
 
 _SEEDS = 0x5EED_0F_9A55
 """Mixed with a pass and a batch into the seed a new iterator draws its workers' base seed with
@@ -40,11 +50,15 @@ def _set_epoch(loader: object, data_pass: int) -> None:
 
 class Feed:
     """``batches_per_epoch`` batches of ``loader`` an epoch, across passes; see the module
-    docstring. ``world`` is the world size, for the global batch of a loader of the user's."""
+    docstring. ``world`` is the world size, for the global batch of a loader of the user's, and
+    with ``rank`` says whose a stream's position is."""
 
-    def __init__(self, loader: Iterable[Any], batches_per_epoch: int, world: int) -> None:
+    def __init__(
+        self, loader: Iterable[Any], batches_per_epoch: int, world: int, rank: int = 0
+    ) -> None:
         self.loader = loader
         self.batches_per_epoch = batches_per_epoch
+        self.world, self.rank = world, rank
         batch_sampler = getattr(loader, "batch_sampler", None)
         self.sampler = batch_sampler if isinstance(batch_sampler, PassSampler) else None
         self.pass_batches: int | None = None
@@ -61,6 +75,14 @@ class Feed:
         self._pass = 0
         self._at: int | None = None
         """Global batches the run consumed where the iterator stands; None: no iterator."""
+        self.stateful = self.pass_batches is None and isinstance(loader, StatefulLoader)
+        """A stream whose loader can say where it stands."""
+        self._ended: dict[str, Any] | None = None
+        """A stateful stream's position at the end of the last epoch it fed."""
+        self._resumed: dict[str, Any] | None = None
+        """The position a checkpoint held for this rank, until the epoch after it starts."""
+        self._loaded = False
+        """Whether a checkpoint was loaded (its position, or none, is in :attr:`_resumed`)."""
 
     def shape(self) -> tuple[int | None, int | None]:
         """(global batches of a pass, samples of a global batch), as the epoch's ready says."""
@@ -75,10 +97,26 @@ class Feed:
             batch = self._next()
             self._at = (self._at or 0) + 1  # counted as handed out: a prefetched one is not
             yield batch
+        if self.stateful:  # asked for after the last batch trained on: the epoch's end
+            at = {"world": self.world, "rank": self.rank, "at": self._at, "pass": self._pass}
+            self._ended = {**at, "state": stream_position(self.loader)}
+
+    def rank_state(self) -> dict[str, Any] | None:
+        """What this rank's checkpoint keeps of the feed: a stateful stream's position at the
+        end of the last epoch (None: nothing, the position follows from the epoch)."""
+        return self._ended
+
+    def load_rank_state(self, saved: Any) -> None:
+        """Take what a checkpoint kept for this rank (None: nothing), for the next epoch."""
+        self._resumed = saved if isinstance(saved, dict) else None
+        self._loaded = True
 
     def _seek(self, consumed: int) -> None:
         """Stand after ``consumed`` global batches of the run."""
         if self.pass_batches is None:
+            if consumed != 0 and self.stateful and self._loaded:
+                self._resume_stream(consumed)
+                return
             if consumed != 0:
                 raise ConfigError(
                     f"the training loader reads a stream ({type(self.loader).__name__} without "
@@ -100,6 +138,36 @@ class Feed:
         else:  # the consumed batches' indices drawn and dropped, none of their samples loaded
             rest = skip_consumed(self.loader, at.data_pass, at.batch)  # type: ignore[arg-type]
             self._iterator = self._fresh(rest, at.data_pass, at.batch)
+
+    def _resume_stream(self, consumed: int) -> None:
+        """Put a stateful stream where this rank's checkpoint says it stood after ``consumed``
+        global batches, or refuse: the position is that rank's, in that world."""
+        saved, self._resumed = self._resumed, None
+        fix = (
+            "each rank's stream position belongs to that rank, so a stream resumes only at the "
+            "world size it ran at. Resume it at that size, or read a map-style dataset with "
+            "epochal.batches, whose position any world size can take"
+        )
+        if saved is None:
+            raise ConfigError(
+                f"the checkpoint holds no stream position for rank {self.rank} of this world of "
+                f"{self.world} (it was written by a smaller world, or before streams kept one): "
+                + fix
+            )
+        if saved["world"] != self.world:
+            raise ConfigError(
+                f"the checkpoint's stream positions are those of a world of {saved['world']}, "
+                f"and this world has {self.world}: " + fix
+            )
+        if saved["at"] != consumed:
+            raise ConfigError(
+                f"rank {self.rank}'s stream position is {saved['at']} batches in, but the epoch "
+                f"starts {consumed} in: a stream is put back only where a checkpoint left it. "
+                "Start it afresh (--fresh), or read a map-style dataset (epochal.batches)"
+            )
+        set_stream_position(self.loader, saved["state"])
+        self._pass, self._at = saved["pass"], consumed
+        self._iterator = self._fresh(self.loader, self._pass, consumed)
 
     def _seed(self) -> int:
         return self.sampler.seed if self.sampler is not None else 0

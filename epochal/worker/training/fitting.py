@@ -38,6 +38,7 @@ from epochal.worker.training.initialization import initialize_on_rank
 from epochal.worker.training.passes import PassBatches
 from epochal.worker.training.positioning import has_len
 from epochal.worker.training.results import EpochContext, LossSum, RunResult
+from epochal.worker.training.scheduling import StepScheduler
 
 if TYPE_CHECKING:
     from epochal.worker.training.train import FitOptions
@@ -168,6 +169,7 @@ class Fitting:
         )
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.policy = self.strategy.policy
+        self.scheduler = self._scheduler()
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.show_progress = _progress_enabled(session.rank, options.progress)
         self.best_state: dict[str, torch.Tensor] | None = None
@@ -188,7 +190,7 @@ class Fitting:
             self._valid_epoch if self.valid_data is not None else None,
             batches=self._counts,
             on_best=self._keep_best,
-            state=self.strategy.state,
+            state=_WithRankState(self),
             rejoin=Rejoin(self._leave, self._rebuild, self.scope, self._gather),
             learning_rate=lambda: self.optimizer.param_groups[0]["lr"],
             passes=None if self.feed is None else lambda: self.feed.shape(),  # type: ignore[union-attr]
@@ -212,7 +214,27 @@ class Fitting:
         steps = self.session.steps_per_epoch
         if steps is None:
             return None
-        return Feed(self.train_data, steps * self.options.accumulate, self.session.world_size)
+        session = self.session
+        return Feed(
+            self.train_data, steps * self.options.accumulate, session.world_size, session.rank
+        )
+
+    def _scheduler(self) -> StepScheduler | None:
+        """The user's per-step scheduler, checked against this run; None: none given."""
+        if self.options.scheduler is None:
+            return None
+        if self.session.lr_steps is not None:
+            raise ConfigError(
+                "train(scheduler=) and the coordinator's --lr-schedule warmup-cosine both set "
+                "the rate of every step: keep one of the two"
+            )
+        if self.strategy.optimizer is not self.user_optimizer:
+            raise ConfigError(
+                f"train(scheduler=) needs a mode that steps the optimizer it was built on, and "
+                f"mode {self.options.mode!r} steps another: use mode='replicated' or "
+                "'fully_sharded'"
+            )
+        return StepScheduler(self.options.scheduler, self.user_optimizer)
 
     def _build(self) -> Strategy:
         options, mode = self.options, self.options.mode
@@ -268,8 +290,7 @@ class Fitting:
         self.gathered = None  # the world did not grow after all: the epoch is under way
         if self.keeps_copy and (self.start is None or self.start[0] != ctx.epoch):
             self.start = (ctx.epoch, Snapshot.take(strategy))
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * ctx.lr_factor
+        self._epoch_rate(ctx)
         if self.feed is None:
             _set_epoch(self.train_data, ctx.epoch)
         strategy.begin_epoch()
@@ -333,7 +354,26 @@ class Fitting:
         if stepping:
             self._step_rate(ctx.epoch, step // accumulate)
             strategy.step()  # unscales and clips the accumulated, averaged gradients
+            if self.scheduler is not None:
+                self.scheduler.step()
         return loss
+
+    def _epoch_rate(self, ctx: EpochContext) -> None:
+        """The rate an epoch starts at: the coordinator's factor times the initial rates, or the
+        user's scheduler placed at the epoch's first global step."""
+        if self.scheduler is None:
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+                group["lr"] = base * ctx.lr_factor
+            return
+        if ctx.lr_factor != 1.0:
+            raise ConfigError(
+                f"the coordinator's --lr-schedule sets a factor of {ctx.lr_factor:g} for epoch "
+                f"{ctx.epoch}, and train(scheduler=) sets every step's rate: keep one of the two"
+            )
+        steps = self.session.steps_per_epoch
+        if steps is None:  # an epoch is a pass: its optimizer steps, every epoch alike
+            steps = -(-ctx.train_batches // self.options.accumulate)
+        self.scheduler.place(ctx.epoch * steps)
 
     def _step_rate(self, epoch: int, step: int) -> None:
         """A per-step schedule: set the rate of optimizer step ``step`` of ``epoch`` from the
@@ -407,4 +447,26 @@ class Fitting:
         self.gathered = None  # of the old world: sent now, or of no use (a loss came first)
         self.train_data, self.valid_data = self._loaders()
         self.feed = self._feed()  # the new rank's share, put at the epoch's position when it runs
-        return self.strategy.state
+        return _WithRankState(self)
+
+
+class _WithRankState:
+    """The strategy's state, as a checkpoint holds it, with what only this rank holds: a
+    stateful stream's position, kept in the rank's own file of the checkpoint."""
+
+    def __init__(self, fitting: Fitting) -> None:
+        self.fitting = fitting  # its strategy and feed, which a new world replaces
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.fitting.strategy.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fitting.strategy.state.load_state_dict(state)
+
+    def rank_state(self) -> dict[str, Any] | None:
+        feed = self.fitting.feed
+        return None if feed is None else feed.rank_state()
+
+    def load_rank_state(self, saved: Any) -> None:
+        if self.fitting.feed is not None:
+            self.fitting.feed.load_rank_state(saved)

@@ -55,6 +55,8 @@ class FitOptions:
     snapshot: bool = True
     # elastic runs: keep a host copy of each epoch's start, which the survivors of a lost rank
     # restore; False: they restore the last checkpoint (and redo the epochs since)
+    scheduler: Any = None
+    # a torch.optim.lr_scheduler on the optimizer, stepped after every optimizer step
 
     def __post_init__(self) -> None:
         if not isinstance(self.metrics, Mapping):
@@ -166,9 +168,14 @@ def train(
     checkpoint and redo the epochs since, as the sharded modes always do. Needs a checkpoint
     directory.
 
+    ``scheduler``: one of torch's learning-rate schedulers built on ``optimizer`` (``LambdaLR``,
+    ``OneCycleLR``, ...), stepped after every optimizer step. Its place follows from the run's
+    global step, so a resume or a new world goes on at the rates of an unbroken run. It sets
+    every rate itself: a coordinator's ``--lr-schedule`` other than ``constant`` is refused.
+
     ``progress``, ``accumulate``, ``mode``, ``mode_options``, ``initialize``, ``configure_ddp``,
-    ``ddp_options``, ``clip_grad_norm``, ``precision``, ``metrics`` and ``snapshot`` are the
-    fields of :class:`FitOptions`;
+    ``ddp_options``, ``clip_grad_norm``, ``precision``, ``metrics``, ``snapshot`` and
+    ``scheduler`` are the fields of :class:`FitOptions`;
     every other keyword argument is one of :func:`epochal.join` (``coordinator=``, ``job=``,
     ``connect_timeout=``, ..., the fields of :class:`~epochal.worker.joinoptions.JoinOptions`),
     which

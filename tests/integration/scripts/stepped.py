@@ -7,20 +7,24 @@ them.
 
 ``--style sampler`` reads a loader of the script's own, per rank, with a DistributedSampler
 (4 samples a rank); ``--style passes`` reads ``epochal.batches`` with a global batch of 12
-(``--global-batch``).
+(``--global-batch``); ``--style stream`` reads an endless stream per rank through a loader of
+the script's own that counts the batches it yielded, its ``state_dict()``.
+``--scheduler onecycle`` steps a ``OneCycleLR`` (rate and momentum) after every optimizer step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import epochal
 from epochal.worker import faults
@@ -38,10 +42,42 @@ class Lookup(nn.Module):
         return self.linear(self.features[ids]).squeeze(1)
 
 
+class Stream(IterableDataset):
+    """Rank ``rank``'s endless share of ``samples`` ids: ``rank``, ``rank + world``, ..."""
+
+    def __init__(self, rank: int, world: int, samples: int) -> None:
+        self.rank, self.world, self.samples = rank, world, samples
+
+    def __iter__(self) -> Iterator[int]:
+        return ((self.rank + self.world * k) % self.samples for k in itertools.count())
+
+
+class CountingLoader:
+    """Batches of 4 of a stream that can say where it stands: the batches it yielded."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.yielded = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        ids = itertools.islice(iter(self.stream), 4 * self.yielded, None)
+        while True:
+            batch = torch.tensor(list(itertools.islice(ids, 4)))
+            self.yielded += 1
+            yield batch, batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.yielded = state["yielded"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--style", choices=("sampler", "passes"), default="sampler")
+    parser.add_argument("--style", choices=("sampler", "passes", "stream"), default="sampler")
+    parser.add_argument("--scheduler", choices=("none", "onecycle"), default="none")
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--global-batch", type=int, default=12, help="with --style passes")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds per batch")
@@ -92,7 +128,12 @@ def main() -> None:
     loader = sampler_loader
     if args.style == "passes":
         loader = epochal.batches(data, global_batch=args.global_batch, seed=7)
-    result = epochal.train(model, optimizer, loader, None, loss_fn)
+    elif args.style == "stream":
+        loader = lambda rank, world: CountingLoader(Stream(rank, world, args.samples))  # noqa: E731
+    scheduler = None
+    if args.scheduler == "onecycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=40)
+    result = epochal.train(model, optimizer, loader, None, loss_fn, scheduler=scheduler)
     torch.save(
         {"model": model.state_dict(), "epochs": [r.epoch for r in result.curve]},
         args.out / f"rank{result.rank}.pt",
