@@ -82,7 +82,9 @@ def test_killed_mid_stream_resumes_with_the_same_batches_and_rates(spawn, tmp_pa
     run_dir, out = tmp_path / "run", tmp_path / "out"
     code, output = spawn.finish(streamed(spawn, run_dir, out, 2, EPOCHAL_FAULT=KILL), DEADLINE)
     assert code != 0, output
-    assert max(r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "checkpoint") == 1
+    # epoch 1's checkpoint, unless the kill reached rank 0 before its word of it left (then 0's)
+    last = max(r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "checkpoint")
+    assert last in (0, 1)
     code, output = spawn.finish(streamed(spawn, run_dir, out, 2), DEADLINE)
     assert code == 0, output
     assert "resuming" in output
@@ -92,10 +94,10 @@ def test_killed_mid_stream_resumes_with_the_same_batches_and_rates(spawn, tmp_pa
         # the rank's share of the 40 ids, 4 a batch, round and round
         assert [i for b in whole for i in b[1:]] == [(rank + 2 * k) % 40 for k in range(48)]
         killed, resumed = trained(out, rank)
-        assert [b for b in killed if b[0] < 2] + resumed == whole
+        assert [b for b in killed if b[0] <= last] + resumed == whole
         (unbroken_rates,) = rates(unbroken, rank)
         killed_rates, resumed_rates = rates(out, rank)
-        assert killed_rates[:6] + resumed_rates == unbroken_rates
+        assert killed_rates[: 3 * (last + 1)] + resumed_rates == unbroken_rates
         assert len(set(unbroken_rates)) == 12  # OneCycleLR: a rate of its own at every step
         x = torch.load(unbroken / f"rank{rank}.pt")
         y = torch.load(out / f"rank{rank}.pt")
