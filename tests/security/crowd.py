@@ -162,8 +162,10 @@ class Crowd:
         self.closed[index] = time.monotonic()
         self._unsent.pop(index, None)
         sock = self.socks[index]
-        self._poll.unregister(sock)
-        del self._by_fd[sock.fileno()]
+        # a connection still being made when open() failed was never registered: closed all the
+        # same, so that the failure is the one reported and no socket outlives the test
+        if self._by_fd.pop(sock.fileno(), None) is not None:
+            self._poll.unregister(sock)
         sock.close()
 
     def wait(self, until: float, *, all_closed: bool = False, sent: bool = False) -> None:
