@@ -56,15 +56,15 @@ def test_train_sets_the_epoch_of_the_sampler_and_of_the_batch_sampler_as_the_gui
     # training loader's sampler and batch_sampler, wherever one has the method
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from epochal.worker.training.fitting import _set_epoch
+    from epochal.worker.training.positioning import set_epochs
 
     data = list(range(40))
     by_sampler = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1))
     by_batches = DataLoader(data, batch_sampler=ShardSampler(40, 4, rank=0, world_size=2))
     for loader in (by_sampler, by_batches):
         before = [batch.tolist() for batch in loader]
-        _set_epoch(loader, 7)
+        set_epochs(loader, 7)
         holders = (loader.sampler, loader.batch_sampler)
         assert [h.epoch for h in holders if hasattr(h, "epoch")] == [7]
         assert [batch.tolist() for batch in loader] != before  # the epoch's own permutation
-    _set_epoch(DataLoader(data, batch_size=4), 7)  # nothing to set: no error
+    set_epochs(DataLoader(data, batch_size=4), 7)  # nothing to set: no error

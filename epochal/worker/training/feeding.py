@@ -31,6 +31,7 @@ from epochal.worker.training.passes import PassSampler
 from epochal.worker.training.positioning import (
     StatefulLoader,
     has_len,
+    set_epochs,
     set_stream_position,
     skip_consumed,
     stream_position,
@@ -39,13 +40,6 @@ from epochal.worker.training.positioning import (
 _SEEDS = 0x5EED_0F_9A55
 """Mixed with a pass and a batch into the seed a new iterator draws its workers' base seed with
 (see :meth:`Feed._fresh`)."""
-
-
-def _set_epoch(loader: object, data_pass: int) -> None:
-    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        set_epoch = getattr(holder, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(data_pass)
 
 
 class Feed:
@@ -133,7 +127,7 @@ class Feed:
             self.sampler.set_position(at)
             self._iterator = self._fresh(self.loader, at.data_pass, at.batch)
         elif at.batch == 0:
-            _set_epoch(self.loader, at.data_pass)
+            set_epochs(self.loader, at.data_pass)
             self._iterator = self._fresh(self.loader, at.data_pass, 0)
         else:  # the consumed batches' indices drawn and dropped, none of their samples loaded
             rest = skip_consumed(self.loader, at.data_pass, at.batch)  # type: ignore[arg-type]
@@ -184,7 +178,7 @@ class Feed:
         if self.sampler is not None:
             self.sampler.set_position(DataPosition(self._pass, 0, self.sampler.seed))
         else:
-            _set_epoch(self.loader, self._pass)
+            set_epochs(self.loader, self._pass)
         self._iterator = self._fresh(self.loader, self._pass, 0)
         try:
             return next(self._iterator)

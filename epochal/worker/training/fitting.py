@@ -36,7 +36,7 @@ from epochal.worker.training.elastic import elastic_scope
 from epochal.worker.training.feeding import Feed
 from epochal.worker.training.initialization import initialize_on_rank
 from epochal.worker.training.passes import PassBatches
-from epochal.worker.training.positioning import has_len
+from epochal.worker.training.positioning import has_len, set_epochs
 from epochal.worker.training.results import EpochContext, LossSum, RunResult
 from epochal.worker.training.scheduling import StepScheduler
 
@@ -107,13 +107,6 @@ def _resolve(loader: LoaderArg | None, session: Session, what: str) -> Loader | 
             f"dataset){more}"
         )
     return loader
-
-
-def _set_epoch(loader: Loader, epoch: int) -> None:
-    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        set_epoch = getattr(holder, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
 
 
 def _split(batch: Any, device: torch.device) -> tuple[Any, torch.Tensor, int]:
@@ -292,7 +285,7 @@ class Fitting:
             self.start = (ctx.epoch, Snapshot.take(strategy))
         self._epoch_rate(ctx)
         if self.feed is None:
-            _set_epoch(self.train_data, ctx.epoch)
+            set_epochs(self.train_data, ctx.epoch)
         strategy.begin_epoch()
         strategy.module.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)

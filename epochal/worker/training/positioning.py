@@ -59,6 +59,13 @@ def _set_epoch(sampler: object, data_pass: int) -> None:
         set_epoch(data_pass)
 
 
+def set_epochs(loader: object, number: int) -> None:
+    """``set_epoch(number)`` on ``loader``'s sampler and batch sampler, those that have it: what
+    epochal calls on a training loader at each epoch (or each pass, with steps per epoch)."""
+    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        _set_epoch(holder, number)
+
+
 def skip_consumed(loader: DataLoader[Any], data_pass: int, consumed: int) -> DataLoader[Any]:
     """A loader like ``loader`` that yields pass ``data_pass`` from its batch ``consumed`` on.
 
@@ -84,8 +91,7 @@ def skip_consumed(loader: DataLoader[Any], data_pass: int, consumed: int) -> Dat
             "iteration, so a resumed run would skip other samples than it consumed. Use a "
             "DistributedSampler (seed=, set_epoch) or epochal's PassSampler"
         )
-    _set_epoch(loader.sampler, data_pass)
-    _set_epoch(loader.batch_sampler, data_pass)
+    set_epochs(loader, data_pass)
     _set_epoch(getattr(loader.batch_sampler, "sampler", None), data_pass)
     if loader.batch_sampler is not None:
         batching: dict[str, Any] = {
