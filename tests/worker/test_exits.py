@@ -47,6 +47,24 @@ def test_an_interrupt_names_the_abort_it_followed():
     assert alone == "epochal: KeyboardInterrupt: interrupted (EPOCHAL_VERBOSE=1 shows where)"
 
 
+def test_an_error_raised_while_an_interrupt_unwinds_is_the_interrupt():
+    """Ctrl-C inside torch.save ends in the RuntimeError its zip writer's cleanup raises; the
+    worker says the interrupt in one line, not that error's traceback."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            message = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
+            raise RuntimeError(message)  # noqa: B904 - as a library's cleanup raises it
+    except RuntimeError as exc:
+        cleanup = exc
+    said = one_line(cleanup, abort_reason="the launcher received SIGINT", verbose=False)
+    assert said == (
+        "epochal: KeyboardInterrupt: after the run was aborted: the launcher received SIGINT"
+    )
+    assert one_line(RuntimeError("its own"), abort_reason=None, verbose=False) is None
+
+
 def test_verbose_is_read_from_the_environment():
     assert not exits.is_verbose({})
     assert not exits.is_verbose({"EPOCHAL_VERBOSE": "0"})

@@ -50,7 +50,7 @@ def one_line(exc: BaseException, *, abort_reason: str | None, verbose: bool) -> 
         return None
     if isinstance(exc, _QUIET):
         return f"epochal: {type(exc).__name__}: {exc}"
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) or _interrupted(exc):
         if abort_reason is not None:
             return f"epochal: KeyboardInterrupt: after the run was aborted: {abort_reason}"
         return f"epochal: KeyboardInterrupt: interrupted ({VERBOSE_ENV}=1 shows where)"
@@ -62,6 +62,19 @@ def one_line(exc: BaseException, *, abort_reason: str | None, verbose: bool) -> 
             "plane; the rank that failed first says why)"
         )
     return None
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was handled: an interrupt inside a
+    library's ``with`` block (torch.save's zip writer) ends in the error its cleanup raises."""
+    seen: set[int] = set()
+    cause = exc.__context__
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__context__
+    return False
 
 
 def is_verbose(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
