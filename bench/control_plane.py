@@ -256,10 +256,10 @@ def worker_script(w: SimWorker, train_seconds: float) -> Script:
                 break
             go = answer
         w.mark(f"go.{epoch}")
-        yield from w.at(Phase.TRAIN, epoch)
+        yield from w.at(Phase.TRAIN, epoch, announce=False)  # the go said it
         if train_seconds > 0:
             yield Sleep(train_seconds)
-        yield from w.at(Phase.VALIDATE, epoch)
+        yield from w.at(Phase.VALIDATE, epoch, announce=False)  # the next heartbeat says it
         yield from w.at(Phase.WAITING, epoch, Awaiting.DECISION, announce=False)
         ready = (
             EpochReady(epoch=epoch + 1, train_batches=100, valid_batches=10, gathers=True)
@@ -296,9 +296,10 @@ class Driver:
     """Runs many :func:`worker_script` s in one process: a zmq.Poller and a timer heap.
 
     Like ``ControlClient``: one DEALER per worker with its routing nonce and socket options, a
-    heartbeat (Status) every ``heartbeat_interval``, the session taken from joined/welcome and
-    sent with every frame but a hello, heartbeats from the coordinator swallowed, a request for
-    the model's entries (``describe_model``) answered at once with the page asked for.
+    heartbeat (Status) once ``heartbeat_interval`` passed without a frame sent, the session
+    taken from joined/welcome and sent with every frame but a hello, heartbeats from the
+    coordinator swallowed, a request for the model's entries (``describe_model``) answered at
+    once with the page asked for.
     """
 
     def __init__(self, endpoint: str, first: int, count: int, args: dict[str, Any]) -> None:
@@ -321,6 +322,7 @@ class Driver:
         self.by_socket: dict[zmq.Socket[bytes], int] = {}
         self.poller = zmq.Poller()
         self.decoded: dict[bytes, Any] = {}
+        self.sent_at: list[float] = []  # per worker: when it last sent a frame
 
     def _timer(self, due: float, k: int, kind: str, token: int = 0) -> None:
         heapq.heappush(self.timers, (due, next(self.seq), k, kind, token))
@@ -341,11 +343,13 @@ class Driver:
             self.scripts.append(worker_script(w, self.train_seconds))
             self.waiting.append(None)
             self.inbox.append(deque())
+            self.sent_at.append(time.monotonic())
             self._timer(time.monotonic() + self.interval, k, "beat")
             self._advance(k, None)
 
     def _send(self, k: int, message: Any) -> None:
         self.sockets[k].send(self.workers[k].frame(message))
+        self.sent_at[k] = time.monotonic()
 
     def _advance(self, k: int, value: Any) -> None:
         """Resume worker k's script with ``value`` until it waits (Recv, Sleep) or ends."""
@@ -410,9 +414,10 @@ class Driver:
                 _, _, k, kind, token = heapq.heappop(self.timers)
                 if self.scripts[k] is None:
                     continue
-                if kind == "beat":
-                    self._send(k, self.workers[k].status())
-                    self._timer(now + self.interval, k, "beat")
+                if kind == "beat":  # due an interval after the last frame sent
+                    if now - self.sent_at[k] >= self.interval:
+                        self._send(k, self.workers[k].status())
+                    self._timer(self.sent_at[k] + self.interval, k, "beat")
                 elif kind == "wake":
                     self._advance(k, None)
                 elif self.waiting[k] == token:  # a Recv timed out

@@ -313,11 +313,13 @@ class Session:
         """Run ``epoch`` as its ``go`` says: the training code's train and validation; their loss
         sums."""
         ctx = training.context(go, self)
-        self.client.at(Phase.TRAIN, epoch)
+        # the Go said it: the coordinator shows the rank starting the epoch until the next
+        # heartbeat says training (one frame per rank fewer for it to read each epoch)
+        self.client.at(Phase.TRAIN, epoch, announce=False)
         train = training.train_epoch(ctx)
         valid = LossSum(0.0, 0)
         if training.valid_epoch is not None and go.valid_batches > 0:
-            self.client.at(Phase.VALIDATE, epoch)
+            self.client.at(Phase.VALIDATE, epoch, announce=False)  # the next heartbeat says it
             valid = training.valid_epoch(ctx)
         return train, valid
 

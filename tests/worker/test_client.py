@@ -29,6 +29,7 @@ from epochal.protocol import (
 )
 from epochal.protocol.limits import MAX_TEXT_CHARS
 from epochal.worker.control.client import ABORT_CHARS, ControlClient
+from epochal.worker.control.heartbeats import beat_due
 from epochal.worker.control.progress import BUSY_STEP, CpuProgress, process_cpu, thread_cpu
 from epochal.worker.joinoptions import JoinOptions
 from tests.waiting import wait_until
@@ -119,6 +120,36 @@ def test_the_heartbeat_carries_the_answer_awaited(
     client.at(Phase.TRAIN, 3)
     beat = first_status(sock, Phase.TRAIN, 3)
     assert beat is not None and beat.awaiting is None
+
+
+def test_a_heartbeat_is_due_an_interval_after_the_last_frame_sent_whatever_it_was():
+    # a worker that sent its loss report half an interval ago owes no heartbeat yet: the report
+    # said it lives; one silent for an interval does
+    assert beat_due(10.0, sent_at=9.5, interval=1.0) == 10.5
+    assert beat_due(10.0, sent_at=9.0, interval=1.0) is None
+    assert beat_due(10.0, sent_at=2.0, interval=1.0) is None
+    # a frame sent every half interval keeps the heartbeat from ever falling due
+    sent, beats = 0.0, 0
+    for tick in range(1, 40):
+        now = tick * 0.25
+        if tick % 2 == 0:
+            sent = now
+        if beat_due(now, sent, 1.0) is None:
+            beats += 1
+    assert beats == 0
+
+
+def test_an_idle_client_keeps_sending_heartbeats_every_interval(
+    client: ControlClient, router: tuple[zmq.Socket[bytes], str]
+):
+    sock, _ = router
+    client.at(Phase.TRAIN, 4)
+    beats = 0
+    for _ in range(3):  # each one an interval after the one before: nothing else is sent
+        beat = first_status(sock, Phase.TRAIN, 4)
+        assert beat is not None, "an idle client stopped sending heartbeats"
+        beats += 1
+    assert beats == 3
 
 
 def test_a_dead_heartbeat_task_fails_the_worker_at_once_naming_its_cause(

@@ -143,6 +143,8 @@ class ControlClient(Heartbeats):
         self._disconnected: float | None = None
         # when the connection to the coordinator closed (its process died?); None: connected
         self._up = False  # the connection to the coordinator is up (its handshake succeeded)
+        # when the control thread last sent a frame: a heartbeat is due an interval after it
+        self._sent_at = time.monotonic()
         self._linger = LINGER_MS  # how long closing tries to send what is queued, in ms
         self._finished = False  # closed once the run is over and this worker said Done
         self._main_thread = threading.get_ident()  # made on the training code's thread
@@ -378,6 +380,7 @@ class ControlClient(Heartbeats):
                 data = faults.on_send(TYPE_NAMES[type(message)], frame, rank=self.rank)
                 if data is not None:
                     await sock.send(data)
+                    self._sent_at = time.monotonic()
         finally:
             reader.cancel()
             ticker.cancel()

@@ -27,6 +27,14 @@ from epochal.worker.control.progress import CpuProgress
 from epochal.worker.control.waiting import Handshake
 
 
+def beat_due(now: float, sent_at: float, interval: float) -> float | None:
+    """None when a heartbeat is due at ``now`` (nothing was sent for ``interval`` seconds since
+    ``sent_at``), else the instant it falls due: ``interval`` after the last frame sent."""
+    if now - sent_at >= interval:
+        return None
+    return sent_at + interval
+
+
 class Heartbeats:
     """Heartbeats and the coordinator watched; see the module docstring."""
 
@@ -44,6 +52,7 @@ class Heartbeats:
     _watch_coordinator: bool
     _abort_reason: str | None
     _progress_at: float
+    _sent_at: float
     _doing: tuple[Phase, Awaiting | None]
     _main_thread: int
 
@@ -83,17 +92,28 @@ class Heartbeats:
                     self._disconnected = now
 
     async def _tick(self) -> None:
+        """Every heartbeat interval: a Status, unless the thread sent a frame meanwhile (any frame
+        tells the coordinator this worker lives; a loss report is one a rank every epoch, which
+        makes epochs shorter than the interval cost the coordinator one frame a rank, not two);
+        then the watch on the coordinator. No interval passes without a frame sent or a check."""
         assert self._outbox is not None
+        interval = self.liveness.interval
+        due = time.monotonic() + interval
         while True:
             slept = time.monotonic()
-            await asyncio.sleep(self.liveness.interval)
-            if time.monotonic() - slept > self.liveness.timeout and self._last_heard is not None:
+            await asyncio.sleep(max(0.0, due - slept))
+            now = time.monotonic()
+            if now - slept > self.liveness.timeout and self._last_heard is not None:
                 # this process was not running (frozen by SIGSTOP, a paused machine): the silence
                 # was its own. What the coordinator sent meanwhile is waiting to be read (an
                 # abort, say: this worker was dropped), so its clock starts again now
                 self._last_heard = time.monotonic()
             self._own_progress()
-            self._beat()
+            interval = self.liveness.interval  # the run's, once welcomed
+            later = beat_due(now, self._sent_at, interval)
+            if later is None:
+                self._beat()
+            due = now + interval if later is None else later
             heard = self._last_heard
             gone = self._disconnected
             if (
