@@ -19,11 +19,13 @@ import enum as _enum
 import re as _re
 import types as _types
 import typing as _typing
+from collections.abc import Callable as _Callable
 from typing import Annotated as _Annotated
 from typing import Any as _Any
 
 import msgspec as _msgspec
 
+from epochal.protocol import compiledchecks as _compiledchecks
 from epochal.protocol import constraints as _constraints
 from epochal.protocol import limits as _limits
 
@@ -134,8 +136,10 @@ def fields_of(cls: type) -> tuple[FieldSpec, ...]:
     return found
 
 
-_Checks = tuple[tuple[str, bool, tuple[_constraints.Constraint, ...]], ...]
+_Checks = _compiledchecks.Checks
 _CHECKS: dict[type, _Checks] = {}
+_COMPILED: dict[type, _Callable[[_Any], None]] = {}
+# each record class's checks as one function (see epochal.protocol.compiledchecks)
 
 
 def _checks(cls: type) -> _Checks:
@@ -156,15 +160,11 @@ class Record:
     __slots__ = ()
 
     def __post_init__(self) -> None:
-        for name, nilable, constraints in _checks(type(self)):
-            value = original = getattr(self, name)
-            if value is None and nilable:
-                continue
-            for constraint in constraints:
-                value = constraint(name, value)
-            if value is not original:  # a string become its enum member
-                object.__setattr__(self, name, value)
-        self._validate()
+        cls = type(self)
+        check = _COMPILED.get(cls)
+        if check is None:  # the first record of its class: its checks compiled once
+            check = _COMPILED[cls] = _compiledchecks.compile_checks(cls.__name__, _checks(cls))
+        check(self)
 
     def _validate(self) -> None:
         """Checks between fields; raises ValueError. Each field's own check is on its type."""
