@@ -303,3 +303,21 @@ def test_a_run_of_one_epoch_is_said_in_the_singular():
     loop.update(0, 2.0, 1.5, validates=True)
     _, line = ending.finish(loop, CoordinatorConfig(world_size=1, epochs=1), "r1")
     assert line == "run r1 finished after 1 epoch: best epoch 0 (smoothed loss 1.5000)"
+
+
+def test_the_epoch_line_says_where_the_data_stands_in_epochs_of_n_steps():
+    outcome = LoopState(epochs=3).update(0, 2.0, 1.5, validates=True)
+    position = {
+        "steps": 10,
+        "data_pass": 1,
+        "data_offset": 384,
+        "pass_batches": 16,
+        "global_batch": 64,
+    }
+    line = format_epoch_line(outcome, 3, 0.5, position=position)
+    assert line.startswith("epoch 0 [1/3]  pass 1 38%  train 2.0000")  # 384 of 16 x 64 samples
+    # an epoch that is one pass, or a pass of unknown size, says nothing of it
+    assert format_epoch_line(outcome, 3, 0.5, position={"steps": 10}).startswith(
+        "epoch 0 [1/3]  train 2.0000"
+    )
+    assert "pass" not in format_epoch_line(outcome, 3, 0.5)

@@ -167,10 +167,11 @@ class Epochs:
             validates=state.validates, checkpoint=checkpoint, plan=plan, seconds=seconds
         )
         record.update(world_size=len(state.members), generation=state.generation)
-        record.update(plan.position(state.epoch, state.config.steps_per_epoch))
+        position = plan.position(state.epoch, state.config.steps_per_epoch)
+        record.update(position)
         actions: list[Action] = [Journal("epoch", record)]
         said = Log(
-            format_epoch_line(outcome, state.config.epochs, seconds, monitor=state.config.monitor)
+            format_epoch_line(outcome, state.config.epochs, seconds, state.config.monitor, position)
         )
         if outcome.stop:
             decision = outcome.decision(checkpoint, sums)

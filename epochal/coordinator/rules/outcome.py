@@ -125,11 +125,27 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     )
 
 
+def format_data(position: Mapping[str, int]) -> str:
+    """``"  pass 2 38%"``: where the data stands after an epoch of ``--steps-per-epoch`` steps
+    (the epoch record's ``data_pass`` and the share of that pass consumed); empty where an epoch
+    is one pass, or where the pass's size is not known."""
+    if "data_pass" not in position:
+        return ""
+    whole = position["pass_batches"] * position["global_batch"]
+    share = min(position["data_offset"] / whole, 1.0) if whole else 0.0
+    return f"  pass {position['data_pass']} {share:.0%}"
+
+
 def format_epoch_line(
-    outcome: EpochOutcome, epochs: int, seconds: float, monitor: str = DEFAULT_MONITOR
+    outcome: EpochOutcome,
+    epochs: int,
+    seconds: float,
+    monitor: str = DEFAULT_MONITOR,
+    position: Mapping[str, int] | None = None,
 ) -> str:
     """The one line per epoch a person follows a run by; ``smoothed`` and ``best`` are of the
-    monitored value, named when it is not the loss (``--monitor``: ``smoothed accuracy``)."""
+    monitored value, named when it is not the loss (``--monitor``: ``smoothed accuracy``);
+    ``position``: the epoch record's data fields, said after the epoch's number."""
     best = (
         "-"
         if outcome.best_epoch is None
@@ -137,7 +153,7 @@ def format_epoch_line(
     )
     marker = " *" if outcome.is_best else ""
     return (
-        f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]  "
+        f"epoch {outcome.epoch} [{outcome.epoch + 1}/{epochs}]{format_data(position or {})}  "
         f"train {format_loss(outcome.train_loss)}  valid {format_loss(outcome.valid_loss)}"
         f"{format_metrics(outcome.metrics)}  {smoothed_label(monitor)} "
         f"{format_loss(outcome.smoothed_loss)}  "
