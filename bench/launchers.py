@@ -1,9 +1,10 @@
 """The launchers the benchmarks time epochal against: their command lines and environment.
 
-``compare.py``, ``cadence.py`` and ``checkpoint_cost.py`` start their runs with these, so that a
-baseline under plain torchrun and a run under ``epochal run`` start alike: from this interpreter
-(``python -m torch.distributed.run``, the module behind ``torchrun``, and ``python -m epochal``),
-on one machine, with one OpenMP thread and nothing of the calling shell's epochal settings.
+``compare.py``, ``cadence.py``, ``checkpoint_cost.py``, ``faults.py`` and ``preload.py`` start
+their runs with these, so that a baseline under plain torchrun and a run under ``epochal run``
+start alike: from this interpreter (``python -m torch.distributed.run``, the module behind
+``torchrun``, and ``python -m epochal``), on one machine, with one OpenMP thread and nothing of
+the calling shell's epochal settings.
 """
 
 from __future__ import annotations
