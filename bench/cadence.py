@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from launchers import epochal_run_command, launch_env, torchrun_command
 
 SAMPLES = 8192
 FEATURES = 256
@@ -51,10 +52,12 @@ TARGETS = {"epochal": 1.01, "epochal+ckpt": 1.03}
 
 
 def _workload(hidden: int) -> tuple[Any, Any, Any]:
-    """The dataset, model and optimizer, the same on every rank and in every kind of run."""
+    """The dataset, model and optimizer, the same on every rank and in every kind of run: the
+    model and optimizer of ``compare.py``'s workload (``workload.py``), ``hidden`` wide, at a
+    rate of 0.01, on a dataset of this benchmark's own."""
     import torch
-    from torch import nn
     from torch.utils.data import TensorDataset
+    from workload import model, optimizer
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(SEED)
@@ -62,14 +65,9 @@ def _workload(hidden: int) -> tuple[Any, Any, Any]:
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
     data = TensorDataset(x, (x @ teacher).argmax(1))
     torch.manual_seed(SEED)
-    net = nn.Sequential(
-        nn.Linear(FEATURES, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, CLASSES),
-    )
-    return data, net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    shape = argparse.Namespace(features=FEATURES, hidden=hidden, classes=CLASSES, lr=0.01)
+    net = model(shape)
+    return data, net, optimizer(net, shape)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -117,55 +115,29 @@ def _worker(args: argparse.Namespace) -> None:
 def _command(kind: str, args: argparse.Namespace, out: Path, run_dir: Path) -> list[str]:
     me = [str(Path(__file__).resolve()), "--out", str(out), "--hidden", str(args.hidden)]
     if kind == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
-            *me,
-            "--worker",
-            "ddp",
-            "--steps",
-            str(args.steps),
-        ]
+        return torchrun_command(2, *me, "--worker", "ddp", "--steps", str(args.steps))
     epochs = -(-args.steps // args.steps_per_epoch)
     every = "1" if kind == "epochal+ckpt" else "0"
-    return [
-        sys.executable,
-        "-m",
-        "epochal",
-        "run",
-        "--nproc",
-        "2",
-        "--epochs",
-        str(epochs),
+    return epochal_run_command(
+        2,
+        epochs,
+        run_dir,
         "--steps-per-epoch",
         str(args.steps_per_epoch),
         "--checkpoint-every",
         every,
-        "--run-dir",
-        str(run_dir),
         *me,
         "--worker",
         "epochal",
-    ]
+    )
 
 
 def _run(kind: str, args: argparse.Namespace, scratch: Path, repeat: int) -> list[float]:
     """One run of ``kind``: the instants its rank 0's optimizer steps ended."""
     out = scratch / f"{kind}-{repeat}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
-    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         _command(kind, args, out, scratch / f"run-{kind}-{repeat}"),
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=args.timeout,

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from launchers import epochal_run_command, launch_env
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
 
@@ -29,26 +30,10 @@ def intervals(run_dir: Path) -> list[float]:
 
 
 def run(epochs: int, every: int, run_dir: Path) -> list[float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
-    env["OMP_NUM_THREADS"] = "1"
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "epochal",
-            "run",
-            "--nproc",
-            "2",
-            "--epochs",
-            str(epochs),
-            "--checkpoint-every",
-            str(every),
-            "--run-dir",
-            str(run_dir),
-            str(EXAMPLE),
-        ],
+        epochal_run_command(2, epochs, run_dir, "--checkpoint-every", str(every), str(EXAMPLE)),
         check=True,
-        env=env,
+        env=launch_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -33,6 +32,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from launchers import epochal_run_command, launch_env, torchrun_command
 
 BENCH = Path(__file__).resolve().parent
 MODES = ("torchrun", "epochal")
@@ -75,48 +76,30 @@ def command(
     mode: str, args: argparse.Namespace, out: Path, run_dir: Path, workload: list[str]
 ) -> list[str]:
     """The launcher command line for ``mode``; both start from this interpreter's ``-m``."""
-    epochs = str(args.epochs)
     if mode == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(args.nproc),
+        return torchrun_command(
+            args.nproc,
             "--max-restarts",
             "0",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
             "--rdzv-id",
             uuid.uuid4().hex,
             str(BENCH / "train_ddp.py"),
             "--epochs",
-            epochs,
+            str(args.epochs),
             "--out",
             str(out),
             *workload,
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "epochal",
-        "run",
-        "--nproc",
-        str(args.nproc),
-        "--epochs",
-        epochs,
-        "--run-dir",
-        str(run_dir),
+        )
+    return epochal_run_command(
+        args.nproc,
+        args.epochs,
+        run_dir,
         *shlex.split(args.epochal_args),
         str(BENCH / "train_epochal.py"),
         "--out",
         str(out),
         *workload,
-    ]
+    )
 
 
 def launch(
@@ -260,10 +243,7 @@ def main() -> int:
     if args.epochs < 3 or args.repeats < 1 or args.nproc < 1:
         parser.error("need --epochs >= 3, --repeats >= 1 and --nproc >= 1")
 
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    for name in [k for k in env if k.startswith("EPOCHAL_")]:
-        del env[name]  # no coordinator address, progress bar or token leaking in
+    env = launch_env()
 
     with tempfile.TemporaryDirectory(prefix="epochal-bench-") as tmp:
         scratch = args.keep or Path(tmp)

@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
+from launchers import epochal_run_command, launch_env
+
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "integration" / "scripts" / "resumable.py"
 MARK = "EPOCHAL_BENCH_MARK"
 
@@ -59,21 +61,9 @@ def worker_pids(mark: str) -> list[int]:
 
 def trial(rng: random.Random, nproc: int, restarts: bool, tmp: Path) -> float:
     mark = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
-    env.update({MARK: mark, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env = {**launch_env(), MARK: mark, "PYTHONUNBUFFERED": "1"}
     run_dir = tmp / mark
-    cmd = [
-        sys.executable,
-        "-m",
-        "epochal",
-        "run",
-        "--nproc",
-        str(nproc),
-        "--epochs",
-        "6",
-        "--run-dir",
-        str(run_dir),
-    ]
+    cmd = epochal_run_command(nproc, 6, run_dir)
     if restarts:
         cmd += ["--max-restarts", "1"]
     cmd += [str(SCRIPT), "--out", str(run_dir / "out"), "--delay", "0.02"]

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launchers import epochal_run_command, launch_env
+
 BENCH = Path(__file__).resolve().parent
 CPU_TARGET = 0.6
 STARTUP_TARGET = 1.0
@@ -41,28 +43,20 @@ def run_once(variant: str, nproc: int, work: Path) -> dict[str, float]:
     """One ``epochal run``: its CPU (launcher and every descendant it reaped), wall time, and
     rank 0's launch to first step."""
     out = work / f"{variant}-{time.monotonic_ns()}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPOCHAL_")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = launch_env()
     if VARIANTS[variant] is not None:
         env["EPOCHAL_PRELOAD"] = VARIANTS[variant]
-    command = [
-        sys.executable,
-        "-m",
-        "epochal",
-        "run",
-        "--nproc",
-        str(nproc),
-        "--epochs",
-        "2",
+    command = epochal_run_command(
+        nproc,
+        2,
+        work / out.stem,
         "--checkpoint-every",
         "0",
-        "--run-dir",
-        str(work / out.stem),
         str(BENCH / "train_epochal.py"),
         "--out",
         str(out),
         *WORKLOAD,
-    ]
+    )
     launched = time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None

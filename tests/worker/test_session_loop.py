@@ -7,6 +7,7 @@ carried) unless the run stops, then ``finish``. The tests check what the worker 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -86,8 +87,10 @@ class ScriptedClient:
         pass
 
 
-def session(client: ScriptedClient, *, reattach_timeout: float = 0.0) -> Session:
-    welcome = Welcome(
+def welcome(client: ScriptedClient, **changes: Any) -> Welcome:
+    """The coordinator's Welcome to ``client``'s worker: rank 0 of a world of one, from epoch 0
+    of run r1 in ``client``'s session, with ``changes`` to its fields."""
+    first = Welcome(
         rank=0,
         world_size=1,
         run_id="r1",
@@ -101,10 +104,14 @@ def session(client: ScriptedClient, *, reattach_timeout: float = 0.0) -> Session
         session=client.session,
         liveness=Liveness(),
     )
+    return dataclasses.replace(first, **changes)
+
+
+def session(client: ScriptedClient, *, reattach_timeout: float = 0.0) -> Session:
     hello = Hello("epochal", "", "w0", "host", 1, 0, "cpu", FP)
     return Session(
         client,  # type: ignore[arg-type]
-        welcome,
+        welcome(client),
         torch.device("cpu"),
         None,  # type: ignore[arg-type]
         hello=hello,
@@ -284,22 +291,7 @@ def test_a_restarted_coordinator_that_keeps_the_worker_where_it_was_hears_its_re
 
     def restarted(*args: Any, answers: tuple[type[Any], ...] = (), **kw: Any) -> Any:
         client.lost_at = None  # the restarted coordinator answers what it is sent again
-        welcome = Welcome(
-            rank=0,
-            world_size=1,
-            run_id="r2",
-            backend="gloo",
-            store_host="127.0.0.1",
-            store_port=1,
-            start_epoch=0,
-            epochs=client.epochs,
-            resume_epoch=None,
-            checkpoint_dir="",
-            session="t" * 43,
-            liveness=Liveness(),
-            carry_on=True,
-        )
-        return welcome, None
+        return welcome(client, run_id="r2", session="t" * 43, carry_on=True), None
 
     monkeypatch.setattr(reattach, "rendezvous", restarted)
     seen: list[tuple[int, int, float]] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -52,15 +52,23 @@ MetricFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor | float, int]]
 on the device, read once per epoch) or a number."""
 
 
-class _MetricSums:
-    """Running sums and counts of the named metrics over one epoch of one rank."""
+class _EpochSums:
+    """Running sums over one epoch of one rank: the loss over its samples, and the named metrics'
+    sums and counts."""
 
     def __init__(self, metrics: Mapping[str, MetricFn], device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.samples = 0
         self.metrics = metrics
         self.totals = {
             name: torch.zeros((), dtype=torch.float64, device=device) for name in metrics
         }
         self.counts = dict.fromkeys(metrics, 0)
+
+    def add_loss(self, loss: torch.Tensor, samples: int) -> None:
+        """A batch's mean ``loss`` over its ``samples``."""
+        self.total += loss.detach().double() * samples
+        self.samples += samples
 
     def add(self, outputs: Any, targets: torch.Tensor) -> None:
         if not self.metrics:
@@ -74,8 +82,10 @@ class _MetricSums:
                     self.totals[name] += float(total)
                 self.counts[name] += int(count)
 
-    def result(self) -> dict[str, tuple[float, int]]:
-        return {name: (float(t.item()), self.counts[name]) for name, t in self.totals.items()}
+    def result(self) -> LossSum:
+        """The epoch's sums, read off the device once."""
+        metrics = {name: (float(t.item()), self.counts[name]) for name, t in self.totals.items()}
+        return LossSum(float(self.total.item()), self.samples, metrics)
 
 
 def _progress_enabled(rank: int, progress: bool | None) -> bool:
@@ -279,7 +289,7 @@ class Fitting:
             )
 
     def _train_epoch(self, ctx: EpochContext) -> LossSum:
-        strategy, options = self.strategy, self.options
+        strategy = self.strategy
         self.gathered = None  # the world did not grow after all: the epoch is under way
         if self.keeps_copy and (self.start is None or self.start[0] != ctx.epoch):
             self.start = (ctx.epoch, Snapshot.take(strategy))
@@ -288,9 +298,7 @@ class Fitting:
             set_epochs(self.train_data, ctx.epoch)
         strategy.begin_epoch()
         strategy.module.train()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        metric_sums = _MetricSums(options.metrics, self.device)
+        sums = _EpochSums(self.options.metrics, self.device)
         bar = None
         if self.show_progress:
             from tqdm import tqdm
@@ -299,26 +307,36 @@ class Fitting:
                 total=ctx.train_batches, desc=f"epoch {ctx.epoch}", leave=False, dynamic_ncols=True
             )
         data = self.train_data if self.feed is None else self.feed.epoch(ctx.epoch)
+        steps = self._steps(ctx, data, ctx.train_batches, "train-step", bar)
+        for step, inputs, targets, n in steps:
+            loss = self._train_step(ctx, step, inputs, targets, sums)
+            sums.add_loss(loss, n)
+        return sums.result()
+
+    def _steps(
+        self, ctx: EpochContext, data: Loader, batches: int, point: str, bar: Any = None
+    ) -> Iterator[tuple[int, Any, torch.Tensor, int]]:
+        """The first ``batches`` batches of ``data``, as ``(step, inputs, targets, samples)`` on
+        the device: before each an abort check (a stop or a lost world raises) and the fault
+        point ``point``, after each a tick of the progress ``bar``, closed at the end. Like a loop
+        over ``data``, it asks ``data`` for the batch after the last one it hands out (a feed
+        ends its epoch there)."""
         for step, batch in enumerate(data):
-            if step == ctx.train_batches:
+            if step == batches:
                 break
             ctx.check()
             faults.hit(
-                "train-step",
+                point,
                 rank=ctx.rank,
                 epoch=ctx.epoch,
                 step=step,
                 world=self.session.generation,
             )
-            inputs, targets, n = _split(batch, self.device)
-            loss = self._train_step(ctx, step, inputs, targets, metric_sums)
-            total += loss.detach().double() * n
-            count += n
+            yield (step, *_split(batch, self.device))
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return LossSum(float(total.item()), count, metric_sums.result())
 
     def _train_step(
         self,
@@ -326,7 +344,7 @@ class Fitting:
         step: int,
         inputs: Any,
         targets: torch.Tensor,
-        metric_sums: _MetricSums,
+        sums: _EpochSums,
     ) -> torch.Tensor:
         """Forward and backward of batch ``step``, and the optimizer's step where it ends a group
         of ``accumulate`` batches; the batch's loss."""
@@ -341,7 +359,7 @@ class Fitting:
             with policy.autocast():
                 outputs = strategy.module(inputs)
                 loss = self.loss_fn(outputs, targets)
-                metric_sums.add(outputs, targets)
+                sums.add(outputs, targets)
             micro = group_end - (step - step % accumulate)  # batches in this step
             policy.backward(loss / micro if micro > 1 else loss)  # fp16: scaled
         if stepping:
@@ -383,31 +401,18 @@ class Fitting:
     def _valid_epoch(self, ctx: EpochContext) -> LossSum:
         valid_data = self.valid_data
         assert valid_data is not None
-        model, device = self.model, self.device
+        model = self.model
         model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        count = 0
-        metric_sums = _MetricSums(self.options.metrics, device)
+        sums = _EpochSums(self.options.metrics, self.device)
+        steps = self._steps(ctx, valid_data, ctx.valid_batches, "valid-step")
         with torch.no_grad():
-            for step, batch in enumerate(valid_data):
-                if step == ctx.valid_batches:
-                    break
-                ctx.check()
-                faults.hit(
-                    "valid-step",
-                    rank=ctx.rank,
-                    epoch=ctx.epoch,
-                    step=step,
-                    world=self.session.generation,
-                )
-                inputs, targets, n = _split(batch, device)
+            for _, inputs, targets, n in steps:
                 with self.policy.autocast():
                     outputs = model(inputs)
                     loss = self.loss_fn(outputs, targets)
-                    metric_sums.add(outputs, targets)
-                total += loss.double() * n
-                count += n
-        return LossSum(float(total.item()), count, metric_sums.result())
+                    sums.add(outputs, targets)
+                sums.add_loss(loss, n)
+        return sums.result()
 
     def _keep_best(self, epoch: int) -> None:
         self.best_state = self.strategy.snapshot()
