@@ -366,9 +366,8 @@ def _as_encoded(data: bytes | memoryview) -> Decoded | None:
         and 0xA0 <= data[6] <= 0xBF
     ):
         return None
-    name = bytes(data[7 : 7 + data[6] - 0xA0]).decode("utf-8", "replace")
-    cls = MESSAGE_TYPES.get(name)
-    if cls is None or name == "hello":  # a stranger's frame is a hello: read in full, once
+    cls = MESSAGE_TYPES.get(bytes(data[7 : 7 + data[6] - 0xA0]).decode("utf-8", "replace"))
+    if cls is None:
         return None
     try:
         lead = _LEAD_DECODER.decode(data)
