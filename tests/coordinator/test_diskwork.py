@@ -16,7 +16,7 @@ import epochal
 from epochal.coordinator.serve import diskwork
 from epochal.coordinator.serve.background import BackgroundCoordinator
 from epochal.coordinator.serve.diskwork import DiskWork, OffLoop, delete_tree
-from epochal.observe import RunObserver, StatusSnapshot
+from epochal.observe import RunObserver, StatusSnapshot, World
 from epochal.protocol import Decision, Done, EpochReport, Finish, Heartbeat, decode
 from epochal.rundir.manifest import checkpoint_path
 from tests.coordinator.test_service import FakeWorker, join_all
@@ -48,10 +48,34 @@ async def test_jobs_run_in_order_and_a_newer_snapshot_supersedes_one_still_queue
     gate.set()
     assert await work.drain(WAIT) == []
     assert done == ["held", "a", "s2", "b", "s3"]
-    # no work: no thread (it ends on its own once it finds the queue empty, just after the last job)
+    # no work: no thread (it ends on its own once it found the queue empty for IDLE_SECONDS)
     for thread in [t for t in threading.enumerate() if t.name == "test-disk"]:
         thread.join(WAIT)  # a hang deadline
     assert not [t for t in threading.enumerate() if t.name == "test-disk"]
+
+
+async def test_jobs_given_in_a_burst_share_one_thread_and_a_newer_join_supersedes_one_queued():
+    work = DiskWork("test-burst")
+    threads: set[int] = set()
+    for _ in range(3):  # a rendezvous: a job a join, each soon after the one before
+        work.submit("job", lambda: threads.add(threading.get_ident()))
+        assert await work.drain(WAIT) == []
+    assert len(threads) == 1  # not a thread started for each
+    gate = threading.Event()
+    worlds: list[int] = []
+
+    class Heard(RunObserver):
+        def on_join(self, world: World) -> None:
+            worlds.append(world.joined)
+
+    off = OffLoop(Heard(), work)
+    work.submit("held", lambda: gate.wait(WAIT))
+    for joined in (1, 2, 3):
+        off.on_join(World(joined=joined, world_size=3, hosts=()))
+    assert work.pending() == ["held", "telling the observers (on_join)"]
+    gate.set()
+    assert await work.drain(WAIT) == []
+    assert worlds == [3]  # the observers keep the newest world only
 
 
 async def test_a_failure_is_said_once_and_counted_and_the_work_goes_on() -> None:

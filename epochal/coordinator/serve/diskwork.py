@@ -7,8 +7,10 @@ that long. So the service hands that work to a :class:`DiskWork`: a thread that 
 at a time, in the order they were given, so a status.json write is never overtaken by an older
 one and the observers hear the end last. A job may supersede the one queued just before it (a
 heartbeat's snapshot, the one before it still unwritten): a slow disk is written the newest
-snapshot, not a backlog that grows as long as the disk stays slow. The thread exists while there
-is work and ends when there is none.
+snapshot, not a backlog that grows as long as the disk stays slow (a join's likewise: the
+observers keep only the newest world). The thread exists while there is work and ends once there
+was none for :data:`IDLE_SECONDS`: a rendezvous of thousands gives it a job a join, and a thread
+started for each cost the loop more than the job.
 
 A job that fails is recorded with what it was doing, and the service logs it at one point of its
 loop (:meth:`DiskWork.take_failures`), once: the same failure again is counted, and the count
@@ -39,6 +41,12 @@ the last status.json); past it the run is reported done and what is left is said
 STATUS = "status"
 """The kind of an observer's heartbeat snapshot: a newer one supersedes one still queued."""
 
+JOIN = "join"
+"""The kind of a worker's join: the newer world supersedes one still queued."""
+
+IDLE_SECONDS = 2.0
+"""How long the thread waits for another job before it ends."""
+
 
 @dataclass(slots=True)
 class _Job:
@@ -57,7 +65,8 @@ class DiskWork:
         # the thread's name
         self._jobs: deque[_Job] = deque()
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
+        # told of each job given while the thread waits for one
         self._thread: threading.Thread | None = None
         self._running: str | None = None
         # what the thread is doing now
@@ -77,13 +86,16 @@ class DiskWork:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
+            else:
+                self._work.notify()
 
     def _serve(self) -> None:
         while True:
             with self._lock:
                 if not self._jobs:
+                    self._work.wait(IDLE_SECONDS)
+                if not self._jobs:
                     self._thread = None
-                    self._idle.notify_all()
                     return
                 job = self._jobs.popleft()
                 self._running = job.what
@@ -192,7 +204,7 @@ class OffLoop(RunObserver):
         self._later("on_start", start)
 
     def on_join(self, world: World) -> None:
-        self._later("on_join", world)
+        self._later("on_join", world, kind=JOIN)
 
     def on_epoch(self, record: Mapping[str, Any], status: StatusSnapshot) -> None:
         self._later("on_epoch", dict(record), status)
