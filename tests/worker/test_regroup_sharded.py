@@ -43,7 +43,12 @@ from tests.worker.elastic import (
     whole,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # every test here in one test process: the run (module-scoped) is made once, not once in
+    # each test process that draws one of its tests
+    pytest.mark.xdist_group("regroup-sharded"),
+]
 
 NEWCOMER, DOOMED, DIE_AT = 2, 1, 1
 DEADLINE = 60 + 3 * COLLECTIVE_TIMEOUT
