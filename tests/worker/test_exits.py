@@ -108,6 +108,7 @@ raise {name}("the reason")
 """
 
 
+@pytest.mark.slow  # a process that imports torch
 @pytest.mark.parametrize(
     ("name", "status"), [("RunAborted", 1), ("JoinRefused", 1), ("CoordinatorUnreachable", 69)]
 )
