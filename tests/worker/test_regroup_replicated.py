@@ -41,12 +41,13 @@ from tests.worker.elastic import (
     spawn,
     train_epoch,
 )
+from tests.worker.ranks import RANKS
 
 pytestmark = [
     pytest.mark.slow,
     # every test here in one test process: the run (module-scoped) is made once, not once in
     # each test process that draws one of its tests
-    pytest.mark.xdist_group("regroup-replicated"),
+    RANKS,
 ]
 
 DOOMED, NEWCOMER, DIE_AT = 1, 4, 2
