@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,19 +94,29 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the modules that hold a ``slow`` test are handed out first, each
-    module's tests in their own order (its module-scoped fixtures set up once), the rest after.
+    """Under pytest-xdist, the longest tests are handed out first, the quick ones make the end.
 
     ``--dist loadgroup`` hands the ``xdist_group`` groups out first, then every other test in the
-    order collected, to whichever test process has run out of work. In the order collected, the
-    multi-process tests of ``tests/worker`` came last, and a test process that drew one of them
-    near the end ran alone for up to a minute while the others had finished; the quick tests
-    make the end instead, and the test processes end within seconds of each other. Without
-    xdist (``-n 0``) the order collected is kept."""
+    order collected, to whichever test process has run out of work; a long test drawn near the
+    end runs alone while the others have finished. So the modules are handed out longest first,
+    as a module's own marks tell: those whose pytest-timeout is above the suite's (the multi-host
+    and deploy tests, gpu_check, mypy), the longest declared first, then the others that hold
+    a ``slow`` test, then the rest. Each module keeps its own order (its module-scoped fixtures
+    set up once, the parameters of one in turn). Without xdist (``-n 0``) the order collected is
+    kept."""
     if not hasattr(config, "workerinput"):  # the controller, or no xdist
         return
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the order within is kept
+    default = float(config.getini("timeout") or 0)
+    declared: dict[Path, float] = {}
+    slow: set[Path] = set()
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and float(mark.args[0]) > default:
+            declared[item.path] = max(declared.get(item.path, 0.0), float(mark.args[0]))
+        if item.get_closest_marker("slow") is not None:
+            slow.add(item.path)
+    # stable: the order within a module, and among modules alike, is kept
+    items.sort(key=lambda item: (-declared.get(item.path, 0.0), item.path not in slow))
 
 
 @pytest.fixture(autouse=True, scope="session")
