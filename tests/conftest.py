@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,6 +91,32 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if given:
         return int(given)
     return min(MAX_WORKERS, WORKERS_PER_CPU * len(os.sched_getaffinity(0)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the longest tests are handed out first, the quick ones make the end.
+
+    ``--dist loadgroup`` hands the ``xdist_group`` groups out first, then every other test in the
+    order collected, to whichever test process has run out of work; a long test drawn near the
+    end runs alone while the others have finished. So the modules are handed out longest first,
+    as a module's own marks tell: those whose pytest-timeout is above the suite's (the multi-host
+    and deploy tests, gpu_check, mypy), the longest declared first, then the others that hold
+    a ``slow`` test, then the rest. Each module keeps its own order (its module-scoped fixtures
+    set up once, the parameters of one in turn). Without xdist (``-n 0``) the order collected is
+    kept."""
+    if not hasattr(config, "workerinput"):  # the controller, or no xdist
+        return
+    default = float(config.getini("timeout") or 0)
+    declared: dict[Path, float] = {}
+    slow: set[Path] = set()
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and float(mark.args[0]) > default:
+            declared[item.path] = max(declared.get(item.path, 0.0), float(mark.args[0]))
+        if item.get_closest_marker("slow") is not None:
+            slow.add(item.path)
+    # stable: the order within a module, and among modules alike, is kept
+    items.sort(key=lambda item: (-declared.get(item.path, 0.0), item.path not in slow))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -77,7 +77,8 @@ class ForkedProcess:
     ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and ``kill``, as
     :class:`subprocess.Popen` has them. It runs in the server's network, whichever that is (a test
     host's, :mod:`tests.multihost.netns`). The process is killed if this one closes its channel
-    before it ended (the test process died, say)."""
+    before it ended (the test process died, say). ``channel_of_its_own=False``: the process gets
+    no channel of its own to the server (``EPOCHAL_ZYGOTE``), as one python started has none."""
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class ForkedProcess:
         cwd: str | Path,
         server: str | None = None,
         stdout: IO[Any] | None = None,
+        channel_of_its_own: bool = True,
     ):
         self.args = [sys.executable, "-u", *args]
         script, module, rest = parse_command(self.args)
@@ -104,7 +106,9 @@ class ForkedProcess:
             "cwd": str(cwd),
             "argv": self.args,
             "fds": [1, 2],
-            "channel": True,  # a rank 0 has its store server forked too
+            # a rank 0 has its store server forked too; without a channel, a process asks the
+            # server EPOCHAL_PRELOAD_SOCKET names, as one started by hand does
+            "channel": channel_of_its_own,
         }
         try:
             self.pid = zygote.ask(channel, request, [write_end, write_end])

@@ -13,6 +13,7 @@ its submodules.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,19 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once a session: every test reads the same files (the trees
+    are only read)."""
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+@functools.cache
+def imports_in(path: Path) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """The imports of the module at ``path`` that count (see :func:`_imports`)."""
+    return tuple(_imports(parsed(path)))
+
+
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     found: list[ast.Import | ast.ImportFrom] = []
 
@@ -102,7 +116,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in imports_in(path):
             if isinstance(node, ast.Import):
                 targets = [known(alias.name) for alias in node.names]
             else:
@@ -236,13 +250,13 @@ RULES = ROOT / "coordinator" / "rules"
 
 def decision_modules(folder: Path = RULES) -> list[str]:
     """Every module under ``folder``, as dotted names: the folder is the list."""
-    return sorted(n for n in module_names(ROOT) if module_names(ROOT)[n].parent == folder)
+    return sorted(name for name, path in module_names(ROOT).items() if path.parent == folder)
 
 
 def libraries_imported(path: Path) -> set[str]:
     """The top-level names of the absolute imports in ``path`` (lazy ones included)."""
     names = set()
-    for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in imports_in(path):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif not node.level and node.module:
@@ -253,13 +267,14 @@ def libraries_imported(path: Path) -> set[str]:
 def broken_rules(root: Path, rules: dict[str, set[str]]) -> list[str]:
     """Every import of the package at ``root`` the rules do not allow, as "a -> b" lines."""
     broken = []
+    paths = module_names(root)
     for module, targets in sorted(import_graph(root).items()):
         mine = part_of(module)
         allowed = rules[mine] | {mine}
         for target in sorted(targets):
             if part_of(target) not in allowed:
                 broken.append(f"{module} -> {target} ({mine} may not import {part_of(target)})")
-        for library in sorted(libraries_imported(module_names(root)[module]) & set(LIBRARIES)):
+        for library in sorted(libraries_imported(paths[module]) & set(LIBRARIES)):
             if library not in allowed:
                 broken.append(f"{module} -> {library} ({mine} may not import {library})")
     return broken
@@ -313,7 +328,7 @@ def opens(path: Path) -> list[int]:
     """The lines of ``path`` that call ``open``."""
     return [
         node.lineno
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        for node in ast.walk(parsed(path))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
     ]
 

@@ -47,6 +47,8 @@ STALL_ABORT = 30.0
 
 
 def test_a_frozen_worker_bound(spawn, tmp_path):
+    """A stopped worker is found by its silence, named, and every worker is gone within the
+    bound (tests/integration/test_faults.py's faults that end a run by other means)."""
     timeout = 3.0
     proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--heartbeat-timeout", str(timeout))
     out = Output(proc)
@@ -62,6 +64,8 @@ def test_a_frozen_worker_bound(spawn, tmp_path):
     # one killed by the launcher) after a further kill grace K
     assert aborted < timeout + TICK + 1.0, f"abort {aborted:.1f} s after SIGSTOP"
     assert gone < timeout + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN, f"gone {gone:.1f} s after SIGSTOP"
+    out.thread.join(timeout=5)
+    assert "rank 1 (worker" in out.text and "sent nothing for" in out.text
 
 
 @pytest.mark.parametrize("reattach", [0.0, 3.0])
@@ -119,7 +123,11 @@ def test_a_killed_coordinator_bound(spawn, tmp_path, reattach):
 
 
 def test_a_stuck_rank_bound(spawn, tmp_path):
+    """Rank 1's validation loader never yields; rank 0 reports and waits. The abort comes within
+    the bound, names rank 1 and where it is stuck, and every report marks the rank the others
+    wait for (tests/integration/test_stall_abort.py has the hang in the training loop)."""
     stall_abort = STALL_ABORT
+    started = time.monotonic()
     proc = spawn.epochal(
         "run",
         "--nproc",
@@ -150,3 +158,24 @@ def test_a_stuck_rank_bound(spawn, tmp_path):
     # launcher's kill grace
     assert aborted < stall_abort + HEARTBEAT_INTERVAL + TICK, f"abort after {aborted:.1f} s"
     assert gone < stall_abort + HEARTBEAT_INTERVAL + TICK + ABORT_EXIT_TIMEOUT + TEARDOWN
+    out.thread.join(timeout=10)  # the launcher has ended: its output to its end
+    output = out.text
+    assert "rank 1 made no progress for" in output, output
+    assert "in validate of epoch 0" in output
+    assert "linear.py" in output and "in __iter__" in output  # where it is stuck
+    assert f"--stall-abort {stall_abort:g}" in output
+    # each report marks the one rank the others wait for, as the heartbeats last placed them: on a
+    # loaded machine an early report may still see rank 0 training (its heartbeat late); once
+    # rank 0 has reported and waits, rank 1 is the one marked
+    tables = output.split("no rank has made progress")[1:]
+    assert tables, output
+    waited = 0
+    for table in tables:
+        rows = {x.split()[0]: x for x in table.splitlines() if x[:1].isdigit()}
+        marked = [rank for rank, row in rows.items() if "*" in row]
+        assert len(marked) == 1, table
+        if rows["0"].split()[2] == "waiting":
+            waited += 1
+            assert marked == ["1"], table
+    assert waited, tables  # rank 0 did report, and waited for rank 1
+    assert time.monotonic() - started < DEADLINE

@@ -49,6 +49,7 @@ def resume_words(line: str) -> list[str]:
     return words[3:]
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 def test_ctrl_c_says_where_the_run_is_and_the_command_that_resumes_it(spawn: Spawner, reference):
     out = spawn.tmp / "out"
     proc = resumable_run(spawn, out, delay=0.02)  # no --run-dir: runs/RUN_ID, here
@@ -87,6 +88,7 @@ def test_ctrl_c_says_where_the_run_is_and_the_command_that_resumes_it(spawn: Spa
     spawn.assert_none_left()
 
 
+@pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 def test_resume_continues_a_failed_run_without_its_directory(spawn: Spawner, reference):
     out = spawn.tmp / "out"
     fault = "raise@train-step:rank=1:epoch=2:step=2"

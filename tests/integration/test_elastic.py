@@ -156,6 +156,7 @@ def world_changes(run_dir: Path) -> list[dict[str, Any]]:
     return list(result["world_changes"])
 
 
+@pytest.mark.xdist_group("elastic")  # the reference run, made once for the group
 def test_workers_one_minor_version_older_than_the_coordinator_change_world_and_finish(
     spawn: Spawner, tmp_path: Path, reference: dict[int, dict[str, Any]]
 ):

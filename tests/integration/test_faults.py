@@ -261,16 +261,8 @@ def test_restarts_used_up_give_a_clear_final_error(spawn, tmp_path):
     spawn.assert_none_left()
 
 
-def test_a_stopped_worker_is_found_by_its_silence(spawn, tmp_path):
-    proc = run_cmd(spawn, tmp_path / "run", tmp_path / "out", "--heartbeat-timeout", "3")
-    out = Output(proc)
-    out.wait_for("epoch 0 [1/4]")
-    os.kill(worker_pid(spawn, 1), signal.SIGSTOP)
-    took = stop_time(spawn, proc, time.monotonic())
-    spawn.assert_none_left()
-    out.thread.join(timeout=5)
-    assert "rank 1 (worker" in out.text and "sent nothing for" in out.text
-    assert took < 3 + STOP_BOUND  # --heartbeat-timeout 3, then as for a dead worker
+# A stopped worker, found by its silence: tests/integration/test_bounds.py's
+# test_a_frozen_worker_bound, which also holds it to the guide's bound.
 
 
 def test_a_killed_coordinator_stops_its_workers(spawn):

@@ -89,6 +89,7 @@ def unbroken(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.mark.xdist_group("steps-unbroken")  # one test process, one unbroken run
 def test_each_epoch_record_says_its_steps_and_where_the_data_stands(unbroken):
     records = [r for r in epoch_records(unbroken / "run") if r["kind"] == "epoch"]
     # 3 global batches of 8 an epoch, 5 a pass of 40 samples
@@ -105,6 +106,7 @@ def test_each_epoch_record_says_its_steps_and_where_the_data_stands(unbroken):
         assert sorted(i for ids in trained[5 * p : 5 * p + 5] for i in ids) == list(range(40))
 
 
+@pytest.mark.xdist_group("steps-unbroken")  # one test process, one unbroken run
 def test_the_rate_of_each_step_is_the_schedules_at_its_global_step(unbroken):
     expected = [0.05 * warmup_cosine(s, warmup=4, steps=15, floor=0.1) for s in range(15)]
     for rank in (0, 1):
@@ -114,6 +116,7 @@ def test_the_rate_of_each_step_is_the_schedules_at_its_global_step(unbroken):
     ]  # the factor at each epoch's last step
 
 
+@pytest.mark.xdist_group("steps-unbroken")  # one test process, one unbroken run
 def test_killed_mid_pass_resumes_bit_identical(spawn, tmp_path, unbroken):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     code, output = spawn.finish(

@@ -38,6 +38,13 @@ fresh interpreter importing torch and epochal (about 3 s of CPU each; the worker
 ninety ranks)."""
 
 
+RANKS = pytest.mark.xdist_group("ranks")
+"""The xdist group of every test that starts ranks from the fork server (:func:`run_ranks`,
+:func:`tests.worker.elastic.spawn`): one test process runs them all, so the server imports
+:data:`PRELOAD` once (3.7 core-seconds), not once in every test process that draws one of them;
+the module-scoped groups of ranks are made once too."""
+
+
 def rank_context() -> Any:
     """The multiprocessing context every test rank starts from: a fork server (one per test
     process, started on first use) that has imported :data:`PRELOAD`. It forks before any thread

@@ -1,21 +1,25 @@
 """A worker whose coordinator went silent: blocked training code exits, progressing code goes on.
 
 The client runs in a child process (its exit is ``os._exit``) against a ROUTER that never answers:
-the coordinator vanished without a word, as behind a cut link.
+the coordinator vanished without a word, as behind a cut link. The child is forked from the
+session's preloaded process, as ``epochal run`` forks its workers (started afresh under
+``EPOCHAL_TEST_FRESH``): the bounds below run from its own clock readings, not from its start.
 """
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
 from epochal.worker.control.backstop import ABORT_EXIT_CODE
+from tests.integration.conftest import Spawner
 
 pytestmark = pytest.mark.slow  # each test runs a worker in a process of its own
 
@@ -69,19 +73,24 @@ def silent_coordinator() -> Iterator[str]:
     ctx.term()
 
 
-def child(endpoint: str, *args: str) -> subprocess.Popen[str]:
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Spawner]:
+    """What starts the child (its output and errors on one pipe) and kills it at teardown."""
+    spawner = Spawner(uuid.uuid4().hex, tmp_path)
+    yield spawner
+    assert not spawner.cleanup(), "the child left processes behind"
+
+
+def child(processes: Spawner, endpoint: str, *args: str) -> subprocess.Popen[str]:
     code = textwrap.dedent(CHILD).format(
         interval=HEARTBEAT_INTERVAL,
         timeout=HEARTBEAT_TIMEOUT,
         grace=ABORT_GRACE,
         reattach=REATTACH_TIMEOUT,
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code, endpoint, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    script = processes.tmp / "child.py"
+    script.write_text(code)
+    return processes.start(str(script), endpoint, *args)
 
 
 def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, float, float]:
@@ -102,13 +111,15 @@ def finish(proc: subprocess.Popen[str], deadline: float) -> tuple[int, str, floa
 
 
 def test_blocked_training_code_exits_within_heartbeat_timeout_grace_and_reattach(
-    silent_coordinator,
+    processes, silent_coordinator
 ):
     # not before: a peer that did not get the last decision may bring it from a restarted
     # coordinator within the re-attach timeout, and the collective goes on
     least = HEARTBEAT_TIMEOUT + ABORT_GRACE + REATTACH_TIMEOUT
     bound = least + HEARTBEAT_INTERVAL + MARGIN
-    code, out, took, since_watch = finish(child(silent_coordinator, "blocked"), bound + 10)
+    code, out, took, since_watch = finish(
+        child(processes, silent_coordinator, "blocked"), bound + 10
+    )
     assert code == ABORT_EXIT_CODE, out
     assert took < bound, (took, out)
     assert since_watch >= least, (since_watch, out)
@@ -116,11 +127,11 @@ def test_blocked_training_code_exits_within_heartbeat_timeout_grace_and_reattach
     assert len(out.strip().splitlines()) == 1, out  # one line, no traceback
 
 
-def test_training_code_that_makes_progress_is_left_to_take_the_loss(silent_coordinator):
+def test_training_code_that_makes_progress_is_left_to_take_the_loss(processes, silent_coordinator):
     # steps go on well past the point where a blocked worker would have been ended
     keep_going = 2 * (HEARTBEAT_TIMEOUT + ABORT_GRACE + REATTACH_TIMEOUT) + 1
     code, out, _, _ = finish(
-        child(silent_coordinator, "progress", str(keep_going)), keep_going + 30
+        child(processes, silent_coordinator, "progress", str(keep_going)), keep_going + 30
     )
     assert code == 0, out
     assert "took the loss" in out, out

@@ -24,10 +24,10 @@ from epochal.errors import EpochalError
 from epochal.worker.session import EpochContext, RunResult
 from epochal.worker.training.initialization import buckets, initialize_on_rank
 from epochal.worker.training.train import fit
-from tests.worker.ranks import StandIn, run_ranks, start_rank
+from tests.worker.ranks import RANKS, StandIn, run_ranks, start_rank
 
 # every test here in one test process: the ranks (module-scoped) run once
-pytestmark = pytest.mark.xdist_group("initialization-ranks")
+pytestmark = RANKS
 
 DEADLINE = 90.0
 WORLD = 3

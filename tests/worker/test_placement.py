@@ -17,7 +17,7 @@ from torch import nn
 from epochal.errors import ConfigError
 from epochal.worker.strategies import wrap
 from epochal.worker.training.placement import LayeredModel, even_split, memory_split
-from tests.worker.ranks import run_ranks, start_rank
+from tests.worker.ranks import RANKS, run_ranks, start_rank
 
 DEADLINE = 90.0
 CUDA = [torch.device("cuda", i) for i in range(3)]  # names only: nothing is allocated on them
@@ -185,6 +185,7 @@ def placed_rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 @pytest.mark.slow  # two spawned gloo ranks train
+@RANKS
 def test_a_layered_model_trains_data_parallel_like_the_plain_model(tmp_path):
     world = 2
     run_ranks(placed_rank, world, tmp_path, str(tmp_path), deadline=DEADLINE)

@@ -29,7 +29,7 @@ from epochal.worker.strategies import MODES, Strategy, wrap
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.precision import PRECISIONS, StepPolicy, check_clip_grad_norm
 from epochal.worker.training.train import fit
-from tests.worker.ranks import StandIn, run_ranks, start_rank
+from tests.worker.ranks import RANKS, StandIn, run_ranks, start_rank
 
 train_module = importlib.import_module("epochal.worker.training.train")
 fitting_module = importlib.import_module("epochal.worker.training.fitting")
@@ -38,7 +38,7 @@ DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 
 pytestmark = [
     # every test here in one test process: the groups of ranks (module-scoped) run once
-    pytest.mark.xdist_group("precision-ranks"),
+    RANKS,
     # the test that starts a group of ranks holds its setup: the group's deadline fails it first
     pytest.mark.timeout(int(DEADLINE) + 60),
 ]

@@ -38,8 +38,14 @@ from tests.worker.elastic import (
     spawn,
     train_epoch,
 )
+from tests.worker.ranks import RANKS
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # every test here in one test process: the run (module-scoped) is made once, not once in
+    # each test process that draws one of its tests
+    RANKS,
+]
 
 DIE_AT = 1
 FIRST_LOST, SECOND_LOST = 2, 0  # processes: old rank 2 in epoch 1, then process 0 (rank 0)

@@ -41,8 +41,14 @@ from tests.worker.elastic import (
     spawn,
     train_epoch,
 )
+from tests.worker.ranks import RANKS
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # every test here in one test process: the run (module-scoped) is made once, not once in
+    # each test process that draws one of its tests
+    RANKS,
+]
 
 DOOMED, NEWCOMER, DIE_AT = 1, 4, 2
 SURVIVORS = [0, 2, 3]  # old ranks, in the order that renumbers them 0, 1, 2

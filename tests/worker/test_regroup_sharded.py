@@ -42,8 +42,14 @@ from tests.worker.elastic import (
     train_epoch,
     whole,
 )
+from tests.worker.ranks import RANKS
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # every test here in one test process: the run (module-scoped) is made once, not once in
+    # each test process that draws one of its tests
+    RANKS,
+]
 
 NEWCOMER, DOOMED, DIE_AT = 2, 1, 1
 DEADLINE = 60 + 3 * COLLECTIVE_TIMEOUT

@@ -35,6 +35,7 @@ from tests.worker.elastic import (
     spawn,
     train_epoch,
 )
+from tests.worker.ranks import RANKS
 
 # ---------------------------------------------------------------- the wire format
 
@@ -169,6 +170,7 @@ def alone(index: int, tmp: Path) -> None:
 
 
 @pytest.mark.slow
+@RANKS
 def test_a_snapshot_before_the_first_step_changes_nothing_and_restores_no_optimizer_state(
     tmp_path,
 ):

@@ -9,14 +9,17 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
+from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.log import ensure_configured
 from epochal.worker.dataplane import storeserver
 from epochal.worker.dataplane.store import StoreServer, connect_store, new_key, open_store, scoped
 from epochal.worker.joinoptions import JoinOptions
+from tests.forked import ForkedProcess
 from tests.waiting import wait_until
 
 STORE_TIMEOUT = JoinOptions().collective_timeout
@@ -115,21 +118,28 @@ def test_the_store_server_runs_apart_capped_and_its_cap_grows_with_the_world():
     assert server.process.returncode == 0
 
 
+STARTER = """\
+import time
+from epochal.worker.dataplane.store import StoreServer
+server = StoreServer.start('127.0.0.1', 60)
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
 @pytest.mark.slow  # the store server is a process that imports torch
-def test_the_store_server_ends_when_the_process_that_started_it_is_killed():
-    starter = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time\n"
-            "from epochal.worker.dataplane.store import StoreServer\n"
-            "server = StoreServer.start('127.0.0.1', 60)\n"
-            "print(server.process.pid, flush=True)\n"
-            "time.sleep(600)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def test_the_store_server_ends_when_the_process_that_started_it_is_killed(tmp_path: Path):
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    starter: Any
+    if os.environ.get(PRELOAD_SOCKET_ENV):
+        # forked from the session's preloaded process, with no channel of its own to it: it asks
+        # that process for its store server as a worker started by hand does
+        starter = ForkedProcess(
+            [str(script)], env=os.environ, cwd=tmp_path, channel_of_its_own=False
+        )
+    else:  # EPOCHAL_TEST_FRESH: none to ask, the server is an interpreter of its own too
+        starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert starter.stdout is not None
         pid = int(starter.stdout.readline())

@@ -23,13 +23,13 @@ from epochal.worker.strategies import MODES, ModeOptions, mode_options, wrap
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.train import fit
 from tests.worker.elastic import make_model, make_optimizer
-from tests.worker.ranks import LocalSession, full_state, run_ranks, start_rank
+from tests.worker.ranks import RANKS, LocalSession, full_state, run_ranks, start_rank
 
 DEADLINE = 150.0  # seconds for one group of ranks, spawn included
 
 pytestmark = [
     # every test here in one test process: the groups of ranks (module-scoped) run once
-    pytest.mark.xdist_group("strategies-ranks"),
+    RANKS,
     # the test that starts a group of ranks holds its setup: the group's deadline fails it first
     pytest.mark.timeout(int(DEADLINE) + 60),
 ]

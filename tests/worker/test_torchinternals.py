@@ -29,6 +29,7 @@ from tests.worker.elastic import (
     spawn,
     train_epoch,
 )
+from tests.worker.ranks import RANKS
 
 MODES = ("replicated", "main", "sharded", "fully_sharded")
 
@@ -75,6 +76,7 @@ def one_rank(index: int, tmp: Path) -> None:
 
 
 @pytest.mark.slow
+@RANKS
 @pytest.mark.timeout(300)
 def test_after_leaving_nothing_holds_the_group_in_any_mode(tmp_path):
     spawn(one_rank, 1, tmp_path, deadline=240)
