@@ -19,6 +19,13 @@ Every load checks the checkpoint against its manifest first: the MAC, then every
 DCP's unpickler or ``torch.load``, whichever epoch it is. A rank's own file is then read once,
 checked again, and loaded with ``weights_only=True``. Each rank's own file also carries the
 learning curve up to that epoch, so a resumed run returns the whole curve.
+
+Where rank 0's state is the whole state (a state marked
+:class:`~epochal.worker.checkpoints.state.WholeOnRoot`), :meth:`Checkpointer.save_behind` lets
+the next epoch train while the checkpoint is written: every rank writes its own file at the
+boundary, rank 0 copies its state to host memory and writes it, as a one-rank DCP checkpoint that
+any world loads, and commits it as above, on a thread
+(:mod:`epochal.worker.checkpoints.asyncsave`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from epochal.environment import CHECKPOINT_KEY_FILE_ENV
 from epochal.errors import EpochalError
@@ -55,6 +63,7 @@ from epochal.rundir.manifest import (
     write_manifest,
 )
 from epochal.worker import faults
+from epochal.worker.checkpoints.asyncsave import BackgroundSave, host_copy
 from epochal.worker.checkpoints.state import Stateful
 
 DCP_METADATA = ".metadata"
@@ -160,6 +169,44 @@ class Checkpointer:
         committed path on rank 0, None elsewhere.
         """
         key = self._key()
+        tmp = self._own_part(epoch, key, history)
+        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+
+        save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
+        if self.rank != 0:
+            return None
+        return self._commit(epoch, tmp, key)
+
+    def save_behind(
+        self, epoch: int, state: Stateful, *, history: Any = None
+    ) -> BackgroundSave | None:
+        """Collective: :meth:`save` with rank 0's writing and commit left to a thread, for a
+        ``state`` whose rank 0 part is the whole state
+        (:class:`~epochal.worker.checkpoints.state.WholeOnRoot`).
+
+        Every rank writes its own file and takes ``state`` (collective: DDP's buffers come from
+        rank 0) before a barrier, so that rank 0's commit finds every rank's file; rank 0 then
+        writes a host copy of its state as a one-rank DCP checkpoint on the returned
+        :class:`BackgroundSave`, which any world loads as it loads :meth:`save`'s. None elsewhere.
+        """
+        key = self._key()
+        tmp = self._own_part(epoch, key, history)
+        copied = {"app": host_copy(state.state_dict())}
+        if dist.is_initialized():
+            dist.barrier()  # on this thread: the writer runs no collective
+        if self.rank != 0:
+            return None
+        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+
+        def write() -> Path:
+            save(copied, checkpoint_id=tmp, no_dist=True)
+            return self._commit(epoch, tmp, key)
+
+        return BackgroundSave(epoch, write)
+
+    def _own_part(self, epoch: int, key: CheckpointKey, history: Any) -> Path:
+        """Every rank: the temporary directory of ``epoch``, with this rank's file (generators and
+        ``history``) and its key's mark written in it."""
         private_dir(self.directory, kind="checkpoint directory")
         final = checkpoint_path(self.directory, epoch)
         tmp = final.with_name(f"{final.name}.tmp-{self.run_id}")
@@ -178,11 +225,12 @@ class Checkpointer:
         remove(mark)
         os.close(create_exclusive(mark))
         faults.hit("checkpoint-write", rank=self.rank, epoch=epoch)  # every rank, mid-write
-        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+        return tmp
 
-        save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
-        if self.rank != 0:
-            return None
+    def _commit(self, epoch: int, tmp: Path, key: CheckpointKey) -> Path:
+        """Rank 0, once every rank wrote into ``tmp``: sign its manifest and rename it into
+        place; the rename is the commit."""
+        final = checkpoint_path(self.directory, epoch)
         self._check_keys(tmp, key)
         _private_modes(tmp)
         remove(tmp / MANIFEST)  # an earlier attempt's at this epoch
