@@ -169,7 +169,7 @@ class Checkpointer:
         committed path on rank 0, None elsewhere.
         """
         key = self._key()
-        tmp = self._own_part(epoch, key, history)
+        tmp = self._own_part(epoch, state, key, history)
         from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
 
         save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
@@ -190,7 +190,7 @@ class Checkpointer:
         :class:`BackgroundSave`, which any world loads as it loads :meth:`save`'s. None elsewhere.
         """
         key = self._key()
-        tmp = self._own_part(epoch, key, history)
+        tmp = self._own_part(epoch, state, key, history)
         copied = {"app": host_copy(state.state_dict())}
         if dist.is_initialized():
             dist.barrier()  # on this thread: the writer runs no collective
@@ -204,9 +204,9 @@ class Checkpointer:
 
         return BackgroundSave(epoch, write)
 
-    def _own_part(self, epoch: int, key: CheckpointKey, history: Any) -> Path:
-        """Every rank: the temporary directory of ``epoch``, with this rank's file (generators and
-        ``history``) and its key's mark written in it."""
+    def _own_part(self, epoch: int, state: Stateful, key: CheckpointKey, history: Any) -> Path:
+        """Every rank: the temporary directory of ``epoch``, with this rank's file (generators,
+        ``history`` and what ``state`` holds of this rank's alone) and its key's mark in it."""
         private_dir(self.directory, kind="checkpoint directory")
         final = checkpoint_path(self.directory, epoch)
         tmp = final.with_name(f"{final.name}.tmp-{self.run_id}")
