@@ -291,7 +291,7 @@ class Session:
         """The next step of the run: the Finish once the last epoch is decided, else the next
         epoch run and decided (or the Finish of a resumed run that had already stopped)."""
         if course.stopped:  # after the last epoch decided, not in one past it
-            self._savepoints.settle()  # the last checkpoint committed before the run ends
+            self._savepoints.settle()  # the last checkpoint written before the run ends
             self.client.at(Phase.FINISHING, course.epoch - 1)
             finish: Finish = self._expect(Finish)
             return finish
@@ -356,7 +356,7 @@ class Session:
         """Follow ``decision``. The decided epoch joins the curve (and ``on_best`` keeps it)
         before the checkpoint the decision may ask for: a change of world that breaks the
         checkpoint's collectives keeps what was decided. The previous epoch's checkpoint, written
-        meanwhile, is committed first."""
+        meanwhile, is settled first: its writer joined, its error raised."""
         self._savepoints.settle()
         course.curve.append(
             EpochRecord(
@@ -400,7 +400,7 @@ class Session:
         """Leave the broken world (``error``: what broke the epoch), meet the next, rebuild over
         it and restore the start of the epoch it redoes; ``course`` goes on from there, with the
         state the rebuild returned (if any). A checkpoint written in the background is
-        committed first: its every rank's part was written before the epoch that broke."""
+        settled first: every rank's part of it was written before the epoch that broke."""
         self._savepoints.settle()
         moved = self._world.move(regroup, rejoin, error)
         state = moved.state if moved.state is not None else course.state

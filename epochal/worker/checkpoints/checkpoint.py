@@ -36,6 +36,7 @@ import random
 import shutil
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,12 @@ from epochal.rundir.manifest import (
     write_manifest,
 )
 from epochal.worker import faults
-from epochal.worker.checkpoints.asyncsave import BackgroundSave, host_copy
-from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.checkpoints.asyncsave import (
+    BackgroundSave,
+    host_copy,
+    quiet_single_process_note,
+)
+from epochal.worker.checkpoints.state import Stateful, whole_on_root
 
 DCP_METADATA = ".metadata"
 """The file DCP reads first (a pickle): never before the manifest verifies."""
@@ -178,31 +183,45 @@ class Checkpointer:
         return self._commit(epoch, tmp, key)
 
     def save_behind(
-        self, epoch: int, state: Stateful, *, history: Any = None
+        self,
+        epoch: int,
+        state: Stateful,
+        *,
+        history: Any = None,
+        then: Callable[[int], None] | None = None,
     ) -> BackgroundSave | None:
         """Collective: :meth:`save` with rank 0's writing and commit left to a thread, for a
         ``state`` whose rank 0 part is the whole state
-        (:class:`~epochal.worker.checkpoints.state.WholeOnRoot`).
+        (:func:`~epochal.worker.checkpoints.state.whole_on_root`).
 
         Every rank writes its own file and takes ``state`` (collective: DDP's buffers come from
         rank 0) before a barrier, so that rank 0's commit finds every rank's file; rank 0 then
         writes a host copy of its state as a one-rank DCP checkpoint on the returned
-        :class:`BackgroundSave`, which any world loads as it loads :meth:`save`'s. None elsewhere.
+        :class:`BackgroundSave`, which any world loads as it loads :meth:`save`'s, and calls
+        ``then(epoch)`` on that thread once the commit is durable. None elsewhere.
         """
+        if not whole_on_root(state):
+            raise EpochalError(
+                "a checkpoint is written behind training only where rank 0's state is the whole "
+                "(replicated, main): save this one with save()"
+            )
         key = self._key()
         tmp = self._own_part(epoch, state, key, history)
-        copied = {"app": host_copy(state.state_dict())}
+        taken = state.state_dict()  # every rank: the state may take part of it collectively
+        copied = {"app": host_copy(taken)} if self.rank == 0 else None
         if dist.is_initialized():
             dist.barrier()  # on this thread: the writer runs no collective
-        if self.rank != 0:
+        if copied is None:
             return None
         from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
 
-        def write() -> Path:
-            save(copied, checkpoint_id=tmp, no_dist=True)
-            return self._commit(epoch, tmp, key)
+        quiet_single_process_note()
 
-        return BackgroundSave(epoch, write)
+        def write() -> None:
+            save(copied, checkpoint_id=tmp, no_dist=True)
+            self._commit(epoch, tmp, key)
+
+        return BackgroundSave(epoch, write, then)
 
     def _own_part(self, epoch: int, state: Stateful, key: CheckpointKey, history: Any) -> Path:
         """Every rank: the temporary directory of ``epoch``, with this rank's file (generators,

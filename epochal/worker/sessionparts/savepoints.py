@@ -7,10 +7,13 @@ commit of rank 0's to ``committed`` (the exchange's
 :meth:`~epochal.worker.sessionparts.exchange.Exchange.committed`, which tells the coordinator and
 says it again to a restarted one).
 
-A state whole on rank 0 (:class:`~epochal.worker.checkpoints.state.WholeOnRoot`) is saved in the
-background: rank 0's checkpoint is written while the next epoch trains, and is pending until
-:meth:`Savepoints.settle`, which the session calls at the next boundary, before a new world, a
-resume and the run's end; every save and load settles first, so two are never in flight.
+A state whole on rank 0 (:func:`~epochal.worker.checkpoints.state.whole_on_root`) is saved in the
+background: rank 0's checkpoint is written while the next epoch trains, and its commit is handed
+on from the writer's thread as soon as the rename is durable, so that a failure after the write
+resumes from it as after a synchronous save; a failure before resumes from the previous committed
+checkpoint. :meth:`Savepoints.settle`, which the session calls at the next boundary, before a new
+world, a resume and the run's end, joins the writer and raises its error; every save and load
+settles first, so two are never in flight.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from epochal.errors import EpochalError
 from epochal.log import WORKER
 from epochal.worker.checkpoints.asyncsave import BackgroundSave
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt
-from epochal.worker.checkpoints.state import Stateful, WholeOnRoot
+from epochal.worker.checkpoints.state import Stateful, whole_on_root
 from epochal.worker.sessionparts.standing import Standing
 from epochal.worker.training.results import EpochRecord, RunResult
 
@@ -36,12 +39,12 @@ class Savepoints:
         self._pending: BackgroundSave | None = None  # rank 0's checkpoint being written
 
     def settle(self) -> None:
-        """Wait for the checkpoint being written, if any, and hand its commit on; the writer's
-        error, raised here once, fails the run as a synchronous save's would."""
+        """Wait for the checkpoint being written, if any (its writer handed its commit on
+        already); the writer's error, raised here once, fails the run as a synchronous save's
+        would."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
-            self._committed(pending.epoch)
 
     def drain(self) -> None:
         """Wait for the checkpoint being written, if any, nothing handed on: the run is failing
@@ -73,15 +76,17 @@ class Savepoints:
 
     def save(self, epoch: int, state: Stateful, curve: list[EpochRecord]) -> None:
         """Collective: save ``epoch``'s checkpoint with the learning curve up to it. Rank 0's
-        commit (once the rename is durable) is handed on now, or, for a state whole on rank 0,
-        at the :meth:`settle` after its background write."""
+        commit is handed on once the rename is durable: now, or, for a state whole on rank 0,
+        from the thread that writes it while the next epoch trains."""
         self.settle()
         checkpointer = self._standing.checkpointer
         if checkpointer is None:
             return
         history = [asdict(r) for r in curve]
-        if isinstance(state, WholeOnRoot):
-            self._pending = checkpointer.save_behind(epoch, state, history=history)
+        if whole_on_root(state):
+            self._pending = checkpointer.save_behind(
+                epoch, state, history=history, then=self._committed
+            )
         elif checkpointer.save(epoch, state, history=history) is not None:
             self._committed(epoch)
 
