@@ -120,3 +120,18 @@ def test_the_next_save_waits_for_the_previous_write(tmp_path: Path):
     assert told[:1] == [0]
     points.settle()
     assert told == [0, 1]
+
+
+def test_a_commit_leaves_the_next_checkpoint_s_temporary_directory_alone(tmp_path: Path):
+    older = tmp_path / "epoch-000001.tmp-crashed"  # an earlier attempt's leftover
+    later = tmp_path / "epoch-000003.tmp-r"  # begun by the ranks ahead while rank 0 writes 2
+    for leftover in (older, later):
+        leftover.mkdir(mode=0o700, parents=True)
+    tmp_path.chmod(0o700)
+    told: list[int] = []
+    points = savepoints(tmp_path, told.append)
+    points.save(2, WholeOnRoot(State(nn.Linear(4, 4))), [])
+    points.settle()
+    assert told == [2]
+    assert not older.exists()
+    assert later.exists()

@@ -25,7 +25,9 @@ Where rank 0's state is the whole state (a state marked
 the next epoch train while the checkpoint is written: every rank writes its own file at the
 boundary, rank 0 copies its state to host memory and writes it, as a one-rank DCP checkpoint that
 any world loads, and commits it as above, on a thread
-(:mod:`epochal.worker.checkpoints.asyncsave`).
+(:mod:`epochal.worker.checkpoints.asyncsave`). The other ranks may then begin the next
+checkpoint's temporary directory before rank 0 commits this one, so a commit cleans up the
+leftovers of its own epoch and earlier ones only.
 """
 
 from __future__ import annotations
@@ -139,6 +141,13 @@ def _private_modes(directory: Path) -> None:
             path = os.path.join(root, name)
             if stat.S_ISREG(os.lstat(path).st_mode):
                 os.chmod(path, FILE_MODE, follow_symlinks=False)
+
+
+def _tmp_epoch(tmp: Path) -> int:
+    """The epoch of a temporary checkpoint directory (``epoch-NNNNNN.tmp-RUNID``); -1 for a name
+    of another form, which a later commit's clean-up removes too."""
+    digits = tmp.name.removeprefix("epoch-").partition(".tmp-")[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 class CheckpointCorrupt(EpochalError):
@@ -261,7 +270,7 @@ class Checkpointer:
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         for stale in self.directory.glob("epoch-*.tmp-*"):
-            if stale != tmp:
+            if _tmp_epoch(stale) <= epoch:  # a later one may be the next checkpoint's, begun
                 shutil.rmtree(stale, ignore_errors=True)
         return final
 
