@@ -1,6 +1,6 @@
 """Checkpoints written behind training, in one process: the commit is told from the writer's
 thread as soon as the rename is durable, before the next boundary; the writer's error is raised
-once, by the next settle."""
+once, by the next settle; which modes' states rank 0 alone may write."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from epochal.protocol import Checkpointed
 from epochal.rundir.manifest import MANIFEST, checkpoint_path
 from epochal.worker.checkpoints.checkpoint import Checkpointer
-from epochal.worker.checkpoints.state import WholeOnRoot
+from epochal.worker.checkpoints.state import WholeOnRoot, whole_on_root
 from epochal.worker.sessionparts.exchange import Exchange
 from epochal.worker.sessionparts.savepoints import Savepoints
+from epochal.worker.strategies import wrap
+from epochal.worker.training.precision import ScaledState
 
 # the synchronous saves here are DCP without a process group, which it says in a warning
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -135,3 +139,25 @@ def test_a_commit_leaves_the_next_checkpoint_s_temporary_directory_alone(tmp_pat
     assert told == [2]
     assert not older.exists()
     assert later.exists()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("mode", "whole"),
+    [("replicated", True), ("main", True), ("sharded", False), ("fully_sharded", False)],
+)
+def test_rank_0_writes_alone_where_its_state_is_the_whole(one_rank, mode: str, whole: bool):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = wrap(model, optimizer, torch.device("cpu"), mode=mode)
+    assert whole_on_root(strategy.state) is whole
+    scaled = ScaledState(strategy.mode_state, torch.amp.GradScaler("cpu"))
+    assert whole_on_root(scaled) is whole  # fp16's scaler: the same on every rank

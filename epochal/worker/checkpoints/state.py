@@ -13,8 +13,7 @@ and the optimizer:
 - :class:`MainState`: every rank's model, rank 0's optimizer (main);
 - :class:`ShardedState`: the model and each rank's shard of ZeRO's optimizer state (sharded);
 - :class:`WholeOnRoot`: another adapter, marked as whole on rank 0, whose checkpoints rank 0
-  alone may write while the next epoch trains (no mode marks its state so yet; :func:`whole_on_root`
-  asks).
+  alone may write while the next epoch trains (replicated, main; :func:`whole_on_root` asks).
 
 The optimizer state is always keyed by parameter name, in the format of DCP's ``get_state_dict``.
 This module imports nothing else of epochal's worker but the tensor helpers, so the strategies,

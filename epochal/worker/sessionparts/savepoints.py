@@ -7,13 +7,13 @@ commit of rank 0's to ``committed`` (the exchange's
 :meth:`~epochal.worker.sessionparts.exchange.Exchange.committed`, which tells the coordinator and
 says it again to a restarted one).
 
-A state whole on rank 0 (:func:`~epochal.worker.checkpoints.state.whole_on_root`) is saved in the
-background: rank 0's checkpoint is written while the next epoch trains, and its commit is handed
-on from the writer's thread as soon as the rename is durable, so that a failure after the write
-resumes from it as after a synchronous save; a failure before resumes from the previous committed
-checkpoint. :meth:`Savepoints.settle`, which the session calls at the next boundary, before a new
-world, a resume and the run's end, joins the writer and raises its error; every save and load
-settles first, so two are never in flight.
+A state whole on rank 0 (:func:`~epochal.worker.checkpoints.state.whole_on_root`: replicated,
+main) is saved in the background: rank 0's checkpoint is written while the next epoch trains, and
+its commit is handed on from the writer's thread as soon as the rename is durable, so that a
+failure after the write resumes from it as after a synchronous save; a failure before resumes from
+the previous committed checkpoint. :meth:`Savepoints.settle`, which the session calls at the next
+boundary, before a new world, a resume and the run's end, joins the writer and raises its error;
+every save and load settles first, so two are never in flight.
 """
 
 from __future__ import annotations
