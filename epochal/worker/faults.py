@@ -14,9 +14,11 @@ Points: ``connect`` (before the data-plane process group is initialised), ``trai
 training step), ``valid-step`` (before a validation step; both also know ``world``, the world's
 generation: 0 until a rank is lost, so ``kill@train-step:rank=0:world=0`` fires once),
 ``checkpoint-write`` (every rank, its own file of the checkpoint written, before the collective
-save), ``checkpoint-commit`` (rank 0, after every rank wrote the checkpoint, before it is renamed
-into place), ``epoch-end`` (after the epoch's report). Without the variable every check is a
-dict lookup that finds nothing.
+save, or the barrier where rank 0 writes in the background), ``checkpoint-commit`` (rank 0, after
+every rank wrote the checkpoint, before it is renamed into place; where rank 0 writes it in the
+background, on that thread, while the next epoch trains: ``kill``, ``exit`` and ``stop`` act on
+the whole process, ``raise`` fails the run at the next boundary), ``epoch-end`` (after the
+epoch's report). Without the variable every check is a dict lookup that finds nothing.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class Session:
         standing = Standing.welcomed(welcome, store)
         self._standing = standing
         self._exchange = Exchange(client, standing)
-        self._savepoints = Savepoints(standing)
+        self._savepoints = Savepoints(standing, self._exchange.committed)
         self._reattach = Reattach(
             client,
             standing,
@@ -239,8 +239,10 @@ class Session:
             finish = self._follow(training, course)
             self.client.send(Done())
         except (RunAborted, KeyboardInterrupt):
+            self._savepoints.drain()  # no writer outlives the run; this is what it reports
             raise
         except BaseException as exc:
+            self._savepoints.drain()  # no writer outlives the run; exc is what it reports
             self.fail(exc)
             if (word := self._exchange.word_on(exc)) is not None:  # a lost peer: say its cause
                 raise word from exc
@@ -289,6 +291,7 @@ class Session:
         """The next step of the run: the Finish once the last epoch is decided, else the next
         epoch run and decided (or the Finish of a resumed run that had already stopped)."""
         if course.stopped:  # after the last epoch decided, not in one past it
+            self._savepoints.settle()  # the last checkpoint written before the run ends
             self.client.at(Phase.FINISHING, course.epoch - 1)
             finish: Finish = self._expect(Finish)
             return finish
@@ -354,7 +357,9 @@ class Session:
     ) -> None:
         """Follow ``decision``. The decided epoch joins the curve (and ``on_best`` keeps it)
         before the checkpoint the decision may ask for: a change of world that breaks the
-        checkpoint's collectives keeps what was decided."""
+        checkpoint's collectives keeps what was decided. The previous epoch's checkpoint, written
+        meanwhile, is settled first: its writer joined, its error raised."""
+        self._savepoints.settle()
         course.curve.append(
             EpochRecord(
                 epoch=decision.epoch,
@@ -370,8 +375,7 @@ class Session:
             training.on_best(decision.epoch)
         if decision.checkpoint and course.state is not None:
             self.client.at(Phase.CHECKPOINT, course.epoch)
-            if self._savepoints.save(decision.epoch, course.state, course.curve):
-                self._exchange.committed(decision.epoch)
+            self._savepoints.save(decision.epoch, course.state, course.curve)
         if decision.gather:  # newcomers join before the next epoch: the state onto rank 0 first
             self._gather(decision.epoch + 1, training.rejoin)
 
@@ -397,7 +401,9 @@ class Session:
     ) -> None:
         """Leave the broken world (``error``: what broke the epoch), meet the next, rebuild over
         it and restore the start of the epoch it redoes; ``course`` goes on from there, with the
-        state the rebuild returned (if any)."""
+        state the rebuild returned (if any). A checkpoint written in the background is
+        settled first: every rank's part of it was written before the epoch that broke."""
+        self._savepoints.settle()
         moved = self._world.move(regroup, rejoin, error)
         state = moved.state if moved.state is not None else course.state
         if moved.welcome.restore == Restore.CHECKPOINT:

@@ -82,7 +82,8 @@ def test_killed_mid_stream_resumes_with_the_same_batches_and_rates(spawn, tmp_pa
     run_dir, out = tmp_path / "run", tmp_path / "out"
     code, output = spawn.finish(streamed(spawn, run_dir, out, 2, EPOCHAL_FAULT=KILL), DEADLINE)
     assert code != 0, output
-    # epoch 1's checkpoint, unless the kill reached rank 0 before its word of it left (then 0's)
+    # epoch 1's checkpoint, unless the kill reached rank 0 before its background write of it
+    # was done and told (then 0's)
     last = max(r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "checkpoint")
     assert last in (0, 1)
     code, output = spawn.finish(streamed(spawn, run_dir, out, 2), DEADLINE)

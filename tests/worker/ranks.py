@@ -20,6 +20,7 @@ from torch import nn
 
 from epochal.worker.checkpoints.checkpoint import Checkpointer
 from epochal.worker.session import EpochContext, RunResult
+from epochal.worker.sessionparts.savepoints import Savepoints
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.results import LossSum
 
@@ -135,8 +136,9 @@ class StandIn:
 
 class LocalSession(StandIn):
     """What fit needs of a Session, without a coordinator: ``epochs`` epochs (learning-rate
-    factor 0.5 per epoch), epoch 0 declared best, a checkpoint after each epoch (real
-    Checkpointer), resume from ``resume_epoch``; on ``device``."""
+    factor 0.5 per epoch), epoch 0 declared best, a checkpoint after each epoch (a real
+    Checkpointer, through the session's Savepoints: rank 0 writes it in the background where its
+    state is the whole), resume from ``resume_epoch``; on ``device``."""
 
     def __init__(
         self,
@@ -152,6 +154,8 @@ class LocalSession(StandIn):
         super().__init__(rank, world, resume_epoch=resume_epoch, device=device)
         self.epochs = epochs
         self.checkpointer = Checkpointer(directory, rank=rank, run_id="t")
+        standing = SimpleNamespace(checkpointer=self.checkpointer, resume_epoch=None, rank=rank)
+        self.savepoints = Savepoints(standing, lambda epoch: None)  # type: ignore[arg-type]
         self.model = model  # [the model fit trains], to read its weights at the end
         self.last: dict[str, torch.Tensor] = {}
         self.train_sums: list[LossSum] = []
@@ -186,7 +190,8 @@ class LocalSession(StandIn):
             self.train_sums.append(train_epoch(ctx))
             if epoch == 0:
                 on_best(0)
-            self.checkpointer.save(epoch, state)
+            self.savepoints.save(epoch, state, [])  # settled by the next save or load
+        self.savepoints.settle()
         self.last = full_state(self.model[0])
         return RunResult(
             best_epoch=0,
@@ -197,7 +202,7 @@ class LocalSession(StandIn):
         )
 
     def load_checkpoint(self, epoch: int, state: Any) -> None:
-        self.checkpointer.load(epoch, state, rng=False)
+        self.savepoints.load(epoch, state)
 
     def restore_best(self, result: RunResult, state: Any) -> RunResult:
         assert result.best_epoch is not None

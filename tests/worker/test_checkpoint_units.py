@@ -18,7 +18,9 @@ from epochal.errors import EpochalError
 from epochal.rundir.checkpointkey import CheckpointKey
 from epochal.rundir.files import UnsafePath
 from epochal.rundir.manifest import checkpoint_path
+from epochal.worker.checkpoints.asyncsave import BackgroundSave
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
+from epochal.worker.checkpoints.state import WholeOnRoot
 from tests.forgery import forge
 
 # DCP without a process group: one process, which it says in a warning
@@ -183,3 +185,28 @@ def test_ranks_with_different_keys_stop_the_run_at_its_first_checkpoint(tmp_path
         ckpt.save(0, State(nn.Linear(4, 4)))
     assert "EPOCHAL_CHECKPOINT_KEY_FILE" in str(info.value)
     assert not checkpoint_path(tmp_path, 0).exists()  # nothing committed
+
+
+def test_a_checkpoint_written_behind_holds_the_state_of_its_boundary(tmp_path: Path):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    before = model.weight.detach().clone()
+    ckpt = Checkpointer(tmp_path, rank=0, run_id="r")
+    pending = ckpt.save_behind(3, WholeOnRoot(State(model)), history=[{"epoch": 3}])
+    assert pending is not None
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next epoch trains while the copy is written
+    pending.wait()
+    other = nn.Linear(64, 64)
+    assert ckpt.load(3, State(other)) == [{"epoch": 3}]
+    assert torch.equal(other.weight, before)
+
+
+def test_a_failed_background_write_is_raised_once_by_the_wait(tmp_path: Path):
+    def fails() -> Path:
+        raise OSError("disk full")
+
+    pending = BackgroundSave(3, fails)
+    with pytest.raises(OSError, match="disk full"):
+        pending.wait()
+    pending.wait()  # said once: the run has failed already

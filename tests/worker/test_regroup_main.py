@@ -6,9 +6,11 @@ collectives. Old rank 0 survived: the three survivors restore their snapshots (m
 back the start of epoch 1 bit for bit, optimizer included on the new rank 0; they train epoch 1
 again at size 3 and checkpoint it. In epoch 2 the new rank 0 dies: the snapshot of the new rank 0
 holds no optimizer, so :meth:`Snapshot.restore` refuses there (changing nothing) and the two
-survivors take the documented fallback: the last checkpoint, written by three ranks, loaded by
-two (``Checkpointer.load(..., rng=False)``), and their own generators from the snapshot. They get
-the values the lost rank 0 held when epoch 2 started.
+survivors take the documented fallback: the last checkpoint, loaded by two
+(``Checkpointer.load(..., rng=False)``), and their own generators from the snapshot. They get
+the values the lost rank 0 held when epoch 2 started. That checkpoint is written as a session
+writes main's: rank 0 of the three alone writes the whole state, in the background
+(``Checkpointer.save_behind``), here waited for before epoch 2, so that it is there to load.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def member(index: int, tmp: Path) -> None:
     snapshot.restore(strategy)
     restored = record(strategy)
     train_epoch(strategy, 1, rank, 3)
-    Checkpointer(checkpoints, rank=rank, run_id="t").save(1, strategy.state)
+    behind = Checkpointer(checkpoints, rank=rank, run_id="t").save_behind(1, strategy.state)
+    if behind is not None:  # rank 0, whose state is the whole
+        behind.wait()
 
     snapshot = Snapshot.take(strategy)
     start2 = record(strategy)

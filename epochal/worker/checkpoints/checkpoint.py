@@ -19,6 +19,15 @@ Every load checks the checkpoint against its manifest first: the MAC, then every
 DCP's unpickler or ``torch.load``, whichever epoch it is. A rank's own file is then read once,
 checked again, and loaded with ``weights_only=True``. Each rank's own file also carries the
 learning curve up to that epoch, so a resumed run returns the whole curve.
+
+Where rank 0's state is the whole state (a state marked
+:class:`~epochal.worker.checkpoints.state.WholeOnRoot`), :meth:`Checkpointer.save_behind` lets
+the next epoch train while the checkpoint is written: every rank writes its own file at the
+boundary, rank 0 copies its state to host memory and writes it, as a one-rank DCP checkpoint that
+any world loads, and commits it as above, on a thread
+(:mod:`epochal.worker.checkpoints.asyncsave`). The other ranks may then begin the next
+checkpoint's temporary directory before rank 0 commits this one, so a commit cleans up the
+leftovers of its own epoch and earlier ones only.
 """
 
 from __future__ import annotations
@@ -29,10 +38,12 @@ import random
 import shutil
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from epochal.environment import CHECKPOINT_KEY_FILE_ENV
 from epochal.errors import EpochalError
@@ -55,7 +66,12 @@ from epochal.rundir.manifest import (
     write_manifest,
 )
 from epochal.worker import faults
-from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.checkpoints.asyncsave import (
+    BackgroundSave,
+    host_copy,
+    quiet_single_process_note,
+)
+from epochal.worker.checkpoints.state import Stateful, whole_on_root
 
 DCP_METADATA = ".metadata"
 """The file DCP reads first (a pickle): never before the manifest verifies."""
@@ -127,6 +143,13 @@ def _private_modes(directory: Path) -> None:
                 os.chmod(path, FILE_MODE, follow_symlinks=False)
 
 
+def _tmp_epoch(tmp: Path) -> int:
+    """The epoch of a temporary checkpoint directory (``epoch-NNNNNN.tmp-RUNID``); -1 for a name
+    of another form, which a later commit's clean-up removes too."""
+    digits = tmp.name.removeprefix("epoch-").partition(".tmp-")[0]
+    return int(digits) if digits.isdigit() else -1
+
+
 class CheckpointCorrupt(EpochalError):
     """A checkpoint does not match its signed manifest: nothing was loaded from it."""
 
@@ -160,6 +183,58 @@ class Checkpointer:
         committed path on rank 0, None elsewhere.
         """
         key = self._key()
+        tmp = self._own_part(epoch, state, key, history)
+        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+
+        save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
+        if self.rank != 0:
+            return None
+        return self._commit(epoch, tmp, key)
+
+    def save_behind(
+        self,
+        epoch: int,
+        state: Stateful,
+        *,
+        history: Any = None,
+        then: Callable[[int], None] | None = None,
+    ) -> BackgroundSave | None:
+        """Collective: :meth:`save` with rank 0's writing and commit left to a thread, for a
+        ``state`` whose rank 0 part is the whole state
+        (:func:`~epochal.worker.checkpoints.state.whole_on_root`).
+
+        Every rank writes its own file and takes ``state`` (collective: DDP's buffers come from
+        rank 0) before a barrier, so that rank 0's commit finds every rank's file; rank 0 then
+        writes a host copy of its state as a one-rank DCP checkpoint on the returned
+        :class:`BackgroundSave`, which any world loads as it loads :meth:`save`'s, and calls
+        ``then(epoch)`` on that thread once the commit is durable. None elsewhere.
+        """
+        if not whole_on_root(state):
+            raise EpochalError(
+                "a checkpoint is written behind training only where rank 0's state is the whole "
+                "(replicated, main): save this one with save()"
+            )
+        key = self._key()
+        tmp = self._own_part(epoch, state, key, history)
+        taken = state.state_dict()  # every rank: the state may take part of it collectively
+        copied = {"app": host_copy(taken)} if self.rank == 0 else None
+        if dist.is_initialized():
+            dist.barrier()  # on this thread: the writer runs no collective
+        if copied is None:
+            return None
+        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+
+        quiet_single_process_note()
+
+        def write() -> None:
+            save(copied, checkpoint_id=tmp, no_dist=True)
+            self._commit(epoch, tmp, key)
+
+        return BackgroundSave(epoch, write, then)
+
+    def _own_part(self, epoch: int, state: Stateful, key: CheckpointKey, history: Any) -> Path:
+        """Every rank: the temporary directory of ``epoch``, with this rank's file (generators,
+        ``history`` and what ``state`` holds of this rank's alone) and its key's mark in it."""
         private_dir(self.directory, kind="checkpoint directory")
         final = checkpoint_path(self.directory, epoch)
         tmp = final.with_name(f"{final.name}.tmp-{self.run_id}")
@@ -178,11 +253,12 @@ class Checkpointer:
         remove(mark)
         os.close(create_exclusive(mark))
         faults.hit("checkpoint-write", rank=self.rank, epoch=epoch)  # every rank, mid-write
-        from torch.distributed.checkpoint import save  # type: ignore[attr-defined]  # ~1 s import
+        return tmp
 
-        save({"app": state}, checkpoint_id=tmp)  # returns on rank 0 once every rank wrote
-        if self.rank != 0:
-            return None
+    def _commit(self, epoch: int, tmp: Path, key: CheckpointKey) -> Path:
+        """Rank 0, once every rank wrote into ``tmp``: sign its manifest and rename it into
+        place; the rename is the commit."""
+        final = checkpoint_path(self.directory, epoch)
         self._check_keys(tmp, key)
         _private_modes(tmp)
         remove(tmp / MANIFEST)  # an earlier attempt's at this epoch
@@ -194,7 +270,7 @@ class Checkpointer:
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         for stale in self.directory.glob("epoch-*.tmp-*"):
-            if stale != tmp:
+            if _tmp_epoch(stale) <= epoch:  # a later one may be the next checkpoint's, begun
                 shutil.rmtree(stale, ignore_errors=True)
         return final
 

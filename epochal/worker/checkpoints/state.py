@@ -11,7 +11,9 @@ and the optimizer:
 - :class:`ModelState`: the model alone (the best epoch's weights);
 - :class:`BuffersFromRoot`: another adapter, with rank 0's buffers on every rank first (DDP modes);
 - :class:`MainState`: every rank's model, rank 0's optimizer (main);
-- :class:`ShardedState`: the model and each rank's shard of ZeRO's optimizer state (sharded).
+- :class:`ShardedState`: the model and each rank's shard of ZeRO's optimizer state (sharded);
+- :class:`WholeOnRoot`: another adapter, marked as whole on rank 0, whose checkpoints rank 0
+  alone may write while the next epoch trains (replicated, main; :func:`whole_on_root` asks).
 
 The optimizer state is always keyed by parameter name, in the format of DCP's ``get_state_dict``.
 This module imports nothing else of epochal's worker but the tensor helpers, so the strategies,
@@ -113,6 +115,35 @@ class BuffersFromRoot:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
+
+
+class WholeOnRoot:
+    """``inner``, whose part on rank 0 is the whole state: every tensor a checkpoint holds.
+
+    Rank 0 alone can then write the checkpoint, from a copy in host memory, while the next epoch
+    trains (:meth:`~epochal.worker.checkpoints.checkpoint.Checkpointer.save_behind`); the other
+    modes' checkpoints need every rank's part and are written at the boundary. ``inner`` is still
+    taken on every rank, on the main thread, so what it does collectively (rank 0's buffers onto
+    every rank: :class:`BuffersFromRoot`) happens as for any checkpoint.
+    """
+
+    whole_on_root = True
+
+    def __init__(self, inner: Stateful) -> None:
+        self.inner = inner
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def whole_on_root(state: object) -> bool:
+    """Whether ``state``'s part on rank 0 is the whole state: a :class:`WholeOnRoot`, or an
+    adapter around one that says so through its own ``whole_on_root`` (the loss scaler's, whose
+    state every rank holds alike, and fit's, which adds each rank's own stream position)."""
+    return getattr(state, "whole_on_root", False) is True
 
 
 class MainState:

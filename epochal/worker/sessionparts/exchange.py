@@ -6,11 +6,16 @@ the answer awaited.
 what comes back (:meth:`Exchange.sort`): the answer, something to skip (a decision sent again, a
 world already taken, an answer to a retried hello) or a new world (:class:`RegroupNow`). Receiving
 is the session's, which re-attaches when the coordinator is lost in between.
+
+Everything runs on the session's thread but :meth:`Exchange.committed`, which the thread that
+writes a checkpoint in the background calls too; a lock makes its send and its note one step
+against :meth:`Exchange.say_again`, so a restarted coordinator hears every commit at least once.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
@@ -40,6 +45,8 @@ class Exchange:
         # coordinator that takes it back where it is)
         self._committed: int | None = None
         # the epoch of the last checkpoint this rank committed (rank 0; sent again likewise)
+        self._commits = threading.Lock()
+        # held while a commit is sent and noted, and while say_again reads and sends the note
         self._decided: int | None = None
         # the last epoch whose decision this rank has (one sent again is skipped)
 
@@ -59,17 +66,22 @@ class Exchange:
             self._asked = None
 
     def committed(self, epoch: int) -> None:
-        """Rank 0 committed ``epoch``'s checkpoint (its rename is durable): say so."""
-        self._client.send(Checkpointed(epoch=epoch))
-        self._committed = epoch
+        """Rank 0 committed ``epoch``'s checkpoint (its rename is durable): say so. Safe from a
+        second thread (a background write's): the client's send is, and the lock keeps the send
+        and the note together against :meth:`say_again`."""
+        with self._commits:
+            self._client.send(Checkpointed(epoch=epoch))
+            self._committed = epoch
 
     def say_again(self) -> list[str]:
         """A restarted coordinator took this rank back where it is: send again what it awaits
         an answer to, and (rank 0) its last checkpoint's commit; what was sent, for the log."""
         sent = []
-        if self._committed is not None:
-            self._client.send(Checkpointed(epoch=self._committed))
-            sent.append(f"the commit of the checkpoint of epoch {self._committed}")
+        with self._commits:
+            committed = self._committed
+            if committed is not None:
+                self._client.send(Checkpointed(epoch=committed))
+                sent.append(f"the commit of the checkpoint of epoch {committed}")
         asked = self._asked
         if asked is not None:
             self._client.send(asked)

@@ -3,6 +3,9 @@
 burn's ``OptimMainDevice``, lamp's root optimizer. No DDP: the gradients travel in buckets when
 the step comes, and the new parameters are broadcast back; the checkpoint is
 :class:`~epochal.worker.checkpoints.state.MainState` (every rank's model, rank 0's optimizer).
+Every rank holds rank 0's parameters and buffers after each step, and rank 0 alone the optimizer,
+so rank 0's part is the whole (:class:`~epochal.worker.checkpoints.state.WholeOnRoot`): rank 0
+writes it while the next epoch trains.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epochal.protocol import SnapshotScope
-from epochal.worker.checkpoints.state import MainState, Stateful
+from epochal.worker.checkpoints.state import MainState, Stateful, WholeOnRoot
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.modeoptions import ModeOptions
 from epochal.worker.strategies.strategy import Mode, Strategy, state_bytes
@@ -82,7 +85,8 @@ class Main(Strategy):
 
     @property
     def mode_state(self) -> Stateful:
-        return MainState(self.model, self.optimizer, self.is_root)
+        state = MainState(self.model, self.optimizer, self.is_root)
+        return WholeOnRoot(state) if self.layout.group is None else state
 
     def step(self) -> None:
         layout = self.layout

@@ -1,4 +1,9 @@
-"""Mode ``replicated`` (the default): DDP all-reduce, every rank holds and steps the optimizer."""
+"""Mode ``replicated`` (the default): DDP all-reduce, every rank holds and steps the optimizer.
+
+Every rank holds the whole model and optimizer after each step, so rank 0's part of a checkpoint
+is the whole (:class:`~epochal.worker.checkpoints.state.WholeOnRoot`): rank 0 writes it while
+the next epoch trains.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epochal.protocol import SnapshotScope
-from epochal.worker.checkpoints.state import BuffersFromRoot, Stateful
+from epochal.worker.checkpoints.state import BuffersFromRoot, Stateful, WholeOnRoot
 from epochal.worker.strategies.ddp import DdpStrategy
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.strategy import Mode
@@ -35,4 +40,5 @@ class Replicated(DdpStrategy):
     @property
     def mode_state(self) -> Stateful:
         assert self.ddp is not None
-        return BuffersFromRoot(super().mode_state, self.ddp)
+        state = BuffersFromRoot(super().mode_state, self.ddp)  # rank 0's buffers first
+        return WholeOnRoot(state) if self.layout.group is None else state

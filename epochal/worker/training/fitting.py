@@ -24,7 +24,7 @@ from epochal.protocol import Restore, SnapshotScope
 from epochal.steprates import warmup_cosine
 from epochal.text import byte_size
 from epochal.worker import faults
-from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.checkpoints.state import Stateful, whole_on_root
 from epochal.worker.regroup import FullState, Snapshot, consolidate, share, share_tree
 from epochal.worker.regroup import leave as leave_group
 from epochal.worker.regroup import rebuild as rebuild_strategy
@@ -454,6 +454,11 @@ class _WithRankState:
 
     def __init__(self, fitting: Fitting) -> None:
         self.fitting = fitting  # its strategy and feed, which a new world replaces
+
+    @property
+    def whole_on_root(self) -> bool:
+        """Whole on rank 0 where the mode's state is: a rank's own part is in its own file."""
+        return whole_on_root(self.fitting.strategy.state)
 
     def state_dict(self) -> dict[str, Any]:
         return self.fitting.strategy.state.state_dict()

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from epochal.errors import ConfigError
-from epochal.worker.checkpoints.state import Stateful
+from epochal.worker.checkpoints.state import Stateful, whole_on_root
 
 SCALER_KEY = "grad_scaler"  # the loss scaler's entry in a checkpoint's state (fp16)
 
@@ -176,6 +176,11 @@ class ScaledState:
     def __init__(self, inner: Stateful, scaler: torch.amp.GradScaler) -> None:
         self.inner = inner
         self.scaler = scaler
+
+    @property
+    def whole_on_root(self) -> bool:
+        """Whole on rank 0 where ``inner`` is: the scaler's state is the same on every rank."""
+        return whole_on_root(self.inner)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.inner.state_dict(), SCALER_KEY: self.scaler.state_dict()}
