@@ -316,9 +316,7 @@ class Session:
         """Run ``epoch`` as its ``go`` says: the training code's train and validation; their loss
         sums."""
         ctx = training.context(go, self)
-        # the Go said it: the coordinator shows the rank starting the epoch until the next
-        # heartbeat says training (one frame per rank fewer for it to read each epoch)
-        self.client.at(Phase.TRAIN, epoch, announce=False)
+        self.client.at(Phase.TRAIN, epoch, announce=False)  # the Go said it: one frame fewer
         train = training.train_epoch(ctx)
         valid = LossSum(0.0, 0)
         if training.valid_epoch is not None and go.valid_batches > 0:
