@@ -162,21 +162,29 @@ def test_killed_while_committing_a_checkpoint(spawn, tmp_path, reference):
 
 @pytest.mark.xdist_group("resume-reference")  # one test process, one reference run
 @pytest.mark.timeout(int(3 * DEADLINE) + 60)  # the reference run and two of its own, in DEADLINE
+def committed(run_dir: Path) -> int:
+    """The epoch of the last checkpoint the run's journal holds as committed."""
+    return max(r["epoch"] for r in epoch_records(run_dir) if r["kind"] == "checkpoint")
+
+
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous(spawn, tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     proc = launch(spawn, run_dir, out, EPOCHAL_FAULT="raise@train-step:rank=1:epoch=3:step=2")
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1, output
-    latest = run_dir / "checkpoints" / "epoch-000002"
-    victim = next(p for p in latest.iterdir() if p.suffix == ".distcp")
+    # rank 0 writes epoch 2's checkpoint while epoch 3 trains, so its commit may come after rank
+    # 1's failure ended the run; epoch 1's came before epoch 2's write began. The journal says
+    latest = committed(run_dir)
+    assert latest in (1, 2), latest
+    victim = next((run_dir / "checkpoints" / f"epoch-{latest:06d}").glob("*.distcp"))
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated, as by a failing disk
 
     proc = launch(spawn, run_dir, out)
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
-    assert "the checkpoint of epoch 2 is unusable" in output
+    assert f"the checkpoint of epoch {latest} is unusable" in output
     assert "falling back" in output
-    assert "from the checkpoint of epoch 1" in output
+    assert f"from the checkpoint of epoch {latest - 1}" in output
     assert_same_result(reference, out)
 
 
@@ -186,16 +194,21 @@ def test_a_corrupt_best_checkpoint_is_reported_never_loaded(spawn, tmp_path):
     # best weights can only come from epoch 2's checkpoint at the end
     best = ("--best-at", "2")
     fault = "raise@train-step:rank=1:epoch=4:step=2"
-    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best, EPOCHAL_FAULT=fault)
+    # slow steps: rank 0 writes epoch 3's checkpoint while epoch 4 trains, and the failure two
+    # steps in must come after that commit, or the rerun would write epoch 2's again
+    proc = launch(
+        spawn, run_dir, out, "--smoothing", "1.0", delay=0.1, script=best, EPOCHAL_FAULT=fault
+    )
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 1, output
+    assert committed(run_dir) == 3, "epoch 3's background write outlasted two slowed steps"
     victim = next((run_dir / "checkpoints" / "epoch-000002").glob("*.distcp"))
     data = bytearray(victim.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 4096] = bytes(len(data[middle : middle + 4096]))
     victim.write_bytes(bytes(data))
 
-    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", script=best)
+    proc = launch(spawn, run_dir, out, "--smoothing", "1.0", delay=0.1, script=best)
     code, output = spawn.finish(proc, DEADLINE)
     assert code == 0, output
     assert "from the checkpoint of epoch 3" in output
