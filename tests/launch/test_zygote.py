@@ -310,6 +310,9 @@ async def test_workers_die_with_the_zygote_however_it_dies(tmp_path: Path) -> No
         os.close(ended)
     assert status == -signal.SIGKILL  # what the launcher is told
     assert gone  # and so it is: its death signal killed it
+    # its output ended with it: read to the end, its pipe is closed now rather than left open
+    # for the garbage collector to find in some later test
+    assert await asyncio.wait_for(forked.stdout.read(), 60) == b""
 
 
 ASKS = """\

@@ -4,6 +4,7 @@ CUDA initialized), which the launch is told and answers by starting its workers 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -166,7 +167,10 @@ async def test_malformed_requests_to_a_live_zygote_are_answered_and_its_workers_
         assert server.poll() is None  # the zygote serves on
         assert kept.returncode is None
         os.kill(kept.pid, 0)  # and the other launch's worker lives
-        other.close()
+        other.close()  # until that launch ends: then it is killed, and its output ends
+        # read to its end, so its pipe is closed here and not left to this loop's end (or, left
+        # unread, to the garbage collector in some later test)
+        assert await asyncio.wait_for(kept.stdout.read(), 60) == b""
     finally:
         server.kill()
         server.wait()
