@@ -1,5 +1,6 @@
 """What every test shares: a configuration directory of its own, never the real home's, the
-worker's hello that the coordinator and security tests send, and how many processes run the suite.
+worker's hello that the coordinator and security tests send, how many processes run the suite,
+and a garbage collection after each test, so that what a test leaves open fails that test.
 
 The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml), with
 :data:`WORKERS_PER_CPU` test processes per CPU (``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N``
@@ -16,6 +17,7 @@ process has a session, and so a directory and a key, of its own.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -158,3 +160,21 @@ def preloaded(
         if server is not None:
             server.kill()
             server.wait()
+
+
+@pytest.fixture(autouse=True)
+def collected() -> Iterator[None]:
+    """After each test (its other fixtures torn down, its event loop closed), collect the garbage:
+    a socket, pipe or file the test left open in a reference cycle is finalized here, and its
+    ResourceWarning (an error under ``filterwarnings``) fails the test that leaked it rather than
+    whichever test the collector happened to run in later in the same process.
+
+    A full collection walks every tracked object, torch's and the rest (0.1 to 0.4 s a test
+    here); what survives the test is frozen (``gc.freeze``), so the next one walks only what
+    later tests make: 0.5 ms a test, about 1.6 % of the time of 1,375 fast tests, with less of
+    the collector's own work during tests in return (their wall time was the same). What is
+    frozen is never collected as a cycle again; it is still freed when the last reference to it
+    goes, so what a longer-lived fixture holds is closed by that fixture as before."""
+    yield
+    gc.collect()
+    gc.freeze()

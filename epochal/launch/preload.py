@@ -177,15 +177,20 @@ class Preloaded:
             raise
         finally:
             os.close(write_end)
-        reader = asyncio.StreamReader(limit=2**20)
-        pipe = os.fdopen(read_end, "rb", buffering=0)
-        transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), pipe
-        )
         try:
             pid = await asked
+        except BaseException:  # not forked: the pipe is closed here, no transport left open
+            os.close(read_end)
+            raise
+        # read once forked (what it writes meanwhile waits in the pipe): a transport made
+        # before would be left, on a refused fork, to close at a later turn of a loop that may
+        # end first, its pipe then found open by the garbage collector
+        reader = asyncio.StreamReader(limit=2**20)
+        pipe = os.fdopen(read_end, "rb", buffering=0)
+        try:
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
         except BaseException:
-            transport.close()
+            pipe.close()
             raise
         forked = Forked(pid, reader)
         self._forked[pid] = forked

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+import zmq.asyncio
 
-from epochal.errors import CoordinatorLost, RunAborted
+from epochal.errors import ConfigError, CoordinatorLost, EpochalError, RunAborted
 from epochal.protocol import (
     Abort,
     Awaiting,
@@ -28,6 +29,8 @@ from epochal.protocol import (
     encode,
 )
 from epochal.protocol.limits import MAX_TEXT_CHARS
+from epochal.security.curvekeys import ClientSecurity
+from epochal.worker.control import dealer
 from epochal.worker.control.client import ABORT_CHARS, ControlClient
 from epochal.worker.control.heartbeats import beat_due
 from epochal.worker.control.progress import BUSY_STEP, CpuProgress, process_cpu, thread_cpu
@@ -323,3 +326,34 @@ def test_a_finished_worker_whose_coordinator_has_gone_closes_without_waiting_out
         assert took < FLUSH, took
     else:  # what is queued is tried for the whole flush (linger): a lower bound holds
         assert took >= SHORT_FLUSH * 0.9, took
+
+
+def test_a_connection_that_fails_to_set_up_leaves_no_socket_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DEALER whose setup fails (a CURVE key libzmq refuses, no descriptor left for its
+    monitor) is closed with its context at once, and the client says why it could not start:
+    left open, the garbage collector found it later, in whichever test it then ran."""
+    contexts: list[zmq.asyncio.Context] = []
+
+    class Kept(zmq.asyncio.Context):
+        def __init__(self) -> None:
+            super().__init__()
+            contexts.append(self)
+
+    def refused(sock: zmq.Socket[bytes], security: ClientSecurity) -> None:
+        raise ConfigError("this key is refused by the test")
+
+    monkeypatch.setattr(zmq.asyncio, "Context", Kept)
+    monkeypatch.setattr(dealer, "secure_client", refused)
+    public, secret = zmq.curve_keypair()
+    keys = ClientSecurity(public=public, secret=secret, server_public=public)
+    with pytest.raises(ConfigError, match="refused by the test"):
+        dealer.Dealer("tcp://127.0.0.1:1", b"w", 1.0, keys)
+    control = ControlClient(
+        "tcp://127.0.0.1:1", b"w", JoinOptions(abort_grace=600.0), security=keys
+    )
+    with pytest.raises(EpochalError, match="failed to start: this key is refused by the test"):
+        control.start()
+    # each context ended: it could not have with a socket of it still open
+    assert len(contexts) == 2 and all(c.closed for c in contexts)

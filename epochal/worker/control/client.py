@@ -385,9 +385,11 @@ class ControlClient(Heartbeats):
             reader.cancel()
             ticker.cancel()
             watcher.cancel()
-            await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
-            # a finished worker's coordinator that closed the connection got its Done
-            dealer.close(linger=0 if self._finished and not self._up else self._linger)
+            try:
+                await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
+            finally:  # closed even if this wait is cut short: never left to the collector
+                # a finished worker's coordinator that closed the connection got its Done
+                dealer.close(linger=0 if self._finished and not self._up else self._linger)
 
     def _watched(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         """Run ``work`` as a task of this thread whose end, other than by cancelling, fails us."""

@@ -45,18 +45,25 @@ class Dealer:
         security: ClientSecurity | None,
     ) -> None:
         self.context = zmq.asyncio.Context()
-        sock = self.context.socket(zmq.DEALER)
-        nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
-        sock.setsockopt(zmq.IDENTITY, identity[: 255 - len(nonce)] + nonce)
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_timeout * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if security is not None:
-            secure_client(sock, security)
-        self.socket = sock
-        self.monitor = sock.get_monitor_socket(WATCHED_EVENTS)
+        try:
+            sock = self.context.socket(zmq.DEALER)
+            nonce = b"#" + secrets.token_hex(ROUTING_NONCE_BYTES).encode()
+            sock.setsockopt(zmq.IDENTITY, identity[: 255 - len(nonce)] + nonce)
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_timeout * 1000))
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            if security is not None:
+                secure_client(sock, security)  # a key libzmq refuses raises here
+            self.socket = sock
+            self.monitor = sock.get_monitor_socket(WATCHED_EVENTS)  # EMFILE, say
+        except BaseException:
+            # what was opened is closed here, not left to the garbage collector, which would find
+            # the socket still open at some later point of the process (in a test process: its
+            # ResourceWarning then fails whichever test is running)
+            self.context.destroy(linger=0)
+            raise
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -64,8 +71,11 @@ class Dealer:
             raise EpochalError(f"cannot connect to coordinator {endpoint!r}: {exc}") from None
 
     def close(self, linger: int = LINGER_MS) -> None:
-        """Close the monitor at once and the socket after ``linger`` milliseconds at most."""
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)
-        self.socket.close(linger=linger)
-        self.context.term()
+        """Close the monitor at once and the socket after ``linger`` milliseconds at most; both
+        are closed, and the context ended, even when stopping the monitor fails."""
+        try:
+            self.socket.disable_monitor()
+        finally:
+            self.monitor.close(linger=0)
+            self.socket.close(linger=linger)
+            self.context.term()
