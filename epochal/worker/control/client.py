@@ -3,17 +3,16 @@
 The training code's main thread calls :meth:`ControlClient.send` and :meth:`ControlClient.receive`;
 the thread keeps heartbeats flowing while the main thread is busy in a step or a collective, and
 turns an Abort or a vanished coordinator into :class:`~epochal.errors.RunAborted` at the main
-thread's next call (or its next :meth:`check`, made between batches). Each of the thread's tasks
-is watched: one that dies fails the worker at once, with its cause, both here (the next call
-raises) and at the coordinator (a Failed message), instead of leaving a silence that the
-coordinator would later blame on the worker's network. If the main thread does not come back
-within ``abort_grace`` seconds (it is stuck in a collective whose peer is gone), the thread prints
-the reason and ends the process (:mod:`~epochal.worker.control.backstop`): a bounded abort instead
-of a hang. The same holds for a coordinator that vanished while the training code was
-away: a worker that keeps making progress finishes its epoch and then waits to re-attach, but one
-whose training code made no progress for the run's heartbeat timeout + ``abort_grace`` seconds
-is blocked in a collective (its peer was cut off with it, or is gone) and could never re-attach,
-so it exits.
+thread's next call (or its next :meth:`check`, made between batches). Each of the thread's tasks is
+watched: one that dies fails the worker at once, with its cause, both here (the next call raises)
+and at the coordinator (a Failed message), instead of leaving a silence that the coordinator would
+later blame on the worker's network. If the main thread does not come back within ``abort_grace``
+seconds (it is stuck in a collective whose peer is gone), the thread prints the reason and ends the
+process (:mod:`~epochal.worker.control.backstop`): a bounded abort instead of a hang. The same holds
+for a coordinator that vanished while the training code was away: a worker that keeps making
+progress finishes its epoch and then waits to re-attach, but one whose training code made no
+progress for the run's heartbeat timeout + ``abort_grace`` seconds is blocked in a collective (its
+peer was cut off with it, or is gone) and could never re-attach, so it exits.
 """
 
 from __future__ import annotations
@@ -382,13 +381,12 @@ class ControlClient(Heartbeats):
                     await sock.send(data)
                     self._sent_at = time.monotonic()
         finally:
-            reader.cancel()
-            ticker.cancel()
-            watcher.cancel()
+            for task in (reader, ticker, watcher):
+                task.cancel()
             try:
                 await asyncio.gather(reader, ticker, watcher, return_exceptions=True)
-            finally:  # closed even if this wait is cut short: never left to the collector
-                # a finished worker's coordinator that closed the connection got its Done
+            finally:  # closed even if this wait is cut short; a finished worker's coordinator
+                # that closed the connection got its Done
                 dealer.close(linger=0 if self._finished and not self._up else self._linger)
 
     def _watched(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
