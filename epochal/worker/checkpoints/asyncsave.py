@@ -36,17 +36,18 @@ def quiet_single_process_note() -> None:
     warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTE, category=UserWarning)
 
 
-def host_copy(value: Any) -> Any:
+def host_copy(value: Any, check: Callable[[torch.Tensor], None] | None = None) -> Any:
     """``value`` (a state dict: nested dicts, lists and tuples of tensors and plain data) with
-    every tensor copied to host memory, so that training may change the originals meanwhile."""
+    every tensor copied to host memory, so that training may change the originals meanwhile;
+    ``check``, where given, sees each tensor first and may refuse it by raising."""
     if isinstance(value, torch.Tensor):
+        if check is not None:
+            check(value)
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: host_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [host_copy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(host_copy(v) for v in value)
+        return {k: host_copy(v, check) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_copy(v, check) for v in value)
     return copy.deepcopy(value)
 
 

@@ -17,7 +17,6 @@ each survivor keeps as its own) and the survivors load the last checkpoint, resh
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,23 +25,22 @@ import torch
 
 from epochal.errors import EpochalError
 from epochal.protocol import SnapshotScope
+from epochal.worker.checkpoints.asyncsave import host_copy as copy_to_host
 from epochal.worker.checkpoints.checkpoint import rng_state, set_rng_state
 from epochal.worker.strategies.strategy import Mode, Strategy
 from epochal.worker.training.initialization import is_dtensor
 
 
+def _whole(tensor: torch.Tensor) -> None:
+    if is_dtensor(tensor):
+        raise EpochalError("a snapshot copies whole tensors: this state holds a DTensor shard")
+
+
 def host_copy(value: Any) -> Any:
     """``value`` (nested dicts, lists and tuples of tensors and plain values) with every tensor
-    copied to the CPU: a copy that training, which updates tensors in place, never touches."""
-    if isinstance(value, torch.Tensor):
-        if is_dtensor(value):
-            raise EpochalError("a snapshot copies whole tensors: this state holds a DTensor shard")
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: host_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(host_copy(v) for v in value)
-    return copy.deepcopy(value)
+    copied to the CPU: a copy that training, which updates tensors in place, never touches. A
+    snapshot holds whole tensors: a DTensor shard is refused."""
+    return copy_to_host(value, _whole)
 
 
 def tensor_bytes(value: Any) -> int:
