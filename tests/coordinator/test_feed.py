@@ -14,9 +14,13 @@ from typing import Any
 
 import pytest
 
+from epochal.coordinator.config import CoordinatorConfig
 from epochal.coordinator.rules.actions import RunPhase
+from epochal.coordinator.rules.machine import RunMachine
 from epochal.coordinator.rules.watchdog import RankStatus
+from epochal.coordinator.serve import resume
 from epochal.coordinator.serve.feed import (
+    JOIN_TELL_SECONDS,
     SNAPSHOT_SHARE,
     STARTING,
     UNHEARD,
@@ -25,8 +29,9 @@ from epochal.coordinator.serve.feed import (
     rank_at,
     snapshot,
 )
-from epochal.observe import RunObserver, StatusSnapshot
+from epochal.observe import RunObserver, StatusSnapshot, World
 from epochal.protocol import Awaiting, Phase, Status
+from tests.conftest import hello
 from tests.coordinator.test_machine import last, ready, report, start
 
 RUNNING, READY, FINISHING = RunPhase.RUNNING, RunPhase.READY, RunPhase.FINISHING
@@ -136,3 +141,49 @@ def test_snapshots_take_at_most_their_share_and_what_waits_is_told_in_order() ->
     feed.written({"kind": "epoch", "epoch": 3})  # long before the next is due
     feed.end({"status": "finished"}, machine, make)
     assert heard.told[4:] == [("epoch", 3, then + took), ("end",)]
+
+
+class Joins(RunObserver):
+    def __init__(self) -> None:
+        self.told: list[int] = []
+
+    def on_join(self, world: World) -> None:
+        self.told.append(world.joined)
+
+
+def test_a_rendezvous_count_is_told_at_most_every_interval_and_the_full_set_at_once() -> None:
+    """Hellos a few milliseconds apart: the first count is told, the next ones wait for
+    JOIN_TELL_SECONDS and are then told as one (the count at that turn, even one that changed
+    nothing); the hello that completes the set is told at once, and so is a worker leaving."""
+    config = CoordinatorConfig(world_size=5, epochs=1)
+    machine = RunMachine(config, resume.inspect(config, None), run_id="r1", now=0.0)
+    clock = [0.0]
+    heard = Joins()
+    feed = ObserverFeed(heard, clock=lambda: clock[0])
+
+    def join(i: int, at: float) -> None:
+        clock[0] = at
+        machine.on_message(at, f"w{i}".encode(), hello(f"w{i}"), session="")
+        feed.tell(machine, True, lambda: pytest.fail("no snapshot is due"))
+
+    join(0, 0.0)
+    join(1, 0.01)
+    join(2, 0.02)
+    assert heard.told == [1]  # 2 and 3 wait
+    clock[0] = JOIN_TELL_SECONDS - 0.001
+    feed.tell(machine, True, lambda: pytest.fail("no snapshot is due"))
+    assert heard.told == [1]
+    clock[0] = JOIN_TELL_SECONDS
+    feed.tell(machine, True, lambda: pytest.fail("no snapshot is due"))  # a turn with no hello
+    assert heard.told == [1, 3]
+    join(3, JOIN_TELL_SECONDS + 0.01)
+    machine.rendezvous.leave(b"w3")  # it went silent before the set was complete
+    feed.tell(machine, True, lambda: pytest.fail("no snapshot is due"))
+    assert heard.told == [1, 3]  # 4 was never told, and 3 is what was: nothing to tell
+    machine.rendezvous.leave(b"w2")
+    feed.tell(machine, True, lambda: pytest.fail("no snapshot is due"))
+    assert heard.told == [1, 3, 2]  # a fall is told at once
+    join(2, JOIN_TELL_SECONDS + 0.02)
+    join(3, JOIN_TELL_SECONDS + 0.03)
+    join(4, JOIN_TELL_SECONDS + 0.04)
+    assert heard.told[-1] == 5  # the full set at once; its ranks are told as they are assigned

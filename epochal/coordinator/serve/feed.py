@@ -131,6 +131,14 @@ latest with the result: :meth:`ObserverFeed.end`). Under a hundred ranks a snaps
 under a millisecond, so the wait is shorter than a turn of the service and nothing waits."""
 
 
+JOIN_TELL_SECONDS = 0.5
+"""Least time between two tellings of how many workers a rendezvous holds. Each telling is a job
+for the observers' thread, which wakes it and hands it the interpreter: at 4,096 workers a job
+per hello took about a tenth of the rendezvous (``bench/control_plane.py``). The count that
+completes the set, a fall in it and any change of the ranks are told at once; a count held
+back is told at the first turn after the wait (a turn tells even when it did nothing)."""
+
+
 class ObserverFeed:
     """Collects what a turn's actions did and tells the observers once the turn is done.
 
@@ -149,6 +157,8 @@ class ObserverFeed:
         # journal records written by the actions being applied, told once they all are
         self._joined = (0, 0)
         # (workers joined, ranks assigned) as last told
+        self._joined_told = float("-inf")
+        # when they were (JOIN_TELL_SECONDS)
         self._beat = False
         # a heartbeat went out: the observers get a snapshot
 
@@ -193,8 +203,8 @@ class ObserverFeed:
             self._epochs, self._beat = [], False
             return
         joined = (len(machine.rendezvous.members), len(machine.members))
-        if joined != self._joined:
-            self._joined = joined
+        if joined != self._joined and self._join_due(joined, machine.config.world_size):
+            self._joined, self._joined_told = joined, self._clock()
             hosts = tuple(printable(m.hello.host) for m in machine.members)
             self.observers.on_join(World(joined[0], machine.config.world_size, hosts))
         if not (self._epochs or self._beat) or not self.observers:
@@ -212,6 +222,16 @@ class ObserverFeed:
             self.observers.on_epoch(record, status)
         if beat and running:
             self.observers.on_status(status)
+
+    def _join_due(self, joined: tuple[int, int], world_size: int) -> bool:
+        """Whether the change of ``joined`` from what was told is to be told now."""
+        workers, ranks = joined
+        return (
+            ranks != self._joined[1]
+            or workers >= world_size
+            or workers < self._joined[0]
+            or self._clock() - self._joined_told >= JOIN_TELL_SECONDS
+        )
 
     def end(
         self,
