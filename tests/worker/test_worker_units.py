@@ -10,6 +10,7 @@ import epochal
 from epochal.errors import ConfigError
 from epochal.worker.fingerprint import describe, fingerprint
 from epochal.worker.joinoptions import advertised_host
+from epochal.worker.strategies.strategy import copy_state
 
 
 def test_fingerprint_is_stable_and_sees_shapes_dtypes_and_buffers():
@@ -75,3 +76,20 @@ def test_the_digest_covers_a_name_too_long_for_a_page_whole():
     a, b = describe(Named(long_a)), describe(Named(long_b))
     assert a.fingerprint.digest != b.fingerprint.digest
     assert len(a.params[0].name) == len(b.params[0].name) == 1024  # cut alike in the pages
+
+
+def test_a_best_epoch_s_copy_reuses_the_last_one_s_tensors_where_they_fit() -> None:
+    """The copy is the state's at the moment (the model changing after it does not change it);
+    the next copy is written into the same tensors; a state of other shapes gets new ones."""
+    model = nn.Linear(3, 2)
+    first = copy_state(model.state_dict(), None)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not torch.equal(first["weight"], model.weight)  # a copy, not a view
+    kept = first["weight"]
+    second = copy_state(model.state_dict(), first)
+    assert second is first and second["weight"] is kept
+    assert all(torch.equal(second[k], v) for k, v in model.state_dict().items())
+    other = copy_state(nn.Linear(4, 2).state_dict(), second)
+    assert other is not second and other["weight"].shape == (2, 4)
+    assert second["weight"].shape == (2, 3)  # the old copy left as it was

@@ -29,6 +29,7 @@ from epochal.worker.strategies.strategy import (
     Mode,
     Strategy,
     constructor_kwargs,
+    copy_state,
     groups_by_name,
 )
 from epochal.worker.training.initialization import broadcast_module, broadcast_tensors, is_dtensor
@@ -197,12 +198,12 @@ class FullySharded(Strategy):
             )
         super().release_group()
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         # each rank keeps its own shards: no collective, and no rank ever holds the whole model
-        return {
-            k: (v.to_local() if is_dtensor(v) else v).detach().to("cpu", copy=True)
-            for k, v in self.model.state_dict().items()
+        local = {
+            k: v.to_local() if is_dtensor(v) else v for k, v in self.model.state_dict().items()
         }
+        return copy_state(local, into)
 
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

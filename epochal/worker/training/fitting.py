@@ -415,7 +415,7 @@ class Fitting:
         return sums.result()
 
     def _keep_best(self, epoch: int) -> None:
-        self.best_state = self.strategy.snapshot()
+        self.best_state = self.strategy.snapshot(into=self.best_state)
 
     def _counts(self, epoch: int) -> tuple[int, int | None]:
         valid = None if self.valid_data is None else len(self.valid_data)  # type: ignore[arg-type]
