@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from epochal.errors import ConfigError
 from epochal.rundir.files import NotRegular, read_regular, write_atomic
 from epochal.rundir.paths import (
@@ -111,5 +113,12 @@ def is_run_dir(run_dir: Path) -> bool:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` with ``data`` in one step, never through a link: a reader sees the old
     file or the new one. Mode 0600, as the journal's files: status.json names the endpoint,
-    hosts and pids. Not fsynced: a snapshot, rewritten every few seconds."""
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable=False)
+    hosts and pids. Not fsynced: a snapshot, rewritten every few seconds.
+
+    Encoded and indented by msgspec: the standard library's encoder runs in Python once it
+    indents (9.5 ms for a status of 1,024 ranks, against 0.8 ms), on the coordinator's disk
+    thread, where it held the interpreter from the loop deciding the next epoch (a third of the
+    control plane's time per epoch at 1,024 workers, ``bench/control_plane.py``). Keys sorted,
+    as before; a float that is not finite is written as null, the only JSON for it."""
+    text = msgspec.json.format(msgspec.json.encode(data, order="sorted"), indent=2)
+    write_atomic(path, text + b"\n", durable=False)
