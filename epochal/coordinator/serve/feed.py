@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from epochal.coordinator.config import CoordinatorConfig
@@ -69,11 +68,14 @@ def snapshot(
     members = machine.members
     ranks = []
     plan = machine.plan if phase is RunPhase.RUNNING else None
+    said, epoch = dog.status.get, machine.epoch
     for rank, host, _, _, step, idle, where in dog.rows(now, members):
-        rank_phase, rank_epoch = rank_at(dog.status.get(rank), phase, machine.epoch)
-        row = (rank, host, rank_phase, rank_epoch, step, idle, where)
-        said = RankStatus.from_row(row, now - heard.get(members[rank].peer, now))
-        ranks.append(replace(said, steps=phase_steps(plan, rank_phase, rank_epoch, machine.epoch)))
+        rank_phase, rank_epoch = rank_at(said(rank), phase, epoch)
+        last_heard = now - heard.get(members[rank].peer, now)
+        steps = phase_steps(plan, rank_phase, rank_epoch, epoch)
+        ranks.append(
+            RankStatus(rank, host, rank_phase, rank_epoch, step, idle, where, last_heard, steps)
+        )
     return StatusSnapshot(
         run_id=run_id,
         state=phase.value,
