@@ -47,23 +47,27 @@ def aggregate(reports: Mapping[int, LossSums]) -> tuple[float, float | None]:
     Raises PolicyViolation for a non-finite loss, a train loss over zero samples, or sample counts
     that add up past what a message carries.
     """
-    for rank, r in reports.items():
-        if not (math.isfinite(r.train_sum) and math.isfinite(r.valid_sum)):
-            raise PolicyViolation(
-                f"rank {rank} reported a non-finite loss (train sum {r.train_sum}, validation sum "
-                f"{r.valid_sum}): training diverged; lower the learning rate or check the data"
-            )
-    train_count = count_total(
-        {rank: r.train_count for rank, r in reports.items()}, "training sample"
-    )
+    values = list(reports.values())
+    finite = math.isfinite
+    if not all(finite(r.train_sum) and finite(r.valid_sum) for r in values):
+        for rank, r in reports.items():
+            if not (finite(r.train_sum) and finite(r.valid_sum)):
+                raise PolicyViolation(
+                    f"rank {rank} reported a non-finite loss (train sum {r.train_sum}, validation "
+                    f"sum {r.valid_sum}): training diverged; lower the learning rate or check the "
+                    "data"
+                )
+    train_count = sum(r.train_count for r in values)
+    if train_count > WIRE_INT_MAX:
+        count_total({rank: r.train_count for rank, r in reports.items()}, "training sample")
     if train_count == 0:
         raise PolicyViolation(
             "the ranks reported 0 training samples in total: a loss needs at least one sample"
         )
     train = _total(reports, "train") / train_count
-    valid_count = count_total(
-        {rank: r.valid_count for rank, r in reports.items()}, "validation sample"
-    )
+    valid_count = sum(r.valid_count for r in values)
+    if valid_count > WIRE_INT_MAX:
+        count_total({rank: r.valid_count for rank, r in reports.items()}, "validation sample")
     if valid_count == 0:
         return train, None
     return train, _total(reports, "valid") / valid_count
@@ -75,13 +79,11 @@ def _total(reports: Mapping[int, LossSums], which: str) -> float:
     Each rank's sum is finite (checked above), but two sums near the float maximum still add up to
     more than a float holds: that is a diverged run too, and the ranks behind it are named.
     """
-    sums = {rank: r.train_sum if which == "train" else r.valid_sum for rank, r in reports.items()}
-    try:
-        total = math.fsum(sums.values())
-    except OverflowError:
-        total = math.inf
-    if math.isfinite(total):
+    values = [r.train_sum if which == "train" else r.valid_sum for r in reports.values()]
+    total = _finite_sum(values)
+    if total is not None:
         return total
+    sums = dict(zip(reports, values, strict=True))
     huge = sorted(sums, key=lambda rank: -abs(sums[rank]))[:2]
     shown = ", ".join(f"rank {rank} {sums[rank]:.3g}" for rank in sorted(huge))
     what = "training" if which == "train" else "validation"
@@ -128,39 +130,62 @@ def aggregate_metrics(reports: Mapping[int, LossSums]) -> dict[str, MetricSums]:
     out: dict[str, MetricSums] = {}
     for split in SPLITS:
         what = "training" if split == "train" else "validation"
-        reporting = {rank: r.metrics(split) for rank, r in reports.items()}
+        ranks = list(reports)
         if split == "valid":  # ranks that did not validate this epoch report no validation metrics
-            reporting = {rank: m for rank, m in reporting.items() if reports[rank].valid_count}
-        groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
-        for rank, metrics in reporting.items():
-            groups[tuple(sorted(metrics))].append(rank)
-        if len(groups) > 1:
-            parts = [
-                f"{format_ranks(ranks)} {', '.join(names) or 'none'}"
-                for names, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
-            ]
-            raise PolicyViolation(
-                f"the ranks report different {what} metrics ({'; '.join(parts)}): every rank "
-                "must compute the same metrics"
-            )
+            ranks = [rank for rank in ranks if reports[rank].valid_count]
+        reporting = [reports[rank].metrics(split) for rank in ranks]
         totals: MetricSums = {}
-        for name in next(iter(groups), ()):
-            sums = {rank: float(m[name][0]) for rank, m in reporting.items()}
-            bad = sorted(rank for rank, v in sums.items() if not math.isfinite(v))
-            try:
-                total = math.fsum(sums.values())
-            except OverflowError:
-                total = math.inf
-            if bad or not math.isfinite(total):
-                culprits = bad or sorted(sums, key=lambda rank: -abs(sums[rank]))[:2]
+        for name in _names(ranks, reporting, what):
+            sums = [float(m[name][0]) for m in reporting]
+            total = _finite_sum(sums)
+            if total is None:
+                by_rank = dict(zip(ranks, sums, strict=True))
+                bad = sorted(rank for rank, v in by_rank.items() if not math.isfinite(v))
+                culprits = bad or sorted(by_rank, key=lambda rank: -abs(by_rank[rank]))[:2]
                 raise PolicyViolation(
                     f"the {what} metric {name!r} of {format_ranks(culprits)} is not finite "
-                    f"({', '.join(f'{sums[r]:.3g}' for r in culprits)}): check the metric function"
+                    f"({', '.join(f'{by_rank[r]:.3g}' for r in culprits)}): check the metric "
+                    "function"
                 )
-            counts = {rank: int(m[name][1]) for rank, m in reporting.items()}
-            totals[name] = (total, count_total(counts, f"{what} metric {name!r} sample"))
+            counts = [int(m[name][1]) for m in reporting]
+            count = sum(counts)
+            if count > WIRE_INT_MAX:
+                count_total(dict(zip(ranks, counts, strict=True)), f"{what} metric {name!r} sample")
+            totals[name] = (total, count)
         out[split] = totals
     return out
+
+
+def _names(
+    ranks: list[int], reporting: list[Mapping[str, tuple[float, int]]], what: str
+) -> list[str]:
+    """The metric names every one of ``ranks`` reports (``reporting``, in the same order), sorted;
+    PolicyViolation saying which ranks report which names when they differ."""
+    first = reporting[0].keys() if reporting else {}.keys()
+    if all(m.keys() == first for m in reporting):
+        return sorted(first)
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for rank, metrics in zip(ranks, reporting, strict=True):
+        groups[tuple(sorted(metrics))].append(rank)
+    parts = [
+        f"{format_ranks(ranks)} {', '.join(names) or 'none'}"
+        for names, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
+    ]
+    raise PolicyViolation(
+        f"the ranks report different {what} metrics ({'; '.join(parts)}): every rank must "
+        "compute the same metrics"
+    )
+
+
+def _finite_sum(values: list[float]) -> float | None:
+    """The exact sum of ``values``; None when one is not finite or the sum overflows."""
+    if not all(map(math.isfinite, values)):
+        return None
+    try:
+        total = math.fsum(values)
+    except OverflowError:
+        return None
+    return total if math.isfinite(total) else None
 
 
 def metric_values(sums: Mapping[str, MetricSums]) -> dict[str, float]:
