@@ -47,14 +47,19 @@ def marked(mark: str) -> list[int]:
 
 
 def worker_pids(mark: str) -> list[int]:
-    """The workers: the launcher has the script on its command line too, but no rank."""
+    """The workers: the run's processes whose command line starts the script. A worker forked
+    from the preloaded process shows the command line it would have had (setproctitle), while
+    its /proc environ stays the preloaded process's, without its rank; the launcher has the
+    script on its command line too, after ``-m epochal run``."""
+    script = str(SCRIPT).encode()
     pids = []
     for pid in marked(mark):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if any(v.startswith(b"EPOCHAL_RANK=") for v in env):
+        before, found, _ = line.partition(script)
+        if found and b"-m epochal" not in before:
             pids.append(pid)
     return pids
 
