@@ -20,11 +20,18 @@ next epoch decided, as a multiple of the undisturbed time of an epoch (about 1: 
 queued), and ``cores``: the CPU the run's coordinator process (its libzmq threads included) took
 during the flood, beside its undisturbed figure. The strangers' share of the coordinator's time
 (``STRANGER_SHARE``) is what holds these.
+
+On a machine of few cores the flooder's own process takes CPU from the run as well, whatever the
+coordinator does with its frames. So each shape is also sent, for as many epochs, to a bare
+ROUTER in another process that reads every frame and drops it (``sink``: the run's pace then,
+as a ratio of the undisturbed pace), and ``own`` is the ratio under the real flood over that one:
+what the coordinator's handling of the flood costs the run, the machine's share divided out.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -72,7 +79,13 @@ def flood(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any
     sent, start, n = 0, time.monotonic(), 0
     try:
         while not stop.is_set():
-            sock = ctx.socket(zmq.DEALER)
+            try:
+                sock = ctx.socket(zmq.DEALER)
+            except zmq.ZMQError as exc:  # libzmq has not reaped the closed ones yet
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                time.sleep(0.01)
+                continue
             sock.setsockopt(zmq.IDENTITY, f"flood-{os.getpid()}-{n}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 64)
@@ -103,6 +116,28 @@ def flooder(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: A
     flood(endpoint, frames, rate, stop, total)
 
 
+def sink(ready: Any, stop: Any) -> None:
+    """A bare ROUTER on a loopback port of its own that reads every frame and drops it; its
+    endpoint goes to ``ready`` (a queue); it ends when ``stop`` is set."""
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, most)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    ready.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    while not stop.is_set():
+        if sock.poll(100):
+            while True:
+                try:
+                    sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+    sock.close(linger=0)
+    ctx.term()
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system time of process ``pid`` so far, all its threads (libzmq's included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -123,6 +158,32 @@ def wait_epochs(run_dir: Path, count: int, run: subprocess.Popen[bytes]) -> list
     return times
 
 
+def flood_window(
+    run_dir: Path,
+    run: subprocess.Popen[bytes],
+    endpoint: str,
+    frames: list[bytes],
+    args: argparse.Namespace,
+    pid: int,
+) -> tuple[float, float, float, float]:
+    """Flood ``endpoint`` while the run decides ``args.epochs`` epochs: the run's pace meanwhile
+    (epochs a second), the cores its coordinator (``pid``) took, when the flood ended and the
+    MiB a second sent."""
+    stop = mp.Event()
+    sent = mp.Value("d", 0.0)
+    helper = mp.Process(target=flooder, args=(endpoint, frames, args.rate, stop, sent))
+    began, cpu = time.time(), cpu_seconds(pid)
+    helper.start()
+    done = len(decided_at(run_dir))
+    times = wait_epochs(run_dir, done + args.epochs, run)
+    pace = args.epochs / (times[-1] - began)
+    cores = (cpu_seconds(pid) - cpu) / (time.time() - began)
+    stop.set()
+    ended = time.time()
+    helper.join()
+    return pace, cores, ended, sent.value / (ended - began) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=12, help="epochs in each window")
@@ -130,7 +191,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="well-formed,dense,strings")
     args = parser.parse_args()
     chosen = {name: frames for name, frames in shapes().items() if name in args.shapes.split(",")}
-    epochs = args.epochs * (2 * len(chosen) + 2) + 8
+    epochs = args.epochs * (3 * len(chosen) + 2) + 8 * len(chosen) + 8
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         script = ROOT / "tests" / "integration" / "scripts" / "resumable.py"
@@ -148,26 +209,24 @@ def main() -> None:
             per_epoch = (times[-1] - times[start - 1]) / args.epochs
             quiet = (cpu_seconds(pid) - cpu) / (time.time() - at)
             print(f"undisturbed: {1 / per_epoch:.2f} epochs/s, the coordinator {quiet:.2f} cores")
-            heads = ("sent MiB/s", "epochs/s", "ratio", "cores", "catch-up")
+            heads = ("sent MiB/s", "epochs/s", "ratio", "cores", "catch-up", "sink", "own")
             print(f"{'flood':<14}" + "".join(f"{h:>11}" for h in heads))
             for name, frames in chosen.items():
-                stop = mp.Event()
-                sent = mp.Value("d", 0.0)
-                helper = mp.Process(target=flooder, args=(endpoint, frames, args.rate, stop, sent))
-                began, cpu = time.time(), cpu_seconds(pid)
-                helper.start()
-                done = len(decided_at(run_dir))
-                times = wait_epochs(run_dir, done + args.epochs, run)
-                pace = args.epochs / (times[-1] - began)
-                cores = (cpu_seconds(pid) - cpu) / (time.time() - began)
-                stop.set()
-                ended = time.time()
-                helper.join()
-                after = wait_epochs(run_dir, len(times) + 1, run)[-1]
+                # the machine's share first: the same flood into a bare ROUTER beside the run
+                sink_stop, queue = mp.Event(), mp.Queue()
+                drain = mp.Process(target=sink, args=(queue, sink_stop))
+                drain.start()
+                aside = flood_window(run_dir, run, queue.get(timeout=30), frames, args, pid)[0]
+                sink_stop.set()
+                drain.join()
+                wait_epochs(run_dir, len(decided_at(run_dir)) + 2, run)  # settle
+                pace, cores, ended, sent = flood_window(run_dir, run, endpoint, frames, args, pid)
+                after = wait_epochs(run_dir, len(decided_at(run_dir)) + 1, run)[-1]
                 catch_up = (after - ended) / per_epoch
-                mib = sent.value / (ended - began) / 2**20
-                row = (f"{mib:.1f}", f"{pace:.2f}", f"{pace * per_epoch:.2f}", f"{cores:.2f}")
-                print(f"{name:<14}" + "".join(f"{v:>11}" for v in (*row, f"{catch_up:.1f}")))
+                ratio, beside = pace * per_epoch, aside * per_epoch
+                row = (f"{sent:.1f}", f"{pace:.2f}", f"{ratio:.2f}", f"{cores:.2f}")
+                more = (f"{catch_up:.1f}", f"{beside:.2f}", f"{ratio / beside:.2f}")
+                print(f"{name:<14}" + "".join(f"{v:>11}" for v in (*row, *more)))
                 wait_epochs(run_dir, len(decided_at(run_dir)) + 2, run)  # settle before the next
         finally:
             run.terminate()
