@@ -89,6 +89,12 @@ def test_a_non_finite_metric_is_a_violation_naming_the_rank(bad: float):
         aggregate_metrics({0: report(1.0, 1), 1: report(bad, 1)})
 
 
+def test_infinities_of_both_signs_on_two_ranks_name_both_ranks():
+    """fsum of +inf and -inf raises ValueError, not an overflow: the ranks are named first."""
+    with pytest.raises(PolicyViolation, match="metric 'accuracy' of ranks 1-2 is not finite"):
+        aggregate_metrics({0: report(1.0, 1), 1: report(math.inf, 1), 2: report(-math.inf, 1)})
+
+
 def test_metric_sums_that_overflow_together_name_the_ranks():
     with pytest.raises(PolicyViolation, match="metric 'accuracy' of ranks 0-1 is not finite"):
         aggregate_metrics({0: report(1.5e308, 1), 1: report(1.5e308, 1)})
