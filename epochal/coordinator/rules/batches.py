@@ -191,8 +191,8 @@ def plan_epoch(counts: Mapping[int, BatchCounts], policy: BatchPolicy) -> EpochP
 
 
 def _all_alike(counts: Mapping[int, BatchCounts]) -> BatchCounts | None:
-    """What every rank announced, when they all announced the same; else None. One pass in C
-    over thousands of ranks, where the checks below take several in Python."""
+    """What every rank announced, when they all announced the same; else None. One pass over
+    thousands of ranks, where the checks below take several."""
     values = iter(counts.values())
     first = next(values, None)
     return first if first is not None and all(map(first.__eq__, values)) else None
