@@ -7,6 +7,7 @@ import json
 import os
 import random
 import stat
+from collections import namedtuple
 from pathlib import Path
 
 import numpy
@@ -18,7 +19,7 @@ from epochal.errors import EpochalError
 from epochal.rundir.checkpointkey import CheckpointKey
 from epochal.rundir.files import UnsafePath
 from epochal.rundir.manifest import checkpoint_path
-from epochal.worker.checkpoints.asyncsave import BackgroundSave
+from epochal.worker.checkpoints.asyncsave import BackgroundSave, host_copy
 from epochal.worker.checkpoints.checkpoint import CheckpointCorrupt, Checkpointer
 from epochal.worker.checkpoints.state import WholeOnRoot
 from tests.forgery import forge
@@ -210,3 +211,23 @@ def test_a_failed_background_write_is_raised_once_by_the_wait(tmp_path: Path):
     with pytest.raises(OSError, match="disk full"):
         pending.wait()
     pending.wait()  # said once: the run has failed already
+
+
+def test_a_host_copy_keeps_the_shape_of_the_state_and_copies_every_tensor() -> None:
+    """Dicts, lists, tuples and named tuples keep their types; every tensor is a copy that the
+    original's changes do not reach; ``check`` sees each tensor and may refuse it."""
+    Pair = namedtuple("Pair", "weight steps")
+    weight = torch.ones(2)
+    state = {"w": [weight, (1, 2)], "pair": Pair(weight, 3)}
+    copied = host_copy(state)
+    weight.add_(1.0)
+    assert type(copied["pair"]) is Pair and copied["pair"].steps == 3
+    assert type(copied["w"][1]) is tuple and copied["w"][1] == (1, 2)
+    assert torch.equal(copied["w"][0], torch.ones(2))
+    assert torch.equal(copied["pair"].weight, torch.ones(2))
+
+    def refuse(tensor: torch.Tensor) -> None:
+        raise EpochalError(f"refused a tensor of shape {tuple(tensor.shape)}")
+
+    with pytest.raises(EpochalError, match=r"shape \(2,\)"):
+        host_copy(state, refuse)

@@ -47,7 +47,8 @@ def host_copy(value: Any, check: Callable[[torch.Tensor], None] | None = None) -
     if isinstance(value, dict):
         return {k: host_copy(v, check) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(host_copy(v, check) for v in value)
+        items = [host_copy(v, check) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return copy.deepcopy(value)
 
 
