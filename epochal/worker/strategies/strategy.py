@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from epochal.errors import ConfigError
 from epochal.protocol import SnapshotScope
+from epochal.worker.checkpoints.asyncsave import host_copy
 from epochal.worker.checkpoints.state import ModelState, Stateful, TrainState
 from epochal.worker.strategies.layout import Layout
 from epochal.worker.strategies.modeoptions import ModeOptions
@@ -215,7 +216,8 @@ def copy_state(
             for k, v in state.items():
                 into[k].copy_(v)
         return into
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+    fresh: dict[str, torch.Tensor] = host_copy(state)
+    return fresh
 
 
 def constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
