@@ -108,21 +108,25 @@ def flood(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any
         ctx.term()
 
 
+def _every_descriptor() -> int:
+    """Raise this process's open-files limit to its hard limit; that limit."""
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    return most
+
+
 def flooder(endpoint: str, frames: list[bytes], rate: float, stop: Any, total: Any) -> None:
     """:func:`flood` in a process of its own, with all the descriptors it may have (libzmq closes
     the sockets of the identities it is done with only as it can)."""
-    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    _every_descriptor()
     flood(endpoint, frames, rate, stop, total)
 
 
 def sink(ready: Any, stop: Any) -> None:
     """A bare ROUTER on a loopback port of its own that reads every frame and drops it; its
     endpoint goes to ``ready`` (a queue); it ends when ``stop`` is set."""
-    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     ctx = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, most)
+    ctx.setsockopt(zmq.MAX_SOCKETS, _every_descriptor())
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:0")
