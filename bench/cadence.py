@@ -200,8 +200,8 @@ def main() -> None:
         f"{args.steps_per_epoch} steps; medians of {args.repeats} runs each"
     )
     print(
-        f"{'':14}{'wall s':>9}{'ratio':>8}{'target':>8}{'step ms':>9}{'boundary ms':>13}"
-        f"{'share':>8}{'pace':>8}"
+        f"{'':14}{'wall s':>9}{'ratio':>8}{'paired':>8}{'target':>8}{'step ms':>9}"
+        f"{'boundary ms':>13}{'share':>8}{'pace':>8}"
     )
     for kind in KINDS:
         wall = statistics.median(walls[kind])
@@ -209,13 +209,22 @@ def main() -> None:
         gap = statistics.median(gaps[kind]) * 1000 if kind != "torchrun" else 0.0
         step = statistics.median(steps[kind]) * 1000
         share = gap / (args.steps_per_epoch * step)  # what the boundaries add, in this run alone
+        # each repeat's runs ran one after another: their ratio, where a drift hits both alike
+        paired = statistics.median(
+            a / b for a, b in zip(walls[kind], walls["torchrun"], strict=True)
+        )
         print(
-            f"{kind:14}{wall:9.2f}{wall / base:8.3f}{target:>8}{step:9.2f}{gap:13.1f}"
-            f"{1 + share:8.3f}{statistics.median(paces[kind]):8.3f}"
+            f"{kind:14}{wall:9.2f}{wall / base:8.3f}{paired:8.3f}{target:>8}{step:9.2f}"
+            f"{gap:13.1f}{1 + share:8.3f}{statistics.median(paces[kind]):8.3f}"
         )
     epochs = args.steps // args.steps_per_epoch
     print(
-        f"\nboundary ms: the median extra time at each of the {epochs - 1} epoch boundaries "
+        "\nratio: the median wall time over torchrun's; paired: the median over the repeats of "
+        "each repeat's wall time over that repeat's torchrun run (they ran one after another, "
+        "so a machine whose speed drifts between repeats moves both)"
+    )
+    print(
+        f"boundary ms: the median extra time at each of the {epochs - 1} epoch boundaries "
         "(exchange with the coordinator; and the checkpoint, for epochal+ckpt); share: 1 + "
         "that over an epoch's steps, the ratio the boundaries alone give, which a loaded "
         "machine's drift between runs does not blur; pace: the wall time over as many median "

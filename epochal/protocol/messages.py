@@ -181,7 +181,8 @@ class EpochReport(WorkerMessage):
     # this worker's batch counts for epoch + 1, so that the Decision can carry its Go;
     # None: epoch + 1 is past the run's last epoch
     checksum: _Annotated[int, Within(0, 2**32 - 1)] | None = None
-    # CRC-32 of this rank's parameters after the epoch, where every rank holds the whole model
+    # a 32-bit checksum of this rank's parameters after the epoch (worker/training/checksums.py),
+    # where every rank holds the whole model
     # and Welcome.replica_check asks for it; None: not compared
     generation: NonNeg = 0
     # the world this worker is in (Welcome.generation): a report of an older world is dropped

@@ -1,10 +1,11 @@
 """Whether the ranks that should hold the same weights do: one checksum per rank and epoch.
 
 In the modes where every rank holds the whole model (replicated, main, sharded optimizer state
-with replicated parameters), each rank's epoch report carries a CRC-32 of its parameters. DDP
-keeps them bit-identical; a training loop that never averages its gradients (a plain model
-under ``join()``), a non-deterministic step or a rank that loaded other weights does not, and
-the run then trains as many different models as it has ranks while every loss looks fine.
+with replicated parameters), each rank's epoch report carries a checksum of its parameters
+(:mod:`epochal.worker.training.checksums`). DDP keeps them bit-identical; a training loop that
+never averages its gradients (a plain model under ``join()``), a non-deterministic step or a
+rank that loaded other weights does not, and the run then trains as many different models as
+it has ranks while every loss looks fine.
 :func:`replicas_differ` names the ranks whose weights differ, before the epoch is decided.
 """
 
