@@ -93,3 +93,34 @@ def test_a_best_epoch_s_copy_reuses_the_last_one_s_tensors_where_they_fit() -> N
     other = copy_state(nn.Linear(4, 2).state_dict(), second)
     assert other is not second and other["weight"].shape == (2, 4)
     assert second["weight"].shape == (2, 3)  # the old copy left as it was
+
+
+@pytest.mark.parametrize(("world", "fresh"), [(1, False), (2, False), (3, True), (8, True)])
+def test_an_epoch_starts_with_a_fresh_reducer_only_where_the_layout_can_change_a_sum(
+    world: int, fresh: bool
+) -> None:
+    """Two ranks' sum is one addition, the same bits in any bucket layout: the reducer is kept.
+    From three ranks on the order of additions follows the layout: a fresh reducer every epoch
+    makes a resumed epoch start as the uninterrupted one did."""
+    from epochal.worker.strategies.layout import Layout
+    from epochal.worker.strategies.replicated import Replicated
+
+    model = nn.Linear(2, 1)
+    layout = Layout(device=torch.device("cpu"), group=None, rank=0, world_size=world, root=0)
+    strategy = Replicated(model, torch.optim.SGD(model.parameters(), lr=0.1), model, layout)
+    built: list[nn.Module] = []
+
+    def fresh_ddp() -> nn.Module:  # stands in for a DDP wrapper built over the layout's group
+        built.append(nn.Identity())
+        return built[-1]
+
+    configured: list[nn.Module] = []
+    strategy.ddp = kept = nn.Identity()  # type: ignore[assignment]  # the wrapper built first
+    strategy._fresh_ddp = fresh_ddp  # type: ignore[assignment]
+    strategy.configure = configured.append
+    for _ in range(3):
+        strategy.begin_epoch()
+    assert len(built) == (3 if fresh else 0)
+    assert strategy.ddp is (built[-1] if fresh else kept)
+    # configure_ddp's hook goes on every wrapper that trains, once: a comm hook registers once
+    assert configured == (built if fresh else [kept])

@@ -38,6 +38,11 @@ from epochal.worker.strategies.modeoptions import ModeOptions
 from epochal.worker.training.initialization import is_dtensor
 from epochal.worker.training.precision import StepPolicy
 
+EXACT_IN_ANY_LAYOUT = 2
+"""Ranks up to which DDP's all-reduce gives the same bits whatever its buckets' layout: each
+element's sum is one addition (``a + b == b + a`` in floating point), so no fresh reducer is
+needed to make an epoch start as the uninterrupted run's did (:meth:`Strategy.begin_epoch`)."""
+
 
 class Mode(StrEnum):
     """The optimization modes by name (``fit(..., mode=...)`` takes the plain string too)."""
@@ -87,6 +92,8 @@ class Strategy:
         self.configure: Callable[[DistributedDataParallel], None] | None = None
         # applied to every DDP wrapper this strategy makes (configure_ddp: comm hooks and such)
         self._fresh_ddp: Callable[[], DistributedDataParallel] | None = None
+        self._configured: DistributedDataParallel | None = None
+        # the DDP wrapper :attr:`configure` was applied to (once: a comm hook is registered once)
         self.policy = StepPolicy()
         # autocast, loss scaling and clipping (train's precision and clip_grad_norm): the loop
         # runs its forward under policy.autocast() and its backward through policy.backward()
@@ -125,13 +132,21 @@ class Strategy:
         order matters) the weights then differ in the last bits. A fresh reducer every epoch
         (no parameter broadcast: ``init_sync=False``) makes every epoch start alike, so resume is
         bit-identical at any world size, for the cost of building the reducer once an epoch.
+
+        With one or two ranks an element's sum across ranks is a single addition, which gives the
+        same bits in either order: the layout cannot change a result, and the reducer is kept
+        (its buckets laid out once), which spares each epoch's first step the work.
         """
         if self._fresh_ddp is None:
             return
-        self.ddp = self._fresh_ddp()
-        self.module = self.ddp
+        if self.ddp is None or self.layout.world_size > EXACT_IN_ANY_LAYOUT:
+            self.ddp = self._fresh_ddp()
+            self.module = self.ddp
+        elif self.ddp is self._configured:
+            return  # kept, and configured when its first epoch began
         if self.configure is not None:
-            self.configure(self.ddp)
+            self.configure(self.ddp)  # before the wrapper's first step: comm hooks and such
+        self._configured = self.ddp
 
     @property
     def mode_state(self) -> Stateful:
