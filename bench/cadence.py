@@ -193,7 +193,11 @@ def main() -> None:
                 steps[kind].append(statistics.median(b - a for a, b in itertools.pairwise(ends)))
                 gaps[kind].append(_boundary_gap(ends, args.steps_per_epoch))
                 paces[kind].append(walls[kind][-1] / ((len(ends) - 1) * steps[kind][-1]))
-                print(f"  {kind:13} repeat {repeat}: {walls[kind][-1]:.2f} s", flush=True)
+                print(
+                    f"  {kind:13} repeat {repeat}: {walls[kind][-1]:.2f} s, median step "
+                    f"{steps[kind][-1] * 1000:.2f} ms",
+                    flush=True,
+                )
     base = statistics.median(walls["torchrun"])
     print(
         f"\n{args.steps} steps, 2 workers, gloo, hidden {args.hidden}; epochal epochs of "
