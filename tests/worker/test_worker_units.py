@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -124,3 +126,10 @@ def test_an_epoch_starts_with_a_fresh_reducer_only_where_the_layout_can_change_a
     assert strategy.ddp is (built[-1] if fresh else kept)
     # configure_ddp's hook goes on every wrapper that trains, once: a comm hook registers once
     assert configured == (built if fresh else [kept])
+    # leaving the group drops the wrapper, kept or fresh: it holds the process group
+    last = weakref.ref(strategy.ddp)  # type: ignore[arg-type]
+    strategy.release_group()
+    del kept
+    built.clear()
+    configured.clear()
+    assert last() is None, "the strategy still holds its last DDP wrapper, and so its group"

@@ -193,7 +193,7 @@ class Strategy:
         group stays: :attr:`model`, an :attr:`optimizer` to build from, :attr:`policy`,
         :attr:`opts`, :attr:`ddp_options` and :attr:`configure`. No communication. A mode that
         holds more (ZeRO, FSDP2) overrides this and calls it."""
-        self.ddp = None
+        self.ddp = self._configured = None  # a wrapper holds its group
         self.module = self.model
         self._fresh_ddp = None  # its closure reads the layout; a rebuild makes a new one
         if self.layout.group is not None:  # a group of our own: the layout must not keep it
