@@ -16,7 +16,6 @@ the model then reports none.
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 import numpy
 import torch
@@ -30,8 +29,9 @@ WORD = 8
 def weights_checksum(model: torch.nn.Module, *, host: bool | None = None) -> int | None:
     """The checksum of ``model``'s parameters, or None when any is sharded across ranks.
     ``host``: sum with numpy (default: where the parameters are on the CPU) or with torch."""
-    sums: list[Any] = []  # two a parameter: numbers on the host, tensors on a device
-    leftovers: list[torch.Tensor] = []
+    on_host: list[int] = []  # numpy's sums: a tenth of torch's cost a call on small parameters
+    on_device: dict[torch.device, list[torch.Tensor]] = {}  # torch's, read off once a device
+    leftovers: dict[torch.device, list[torch.Tensor]] = {}  # a model placed across devices
     with torch.no_grad():
         for param in model.parameters():
             if is_dtensor(param):
@@ -40,19 +40,18 @@ def weights_checksum(model: torch.nn.Module, *, host: bool | None = None) -> int
             if data.storage_offset() % WORD:  # words start on a word: a view of a flat buffer
                 data = data.clone()
             whole = data.numel() - data.numel() % WORD
-            words: Any  # numpy's on the host: a tenth of torch's cost a call on small ones
+            # integer sums, wrapping: the same in any order, on any device
             if host if host is not None else data.device.type == "cpu":
                 words = data.numpy()[:whole].view(numpy.int64)
+                on_host += (int(words.sum()), int(words[::2].sum()))
             else:
-                words = data[:whole].view(torch.int64)
-            # integer sums, wrapping: the same in any order, on any device
-            sums += (words.sum(dtype=words.dtype), words[::2].sum(dtype=words.dtype))
-            leftovers.append(data[whole:])
-    if not sums:
-        return 0
-    if all(isinstance(one, torch.Tensor) for one in sums):
-        numbers = torch.stack(sums).cpu().numpy()  # one copy off the device
-    else:  # on the host (or some on the host: a model across devices)
-        numbers = numpy.array([int(one) for one in sums], dtype=numpy.int64)
-    crc = zlib.crc32(numbers.astype("<i8").tobytes())
-    return zlib.crc32(torch.cat(leftovers).cpu().numpy().tobytes(), crc)
+                device_words = data[:whole].view(torch.int64)
+                on_device.setdefault(data.device, []).extend(
+                    (device_words.sum(), device_words[::2].sum())
+                )
+            leftovers.setdefault(data.device, []).append(data[whole:])
+    numbers = on_host + [n for sums in on_device.values() for n in torch.stack(sums).tolist()]
+    crc = zlib.crc32(numpy.array(numbers, dtype="<i8").tobytes())
+    for parts in leftovers.values():
+        crc = zlib.crc32(torch.cat(parts).cpu().numpy().tobytes(), crc)
+    return crc
