@@ -21,7 +21,6 @@ import gc
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ import pytest
 from epochal.environment import PRELOAD_SOCKET_ENV
 from epochal.launch.preload import worker_threads
 from epochal.protocol import MESSAGE_TYPES, OPTIONAL_TYPES, TYPE_NAMES, Fingerprint, Hello
+from tests import ordering
 from tests.forked import start_server
 from tests.fresh import whole_suite
 
@@ -81,9 +81,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """The suite's processes write Python's bytecode caches, even where
     ``PYTHONDONTWRITEBYTECODE`` is set: hundreds of them start as fresh interpreters that import
     epochal (coordinators, the workers of ``epochal worker``, command lines), and without the
-    caches each compiled epochal's modules from source again."""
+    caches each compiled epochal's modules from source again. ``--write-durations``: the
+    controller records the modules' times."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+    if config.getoption("write_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(ordering.Recorder(), "epochal-durations")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -95,30 +98,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(MAX_WORKERS, WORKERS_PER_CPU * len(os.sched_getaffinity(0)))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the longest tests are handed out first, the quick ones make the end.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        action="store_true",
+        help="write each test module's time in this run to tests/durations.json, which orders "
+        "the modules under pytest-xdist (tests/ordering.py)",
+    )
 
-    ``--dist loadgroup`` hands the ``xdist_group`` groups out first, then every other test in the
-    order collected, to whichever test process has run out of work; a long test drawn near the
-    end runs alone while the others have finished. So the modules are handed out longest first,
-    as a module's own marks tell: those whose pytest-timeout is above the suite's (the multi-host
-    and deploy tests, gpu_check, mypy), the longest declared first, then the others that hold
-    a ``slow`` test, then the rest. Each module keeps its own order (its module-scoped fixtures
-    set up once, the parameters of one in turn). Without xdist (``-n 0``) the order collected is
-    kept."""
-    if not hasattr(config, "workerinput"):  # the controller, or no xdist
-        return
-    default = float(config.getini("timeout") or 0)
-    declared: dict[Path, float] = {}
-    slow: set[Path] = set()
-    for item in items:
-        mark = item.get_closest_marker("timeout")
-        if mark is not None and mark.args and float(mark.args[0]) > default:
-            declared[item.path] = max(declared.get(item.path, 0.0), float(mark.args[0]))
-        if item.get_closest_marker("slow") is not None:
-            slow.add(item.path)
-    # stable: the order within a module, and among modules alike, is kept
-    items.sort(key=lambda item: (-declared.get(item.path, 0.0), item.path not in slow))
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the longest modules are handed out first, the quick ones make the end
+    (:mod:`tests.ordering`). Without xdist (``-n 0``) the order collected is kept."""
+    if hasattr(config, "workerinput"):  # each test process sorts alike; the controller need not
+        ordering.order(items, float(config.getini("timeout") or 0))
 
 
 @pytest.fixture(autouse=True, scope="session")
