@@ -20,6 +20,8 @@ import asyncio
 import os
 import signal
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -107,20 +109,36 @@ async def made_its_own_group(
     store) while ``possible()`` held (no worker has said hello yet). The workers' descriptors
     are looked at every ``glance`` seconds; the namespace's socket tables (long on a busy
     machine) are read when a worker holds a socket not seen before, and every ``interval``
-    seconds while one holds any."""
-    pids = list(pids)
-    loop = asyncio.get_running_loop()
+    seconds while one holds any. The looking runs on a thread of its own: the event loop it is
+    awaited on also starts the coordinator, and a loop held up for a fraction of a second (a
+    first import on a loaded machine) missed the whole life of a short script's group."""
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(_look, port, possible, list(pids), interval, glance, stop)
+    finally:
+        stop.set()  # cancelled: the thread ends at its next glance
+
+
+def _look(
+    port: int,
+    possible: Callable[[], bool],
+    pids: list[int],
+    interval: float,
+    glance: float,
+    stop: threading.Event,
+) -> bool:
+    """:func:`made_its_own_group`'s looking, until ``stop`` is set."""
     seen: set[str] = set()
     last = -interval
-    while possible():
+    while possible() and not stop.is_set():
         held = set().union(*(_sockets(pid) for pid in pids))
-        now = loop.time()
+        now = time.monotonic()
         if held and (held - seen or now - last >= interval):
             if listening(port, pids):
                 return True
             seen |= held
             last = now
-        await asyncio.sleep(glance)
+        stop.wait(glance)
     return False
 
 
