@@ -109,9 +109,9 @@ async def made_its_own_group(
     store) while ``possible()`` held (no worker has said hello yet). The workers' descriptors
     are looked at every ``glance`` seconds; the namespace's socket tables (long on a busy
     machine) are read when a worker holds a socket not seen before, and every ``interval``
-    seconds while one holds any. The looking runs on a thread of its own: the event loop it is
-    awaited on also starts the coordinator, and a loop held up for a fraction of a second (a
-    first import on a loaded machine) missed the whole life of a short script's group."""
+    seconds while one holds any. The looking runs on a thread of its own, so that the event loop
+    it is awaited on, which also runs the coordinator, cannot hold it up: a group may live only a
+    fraction of a second, and a look that comes late misses it."""
     stop = threading.Event()
     try:
         return await asyncio.to_thread(_look, port, possible, list(pids), interval, glance, stop)
